@@ -1,0 +1,7 @@
+"""Gradient (activation) checkpointing for PyTorch Lightning."""
+
+from lightning_ckpt.callback import GradientCheckpointing
+from lightning_ckpt.wrapping import apply_checkpointing, remove_checkpointing
+
+__all__ = ["GradientCheckpointing", "apply_checkpointing", "remove_checkpointing"]
+__version__ = "0.1.0"

@@ -1,0 +1,31 @@
+"""The ``lightning-ckpt`` command: a LightningCLI for any LightningModule, plus ``compare``.
+
+Example::
+
+    lightning-ckpt fit --config configs/every_4th_offload.yaml
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Entry point: ``lightning-ckpt {fit,validate,test,predict} --config X.yaml``."""
+    argv = sys.argv[1:] if args is None else list(args)
+    LightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=argv,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Selective (op-level) checkpointing: save the outputs of compute-heavy ops, recompute the cheap ones.
+
+Built on torch's selective-checkpoint contexts. Plain PyTorch; nothing here imports Lightning.
+
+Example::
+
+    >>> import torch
+    >>> from torch.utils.checkpoint import checkpoint
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    >>> x = torch.randn(2, 8, requires_grad=True)
+    >>> y = checkpoint(mlp, x, use_reentrant=False, context_fn=selective_context_fn)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+
+
+def _compute_heavy_ops() -> frozenset[Any]:
+    names = (
+        "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    # Some attention kernels exist only in some torch builds.
+    return frozenset(getattr(_aten, n).default for n in names if hasattr(_aten, n))
+
+
+COMPUTE_HEAVY_OPS = _compute_heavy_ops()
+
+
+def save_compute_heavy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Policy: keep matmul/attention/convolution outputs, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op in COMPUTE_HEAVY_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context_fn() -> tuple[Any, Any]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` implementing :func:`save_compute_heavy`."""
+    return create_selective_checkpoint_contexts(save_compute_heavy)

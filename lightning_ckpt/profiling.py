@@ -1,0 +1,87 @@
+"""Measure what checkpointing trades: bytes held for backward and FLOPs.
+
+Both are exact and machine-independent: bytes are counted with saved-tensor hooks, FLOPs with
+``torch.utils.flop_counter.FlopCounterMode``. Plain PyTorch; nothing here imports Lightning.
+
+Example::
+
+    >>> import torch
+    >>> layer = torch.nn.Linear(8, 8)
+    >>> with SavedTensorCounter(exclude=layer.parameters()) as saved:
+    ...     loss = layer(torch.randn(4, 8)).sum()
+    >>> saved.bytes  # the input, 4 * 8 float32
+    128
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_ckpt.offload import observe_offloaded
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
+    storage = tensor.untyped_storage()
+    return tensor.device, storage.data_ptr()
+
+
+class SavedTensorCounter(saved_tensors_hooks):
+    """Count the bytes of tensors saved for backward while active, each storage once.
+
+    ``bytes`` are saved on the tensors' own devices; ``offloaded_bytes`` were moved to host memory by
+    ``offload=True`` (they are seen through :func:`~lightning_ckpt.offload.observe_offloaded`, since an
+    inner pair of saved-tensor hooks hides them from this one). Storages of ``exclude`` (usually the
+    model's parameters, which stay resident whatever is saved) are not counted.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {_storage_key(t) for t in exclude}
+        self._seen: set[tuple[Any, int]] = set()
+        self._offloaded_seen: set[tuple[Any, int]] = set()
+        self.bytes = 0
+        self.offloaded_bytes = 0
+        self._stack = ExitStack()
+        super().__init__(self._pack, lambda tensor: tensor)
+
+    def _count(self, tensor: torch.Tensor, seen: set[tuple[Any, int]]) -> int:
+        key = _storage_key(tensor)
+        if key in self._excluded or key in seen or tensor.device.type == "meta":
+            return 0
+        seen.add(key)
+        return tensor.untyped_storage().nbytes()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes += self._count(tensor, self._seen)
+        return tensor
+
+    def _offloaded(self, tensor: torch.Tensor) -> None:
+        self.offloaded_bytes += self._count(tensor, self._offloaded_seen)
+
+    def __enter__(self) -> SavedTensorCounter:
+        self._stack.enter_context(observe_offloaded(self._offloaded))
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._stack.close()
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """Total FLOPs that ``fn()`` runs (forward, backward and any recomputation inside it).
+
+    Example::
+
+        >>> layer = torch.nn.Linear(8, 8)
+        >>> count_flops(lambda: layer(torch.randn(4, 8)))
+        512
+    """
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
