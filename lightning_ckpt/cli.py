@@ -14,17 +14,22 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
 
-def main(args: Optional[list[str]] = None) -> None:
-    """Entry point: ``lightning-ckpt {fit,validate,test,predict} --config X.yaml``."""
-    argv = sys.argv[1:] if args is None else list(args)
-    LightningCLI(
+def run_cli(args: Optional[list[str]] = None) -> LightningCLI:
+    """Run LightningCLI over any LightningModule/LightningDataModule named by ``class_path`` and return it."""
+    return LightningCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=argv,
+        args=args,
         save_config_kwargs={"overwrite": True},
     )
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Entry point: ``lightning-ckpt {fit,validate,test,predict} --config X.yaml``."""
+    argv = sys.argv[1:] if args is None else list(args)
+    run_cli(argv)
 
 
 if __name__ == "__main__":

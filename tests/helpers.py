@@ -1,0 +1,36 @@
+"""Small models and measurements shared by the core tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_ckpt.demos import Transformer
+from lightning_ckpt.profiling import SavedTensorCounter
+
+VOCAB, SEQ, BATCH, WIDTH = 32, 16, 4, 32
+
+
+def tiny_transformer(n_layer: int = 6, dropout: float = 0.1, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(VOCAB, SEQ, n_layer, WIDTH, n_head=4, dropout=dropout)
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_and_grads(model: nn.Module, idx: torch.Tensor, rng_seed: int = 123) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward/backward from a fixed RNG state: the loss and every parameter gradient."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(rng_seed)
+    loss = model(idx).logsumexp(-1).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def saved_bytes(model: nn.Module, idx: torch.Tensor) -> int:
+    """Bytes held for backward (parameters excluded) after one forward."""
+    with SavedTensorCounter(exclude=model.parameters()) as saved:
+        model(idx)
+    return saved.bytes
