@@ -1,0 +1,52 @@
+"""The shipped LightningCLI configs parse and train, and the example's loss falls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+from lightning_ckpt import GradientCheckpointing
+from lightning_ckpt.cli import run_cli
+from lightning_ckpt.demos import GPT, CountingDataModule
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+EXPECTED = {
+    "no_checkpointing.yaml": None,
+    "every_layer.yaml": [f"model.blocks.{i}" for i in range(8)],
+    "every_4th_offload.yaml": ["model.blocks.0", "model.blocks.4"],
+    "configure_model.yaml": ["model.blocks.0", "model.blocks.2", "model.blocks.4", "model.blocks.6"],
+}
+
+
+def test_every_config_is_covered():
+    assert {p.name for p in CONFIGS.glob("*.yaml")} >= set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_config_parses_and_trains_two_steps(name, tmp_path):
+    cli = run_cli(["fit", "--config", str(CONFIGS / name), "--trainer.max_steps=2", "--trainer.logger=false",
+                   "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+                   "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.trainer.global_step == 2
+    assert torch.isfinite(cli.trainer.callback_metrics["train_loss"])
+    callbacks = [c for c in cli.trainer.callbacks if isinstance(c, GradientCheckpointing)]
+    if EXPECTED[name] is None:
+        assert callbacks == []
+    else:
+        assert [c.checkpointed_layers for c in callbacks] == [EXPECTED[name]]
+
+
+def test_example_loss_falls_quickly():
+    seed_everything(0)
+    model = GPT(n_layer=2, n_embd=32, block_size=32, vocab_size=32)
+    losses = []
+
+    trainer = Trainer(max_steps=80, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[GradientCheckpointing()])
+    model.on_train_batch_end = lambda outputs, batch, batch_idx: losses.append(float(outputs["loss"]))
+    trainer.fit(model, CountingDataModule(vocab_size=32, block_size=32, batch_size=16))
+    assert losses[-1] < 0.5 * losses[0]
