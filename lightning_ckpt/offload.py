@@ -19,29 +19,14 @@ Example::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from lightning_ckpt.profiling import report_held
+
 _warned_cpu = False
-_observers: list[Callable[[torch.Tensor], None]] = []
-
-
-@contextmanager
-def observe_offloaded(observer: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    """Call ``observer(tensor)`` for every device tensor offloaded while the context is active.
-
-    Saved-tensor hooks do not stack (the innermost pair wins), so an outer byte counter cannot see
-    what offload takes; this lets it count those bytes separately.
-    """
-    _observers.append(observer)
-    try:
-        yield
-    finally:
-        _observers.remove(observer)
 
 
 def _warn_cpu_once() -> None:
@@ -60,8 +45,7 @@ def _pack(tensor: torch.Tensor) -> Any:
         if tensor.device.type == "cpu":
             _warn_cpu_once()
         return tensor
-    for observer in _observers:
-        observer(tensor)
+    report_held(tensor, "offloaded")
     host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     return tensor.device, host

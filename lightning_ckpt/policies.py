@@ -16,7 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from lightning_ckpt.profiling import report_held
 
 _aten = torch.ops.aten
 
@@ -36,7 +39,15 @@ COMPUTE_HEAVY_OPS = _compute_heavy_ops()
 
 def save_compute_heavy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Policy: keep matmul/attention/convolution outputs, recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if op in COMPUTE_HEAVY_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op not in COMPUTE_HEAVY_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    # Newer torch shows the policy the op's output (older: None): report it, since byte counters cannot
+    # see what this cache holds otherwise.
+    if not ctx.is_recompute and getattr(ctx, "op_output", None) is not None:
+        for tensor in tree_leaves(ctx.op_output):
+            if isinstance(tensor, torch.Tensor):
+                report_held(tensor, "kept")
+    return CheckpointPolicy.MUST_SAVE
 
 
 def selective_context_fn() -> tuple[Any, Any]:

@@ -16,14 +16,24 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from contextlib import ExitStack
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.offload import observe_offloaded
+HeldKind = Literal["offloaded", "kept"]
+_held_observers: list[Callable[[torch.Tensor, HeldKind], None]] = []
+
+
+def report_held(tensor: torch.Tensor, kind: HeldKind) -> None:
+    """Tell active counters about a tensor held for backward that saved-tensor hooks cannot see.
+
+    ``"offloaded"``: moved to host memory by offload's own saved-tensor hooks (hooks do not stack:
+    the innermost pair wins). ``"kept"``: an op output that selective checkpointing keeps in its cache.
+    """
+    for observer in _held_observers:
+        observer(tensor, kind)
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
@@ -34,9 +44,9 @@ def _storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
 class SavedTensorCounter(saved_tensors_hooks):
     """Count the bytes of tensors saved for backward while active, each storage once.
 
-    ``bytes`` are saved on the tensors' own devices; ``offloaded_bytes`` were moved to host memory by
-    ``offload=True`` (they are seen through :func:`~lightning_ckpt.offload.observe_offloaded`, since an
-    inner pair of saved-tensor hooks hides them from this one). Storages of ``exclude`` (usually the
+    ``bytes`` stay on the tensors' own devices (outputs kept by ``mode="selective"`` included);
+    ``offloaded_bytes`` were moved to host memory by ``offload=True``. Both reach this counter through
+    :func:`report_held` where saved-tensor hooks cannot see them. Storages of ``exclude`` (usually the
     model's parameters, which stay resident whatever is saved) are not counted.
     """
 
@@ -46,7 +56,6 @@ class SavedTensorCounter(saved_tensors_hooks):
         self._offloaded_seen: set[tuple[Any, int]] = set()
         self.bytes = 0
         self.offloaded_bytes = 0
-        self._stack = ExitStack()
         super().__init__(self._pack, lambda tensor: tensor)
 
     def _count(self, tensor: torch.Tensor, seen: set[tuple[Any, int]]) -> int:
@@ -60,17 +69,20 @@ class SavedTensorCounter(saved_tensors_hooks):
         self.bytes += self._count(tensor, self._seen)
         return tensor
 
-    def _offloaded(self, tensor: torch.Tensor) -> None:
-        self.offloaded_bytes += self._count(tensor, self._offloaded_seen)
+    def _held(self, tensor: torch.Tensor, kind: HeldKind) -> None:
+        if kind == "offloaded":
+            self.offloaded_bytes += self._count(tensor, self._offloaded_seen)
+        else:
+            self.bytes += self._count(tensor, self._seen)
 
     def __enter__(self) -> SavedTensorCounter:
-        self._stack.enter_context(observe_offloaded(self._offloaded))
+        _held_observers.append(self._held)
         super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        self._stack.close()
+        _held_observers.remove(self._held)
 
 
 def count_flops(fn: Callable[[], Any]) -> int:

@@ -118,6 +118,32 @@ def test_selective_mode_recomputes_less_and_keeps_gradients():
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=0, msg=name)
     # Every matmul output is kept, so no matmul runs again (FLOPs count matmul/attention/conv work) ...
     assert _train_flops(ref) == _train_flops(selective) < _train_flops(full)
+    # ... and it holds more than full checkpointing, less than none: exactly the matmul and attention outputs.
+    kept = _bytes_of_compute_heavy_outputs(ref, idx)
+    assert saved_bytes(selective, idx) == saved_bytes(full, idx) + kept
+    assert saved_bytes(ref, idx) > saved_bytes(selective, idx) > saved_bytes(full, idx)
+
+
+def _bytes_of_compute_heavy_outputs(model, idx) -> int:
+    """Independent count: bytes of the outputs of compute-heavy ops run inside the blocks (no checkpointing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from lightning_ckpt.policies import COMPUTE_HEAVY_OPS
+
+    class Outputs(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in COMPUTE_HEAVY_OPS:
+                Outputs.total += sum(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    for block in model.blocks:
+        with Outputs():
+            block(torch.randn(idx.shape[0], idx.shape[1], WIDTH))
+    return Outputs.total
 
 
 def test_identity_hooks_outside_and_exact_removal():
