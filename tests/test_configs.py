@@ -50,3 +50,16 @@ def test_example_loss_falls_quickly():
     model.on_train_batch_end = lambda outputs, batch, batch_idx: losses.append(float(outputs["loss"]))
     trainer.fit(model, CountingDataModule(vocab_size=32, block_size=32, batch_size=16))
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_example_script_trains_with_the_callback():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "examples" / "train_gpt.py"
+    spec = importlib.util.spec_from_file_location("train_gpt", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    trainer = example.main(["--steps", "2", "--layers", "8", "--every-n-layers", "4"])
+    assert trainer.global_step == 2
+    [callback] = [c for c in trainer.callbacks if isinstance(c, GradientCheckpointing)]
+    assert callback.checkpointed_layers == ["model.blocks.0", "model.blocks.4"]
