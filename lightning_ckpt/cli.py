@@ -26,11 +26,15 @@ def run_cli(args: Optional[list[str]] = None) -> LightningCLI:
     )
 
 
-def main(args: Optional[list[str]] = None) -> None:
-    """Entry point: ``lightning-ckpt {fit,validate,test,predict} --config X.yaml``."""
+def main(args: Optional[list[str]] = None) -> Optional[int]:
+    """Entry point: ``lightning-ckpt {fit,validate,test,predict,compare} --config X.yaml``."""
     argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["compare"]:
+        from lightning_ckpt.compare import main as compare
+
+        return compare(argv[1:])
     run_cli(argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

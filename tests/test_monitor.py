@@ -33,6 +33,7 @@ from lightning_ckpt.monitor import (
     TOKENS_PER_SEC,
     MemoryMonitor,
 )
+from lightning_ckpt.profiling import report_held
 
 VOCAB, SEQ, BATCH = 32, 16, 8
 ALWAYS = {HOST_RSS, ACTIVATIONS, ACTIVATIONS_OFFLOADED, SAMPLES_PER_SEC, TOKENS_PER_SEC, STEP_SEC}
@@ -185,14 +186,13 @@ def test_activation_bytes_match_an_independent_count_and_shrink_with_checkpointi
 
 
 def test_offloaded_bytes_are_reported_separately(tmp_path, monkeypatch):
-    """On CPU offload keeps tensors where they are; this pack hook pretends CPU is a device (it calls the
-    observers and moves a copy), so that the monitor's side of offload is tested on any machine."""
+    """On CPU offload keeps tensors where they are; this pack hook pretends CPU is a device (it reports the
+    tensor as offloaded and moves a copy), so that the monitor's side of offload is tested on any machine."""
 
     def pack_as_if_on_a_device(tensor):
         if isinstance(tensor, torch.nn.Parameter):
             return tensor
-        for observer in offload_module._observers:
-            observer(tensor)
+        report_held(tensor, "offloaded")
         return tensor.device, tensor.clone()
 
     seed_everything(0)
