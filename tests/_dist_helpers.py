@@ -1,0 +1,382 @@
+"""Models and 2-process runs for tests/test_strategies.py, importable by spawned processes.
+
+``run_scenarios`` starts two CPU processes (spawn) once and runs many short Trainer fits in them, one
+after another on one gloo process group, the way a cluster launcher runs a script. Each scenario writes
+its result per rank to ``out_dir/<scenario>.rank<r>.pt``; an exception is recorded, not raised, so a
+refused setting does not stop the other scenarios.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ckpt import GradientCheckpointing
+from lightning_ckpt.demos import GPT, Block, CountingDataModule
+from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy, fsdp_units
+from lightning_ckpt.wrapping import checkpointed_names
+
+WORLD_SIZE = 2
+GPT_ARGS = dict(vocab_size=32, block_size=16, n_layer=2, n_embd=32, n_head=2, dropout=0.0, lr=3e-3)
+DATA_ARGS = dict(vocab_size=32, block_size=16, batch_size=4, num_samples=32)  # 4 steps per epoch on 2 ranks
+
+
+# ------------------------------------------------------------------------------------------------
+# Models
+# ------------------------------------------------------------------------------------------------
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(dropout), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class TwoHeads(pl.LightningModule):
+    """A trunk of blocks and two heads; head ``b``'s loss only counts on even batches unless ``static``."""
+
+    def __init__(self, static: bool = False, n_layer: int = 3, width: int = 16, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.static = static
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, width)
+        self.trunk = nn.ModuleList(MLPBlock(width, dropout) for _ in range(n_layer))
+        self.head_a = nn.Linear(width, 1)
+        self.head_b = nn.Linear(width, 1)
+        self.steps_run = 0
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.steps_run += 1
+        x, y = batch
+        h = self.embed(x)
+        for block in self.trunk:
+            h = block(h)
+        loss = F.mse_loss(self.head_a(h), y)
+        if self.static or batch_idx % 2 == 0:
+            loss = loss + F.mse_loss(self.head_b(h), y)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(1)
+        return DataLoader(TensorDataset(torch.randn(32, 8, generator=gen), torch.randn(32, 1, generator=gen)),
+                          batch_size=4)
+
+
+class SeededGPT(GPT):
+    """The demo GPT with the same initial weights whether built in ``__init__`` or in ``configure_model``."""
+
+    def _build(self) -> nn.Module:
+        torch.manual_seed(0)
+        return super()._build()
+
+
+class CallsModelGPT(SeededGPT):
+    """``training_step`` calls ``self.model(...)``, not ``self(...)``."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        idx, targets = batch
+        return F.cross_entropy(self.model(idx).flatten(0, 1), targets.flatten())
+
+
+class ShardsItselfGPT(SeededGPT):
+    """Shards itself in ``configure_model``, as ``ModelParallelStrategy`` asks: one unit per block, then the rest."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        super().configure_model()
+        if fsdp_units(self.model):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurements
+# ------------------------------------------------------------------------------------------------
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Count the ``c10d`` collectives dispatched while active (all-gathers, reduce-scatters, ...), by op name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func.namespace == "c10d":
+            name = func._overloadpacket.__name__
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class CountCollectives(Callback):
+    """Count the collectives of one training step's forward and backward (``batch_idx`` of the first epoch)."""
+
+    def __init__(self, batch_idx: int = 1) -> None:
+        self.batch_idx = batch_idx
+        self.counts: dict[str, int] = {}
+        self._mode: Optional[CollectiveCounter] = None
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.batch_idx and trainer.current_epoch == 0:
+            self._mode = CollectiveCounter()
+            self._mode.__enter__()
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.counts = dict(self._mode.counts)
+            self._mode = None
+
+
+class RecordGatheredDtype(Callback):
+    """Record the dtype of a block's parameters while its forward runs (after FSDP gathered them)."""
+
+    def __init__(self) -> None:
+        self.dtypes: list[str] = []
+
+    def on_fit_start(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
+        block = pl_module.model.blocks[0]
+        block.register_forward_pre_hook(lambda mod, args: self.dtypes.append(str(mod.ln1.weight.dtype)))
+
+
+def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank's copy of the unsharded weights (collective when ``module`` is sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, value in module.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        out[key] = value.detach().float().cpu().clone()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Scenarios: each returns a dict of results for its rank
+# ------------------------------------------------------------------------------------------------
+
+
+def _trainer(strategy: Any, callbacks: list[Callback] = (), **kwargs: Any) -> Trainer:
+    defaults = dict(accelerator="cpu", devices=WORLD_SIZE, max_epochs=1, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    defaults.update(kwargs)
+    return Trainer(strategy=strategy, callbacks=list(callbacks), **defaults)
+
+
+def _fit_two_heads(strategy: Any, callback: Optional[GradientCheckpointing], static: bool = False) -> dict[str, Any]:
+    seed_everything(0)
+    model = TwoHeads(static=static)
+    trainer = _trainer(strategy, [callback] if callback is not None else [])
+    try:
+        trainer.fit(model)
+    except ValueError as err:  # a refused setting: record it with how many steps ran before it
+        return {"error": f"{type(err).__name__}: {err}", "steps": model.steps_run}
+    checkpointed = callback.checkpointed_layers if callback is not None else []
+    return {"weights": full_weights(model), "steps": model.steps_run, "checkpointed": checkpointed}
+
+
+def ddp_two_heads_reference() -> dict[str, Any]:
+    return _fit_two_heads(DDPStrategy(find_unused_parameters=True), None)
+
+
+def ddp_two_heads_checkpointed() -> dict[str, Any]:
+    return _fit_two_heads(CheckpointingDDPStrategy(find_unused_parameters=True), GradientCheckpointing())
+
+
+def ddp_two_heads_reentrant() -> dict[str, Any]:
+    return _fit_two_heads(CheckpointingDDPStrategy(find_unused_parameters=True), GradientCheckpointing(use_reentrant=True))
+
+
+def ddp_two_heads_reentrant_default_flags() -> dict[str, Any]:
+    return _fit_two_heads("ddp_ckpt", GradientCheckpointing(use_reentrant=True))
+
+
+def ddp_static_reference() -> dict[str, Any]:
+    return _fit_two_heads(DDPStrategy(), None, static=True)
+
+
+def ddp_static_reentrant() -> dict[str, Any]:
+    return _fit_two_heads(CheckpointingDDPStrategy(static_graph=True), GradientCheckpointing(use_reentrant=True),
+                          static=True)
+
+
+def _fit_gpt(model: GPT, strategy: Any, callbacks: list[Callback], **trainer_kwargs: Any) -> dict[str, Any]:
+    counter = CountCollectives()
+    ckpt_path = trainer_kwargs.pop("ckpt_path", None)
+    trainer = _trainer(strategy, [*callbacks, counter], **trainer_kwargs)
+    trainer.fit(model, CountingDataModule(**DATA_ARGS), ckpt_path=ckpt_path)
+    return {"weights": full_weights(model), "counts": counter.counts, "units": fsdp_units(model),
+            "strategy": type(trainer.strategy).__name__}
+
+
+def gpt_ddp_reference() -> dict[str, Any]:
+    seed_everything(0)
+    return _fit_gpt(SeededGPT(**GPT_ARGS), DDPStrategy(), [])
+
+
+def gpt_fsdp_plain() -> dict[str, Any]:
+    seed_everything(0)
+    return _fit_gpt(SeededGPT(**GPT_ARGS), CheckpointingFSDPStrategy(), [])
+
+
+def gpt_fsdp_checkpointed() -> dict[str, Any]:
+    seed_everything(0)
+    callback = GradientCheckpointing()
+    result = _fit_gpt(SeededGPT(**GPT_ARGS), "fsdp_ckpt", [callback])
+    return {**result, "checkpointed": callback.checkpointed_layers}
+
+
+def gpt_fsdp_checkpointed_configure_model() -> dict[str, Any]:
+    seed_everything(0)
+    callback = GradientCheckpointing(layer_cls=Block)
+    model = CallsModelGPT(build_in_configure_model=True, **GPT_ARGS)
+    result = _fit_gpt(model, CheckpointingFSDPStrategy(), [callback])
+    return {**result, "checkpointed": callback.checkpointed_layers}
+
+
+def gpt_model_parallel_with_callback() -> dict[str, Any]:
+    seed_everything(0)
+    callback = GradientCheckpointing(layer_cls=Block)
+    model = ShardsItselfGPT(build_in_configure_model=True, **GPT_ARGS)
+    result = _fit_gpt(model, ModelParallelStrategy(data_parallel_size=WORLD_SIZE, tensor_parallel_size=1), [callback])
+    return {**result, "checkpointed": callback.checkpointed_layers}
+
+
+def gpt_fsdp_bf16() -> dict[str, Any]:
+    seed_everything(0)
+    recorder = RecordGatheredDtype()
+    model = SeededGPT(**GPT_ARGS)
+    result = _fit_gpt(model, CheckpointingFSDPStrategy(), [GradientCheckpointing(), recorder], precision="bf16-mixed")
+    sharded_dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    return {**result, "gathered_dtypes": sorted(set(recorder.dtypes)), "sharded_dtypes": sharded_dtypes}
+
+
+def gpt_fsdp_two_epochs_saving(ckpt_dir: str) -> dict[str, Any]:
+    seed_everything(0)
+    saver = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    result = _fit_gpt(SeededGPT(**GPT_ARGS), CheckpointingFSDPStrategy(), [GradientCheckpointing(), saver],
+                      max_epochs=2, enable_checkpointing=True)
+    return {**result, "saved": sorted(os.listdir(ckpt_dir))}
+
+
+def gpt_fsdp_resumed(ckpt_dir: str) -> dict[str, Any]:
+    seed_everything(0)
+    model = SeededGPT(**GPT_ARGS)
+    path = os.path.join(ckpt_dir, "epoch=0.ckpt")
+    result = _fit_gpt(model, CheckpointingFSDPStrategy(), [GradientCheckpointing()], max_epochs=2, ckpt_path=path)
+    plain = SeededGPT.load_from_checkpoint(os.path.join(ckpt_dir, "epoch=1.ckpt"), map_location="cpu")
+    return {**result, "plain_loaded": {k: v.float() for k, v in plain.state_dict().items()},
+            "plain_is_sharded": bool(fsdp_units(plain))}
+
+
+def placement_checks() -> dict[str, Any]:
+    """The placement check on real FSDP2 units: no warning for blocks as units, one for units inside a block."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_ckpt import apply_checkpointing
+    from lightning_ckpt.demos import Transformer
+    from lightning_ckpt.strategies import check_checkpointing_placement, shard_for_checkpointing
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    result: dict[str, Any] = {}
+    good = Transformer(32, 16, 2, 32, 2, 0.0)
+    apply_checkpointing(good, layer_cls=Block)
+    result["units"] = shard_for_checkpointing(nn.ModuleDict({"model": good}), mesh, Block)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_checkpointing_placement(good)
+    result["good_warnings"] = [str(w.message) for w in caught]
+    bad = Transformer(32, 16, 2, 32, 2, 0.0)
+    apply_checkpointing(bad, layer_cls=Block)
+    for block in bad.blocks:
+        fully_shard(block.mlp, mesh=mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_checkpointing_placement(bad)
+    result["bad_warnings"] = [str(w.message) for w in caught]
+    return result
+
+
+SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
+    f.__name__: f
+    for f in (ddp_two_heads_reference, ddp_two_heads_checkpointed, ddp_two_heads_reentrant,
+              ddp_two_heads_reentrant_default_flags, ddp_static_reference, ddp_static_reentrant, gpt_ddp_reference,
+              gpt_fsdp_plain, gpt_fsdp_checkpointed, gpt_fsdp_checkpointed_configure_model,
+              gpt_model_parallel_with_callback, gpt_fsdp_bf16, gpt_fsdp_two_epochs_saving, gpt_fsdp_resumed,
+              placement_checks)
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Running them
+# ------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, scenarios: list[tuple[str, dict[str, Any]]], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(WORLD_SIZE))
+    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name, kwargs in scenarios:
+        start = time.perf_counter()
+        try:
+            result = SCENARIOS[name](**kwargs)
+        except Exception as err:  # recorded for the test to assert on
+            result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+        result["seconds"] = time.perf_counter() - start
+        torch.save(result, Path(out_dir) / f"{name}.rank{rank}.pt")
+
+
+def run_scenarios(scenarios: list[tuple[str, dict[str, Any]]], out_dir: Path, timeout: float = 300.0) -> dict[str, list]:
+    """Run ``scenarios`` in 2 spawned processes; return ``{name: [rank0_result, rank1_result]}``."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_worker, args=(free_port(), scenarios, str(out_dir)), nprocs=WORLD_SIZE,
+                                 start_method="spawn", join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"The 2-process run did not finish within {timeout} s.")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return {name: [torch.load(out_dir / f"{name}.rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+            for name, _ in scenarios}

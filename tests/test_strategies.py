@@ -1,0 +1,281 @@
+"""CheckpointingDDPStrategy and CheckpointingFSDPStrategy: same weights, safe settings, no extra all-gathers.
+
+The distributed runs use 2 CPU processes with gloo. Most of them share one spawned pair of processes
+(``runs`` below: many short fits on one process group, as under a cluster launcher); the two
+``test_spawn_*`` tests use the strategies' own ``start_method="spawn"`` launcher from this process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist_helpers import GPT_ARGS, SeededGPT, TwoHeads, run_scenarios
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, StrategyRegistry
+from torch import nn
+
+import lightning_ckpt.strategies  # noqa: F401  (registers "ddp_ckpt" and "fsdp_ckpt")
+from lightning_ckpt import GradientCheckpointing, apply_checkpointing
+from lightning_ckpt.demos import Block, CountingDataModule
+from lightning_ckpt.strategies import (
+    CheckpointingDDPStrategy,
+    CheckpointingFSDPStrategy,
+    check_checkpointing_placement,
+    check_ddp_settings,
+    check_lightning_strategy,
+    mixed_precision_policy,
+    reentrant_layers,
+)
+
+SCENARIOS = [
+    "ddp_two_heads_reference", "ddp_two_heads_checkpointed", "ddp_two_heads_reentrant",
+    "ddp_two_heads_reentrant_default_flags", "ddp_static_reference", "ddp_static_reentrant",
+    "gpt_ddp_reference", "gpt_fsdp_plain", "gpt_fsdp_checkpointed", "gpt_fsdp_checkpointed_configure_model",
+    "gpt_model_parallel_with_callback", "gpt_fsdp_bf16", "gpt_fsdp_two_epochs_saving", "gpt_fsdp_resumed",
+    "placement_checks",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("runs")
+    ckpt_dir = out / "checkpoints"
+    ckpt_dir.mkdir()
+    needs_dir = {"gpt_fsdp_two_epochs_saving", "gpt_fsdp_resumed"}
+    return run_scenarios([(name, {"ckpt_dir": str(ckpt_dir)} if name in needs_dir else {}) for name in SCENARIOS], out)
+
+
+def ok(runs: dict[str, list[dict]], name: str) -> list[dict]:
+    """Both ranks' results of a scenario that must have succeeded."""
+    for rank, result in enumerate(runs[name]):
+        assert "error" not in result, f"{name} failed on rank {rank}:\n{result.get('traceback', result['error'])}"
+    return runs[name]
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tolerance: float) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], msg=lambda m, key=key: f"{key}: {m}", **tolerance)
+
+
+def max_change(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    return max(float((after[k] - before[k]).abs().max()) for k in before)
+
+
+# ------------------------------------------------------------------------------------------------
+# Registration and settings (no processes)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "attributes"),
+    [
+        ("ddp_ckpt", CheckpointingDDPStrategy, {"_start_method": "popen"}),
+        ("ddp_ckpt_spawn", CheckpointingDDPStrategy, {"_start_method": "spawn"}),
+        ("ddp_ckpt_find_unused_parameters_true", CheckpointingDDPStrategy, {"_ddp_kwargs": {"find_unused_parameters": True}}),
+        ("fsdp_ckpt", CheckpointingFSDPStrategy, {"_start_method": "popen"}),
+        ("fsdp_ckpt_spawn", CheckpointingFSDPStrategy, {"_start_method": "spawn"}),
+        ("ddp", DDPStrategy, {"_start_method": "popen"}),  # Lightning's own names are left alone
+    ],
+)
+def test_registered_names(name, cls, attributes):
+    trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert type(trainer.strategy) is cls
+    for attribute, value in attributes.items():
+        assert getattr(trainer.strategy, attribute) == value
+    assert issubclass(CheckpointingDDPStrategy, DDPStrategy)
+    assert issubclass(CheckpointingFSDPStrategy, ModelParallelStrategy)
+
+
+def test_registering_again_is_a_no_op():
+    before = dict(StrategyRegistry["fsdp_ckpt"])
+    CheckpointingFSDPStrategy.register_strategies(StrategyRegistry)
+    CheckpointingDDPStrategy.register_strategies(StrategyRegistry)
+    assert StrategyRegistry["fsdp_ckpt"]["strategy"] is before["strategy"]
+    assert StrategyRegistry["ddp_ckpt_spawn"]["init_params"] == {"start_method": "spawn"}
+
+
+def test_reentrant_is_only_accepted_with_a_static_graph():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    apply_checkpointing(model, layer_cls=nn.Linear, every_n_layers=2, checkpoint_kwargs={"use_reentrant": True})
+    assert reentrant_layers(model) == ["0", "2"]
+    with pytest.raises(ValueError, match=r"Reentrant checkpointing \(2 layers: 0, 2\).*find_unused_parameters=True.*"
+                                         r"use_reentrant=False"):
+        check_ddp_settings(model, {"find_unused_parameters": True})
+    with pytest.raises(ValueError, match=r"Reentrant checkpointing.*static_graph=True.*use_reentrant=False"):
+        check_ddp_settings(model, {})
+    check_ddp_settings(model, {"static_graph": True})
+
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    apply_checkpointing(plain, layer_cls=nn.Linear)  # non-reentrant: any DDP setting is fine
+    assert reentrant_layers(plain) == []
+    check_ddp_settings(plain, {"find_unused_parameters": True})
+
+
+def test_torch_reentrant_checkpoint_wrapper_counts_as_reentrant():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    model = nn.Sequential(checkpoint_wrapper(nn.Linear(4, 4), checkpoint_impl=CheckpointImpl.REENTRANT),
+                          checkpoint_wrapper(nn.Linear(4, 4), checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    assert reentrant_layers(model) == ["0"]
+    with pytest.raises(ValueError, match="Reentrant checkpointing"):
+        check_ddp_settings(model, {})
+
+
+def test_checkpointing_twice_is_refused():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = nn.ModuleDict({"blocks": nn.ModuleList([Block(8, 2), Block(8, 2)])})
+    model.blocks[0] = checkpoint_wrapper(model.blocks[0])
+    apply_checkpointing(model, layer_cls=Block)
+    with pytest.raises(ValueError, match=r"`blocks.0._checkpoint_wrapped_module` is checkpointed by GradientCheckpointing"
+                                         r" and by torch's `CheckpointWrapper`.*recomputed twice"):
+        check_checkpointing_placement(model)
+
+
+def test_lightning_fsdp_with_its_own_activation_checkpointing_is_refused():
+    with pytest.raises(ValueError, match="activation_checkpointing_policy.*recomputing layers twice"):
+        check_lightning_strategy(FSDPStrategy(activation_checkpointing_policy={Block}))
+    check_lightning_strategy(FSDPStrategy(auto_wrap_policy={Block}))
+    check_lightning_strategy(DDPStrategy())
+
+
+def test_mixed_precision_follows_the_trainer_precision():
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    policy = mixed_precision_policy(MixedPrecision("bf16-mixed", "cpu"))
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert mixed_precision_policy(Precision()) is None
+    assert mixed_precision_policy(HalfPrecision("bf16-true")) is None  # the module itself is converted
+    with pytest.raises(ValueError, match="16-mixed.*Pass `precision='bf16-mixed'`"):
+        mixed_precision_policy(MixedPrecision("16-mixed", "cuda"))
+
+
+# ------------------------------------------------------------------------------------------------
+# DDP (2 processes)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_ddp_unused_head_trains_to_the_same_weights_with_checkpointing(runs):
+    reference = ok(runs, "ddp_two_heads_reference")
+    checkpointed = ok(runs, "ddp_two_heads_checkpointed")
+    assert checkpointed[0]["checkpointed"] == ["trunk.0", "trunk.1", "trunk.2"]
+    assert reference[0]["steps"] == checkpointed[0]["steps"] == 4
+    assert max_change(TwoHeads().state_dict(), reference[0]["weights"]) > 1e-3  # it trained
+    for rank in (0, 1):
+        assert_same_weights(checkpointed[rank]["weights"], reference[rank]["weights"], rtol=0, atol=0)
+    assert_same_weights(checkpointed[0]["weights"], checkpointed[1]["weights"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("scenario", "names"), [
+    ("ddp_two_heads_reentrant", "find_unused_parameters=True"),
+    ("ddp_two_heads_reentrant_default_flags", "static_graph=True"),
+])
+def test_ddp_reentrant_with_unused_parameters_is_refused_before_training(runs, scenario, names):
+    for result in runs[scenario]:
+        assert result["error"].startswith("ValueError: Reentrant checkpointing (3 layers: trunk.0, trunk.1, trunk.2)")
+        assert names in result["error"]
+        assert "GradientCheckpointing(use_reentrant=False)" in result["error"]
+        assert result["steps"] == 0
+
+
+def test_ddp_reentrant_with_static_graph_matches(runs):
+    reference = ok(runs, "ddp_static_reference")
+    reentrant = ok(runs, "ddp_static_reentrant")
+    assert reentrant[0]["checkpointed"] == ["trunk.0", "trunk.1", "trunk.2"]
+    for rank in (0, 1):
+        assert_same_weights(reentrant[rank]["weights"], reference[rank]["weights"], rtol=0, atol=0)
+    assert_same_weights(reentrant[0]["weights"], reentrant[1]["weights"], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2 (2 processes)
+# ------------------------------------------------------------------------------------------------
+
+FSDP_RUNS = ["gpt_fsdp_plain", "gpt_fsdp_checkpointed", "gpt_fsdp_checkpointed_configure_model",
+             "gpt_model_parallel_with_callback"]
+
+
+@pytest.mark.parametrize("scenario", FSDP_RUNS)
+def test_fsdp_trains_to_the_weights_of_ddp_without_checkpointing(runs, scenario):
+    reference = ok(runs, "gpt_ddp_reference")
+    result = ok(runs, scenario)
+    assert max_change(SeededGPT(**GPT_ARGS).state_dict(), reference[0]["weights"]) > 1e-3
+    assert result[0]["units"] == ["model", "model.blocks.0", "model.blocks.1"]
+    if scenario != "gpt_fsdp_plain":
+        assert result[0]["checkpointed"] == ["model.blocks.0", "model.blocks.1"]
+    for rank in (0, 1):
+        assert_same_weights(result[rank]["weights"], reference[rank]["weights"], rtol=1e-5, atol=1e-6)
+    assert_same_weights(result[0]["weights"], result[1]["weights"], rtol=0, atol=0)
+
+
+def test_fsdp_all_gathers_once_per_unit_with_and_without_checkpointing(runs):
+    n_layer = GPT_ARGS["n_layer"]
+    counts = {name: ok(runs, name)[rank]["counts"] for name in FSDP_RUNS for rank in (0, 1)}
+    for name, count in counts.items():
+        # forward: the root and every block; backward: every block again (resharded after forward), the root not
+        assert count["_allgather_base_"] == 2 * n_layer + 1, name
+        assert count["_reduce_scatter_base_"] == n_layer + 1, name
+
+
+def test_fsdp_bf16_mixed_gathers_in_bf16_and_keeps_fp32_shards(runs):
+    result = ok(runs, "gpt_fsdp_bf16")
+    for rank in (0, 1):
+        assert result[rank]["gathered_dtypes"] == ["torch.bfloat16"]
+        assert result[rank]["sharded_dtypes"] == ["torch.float32"]
+    reference = ok(runs, "gpt_ddp_reference")[0]["weights"]
+    assert_same_weights(result[0]["weights"], reference, rtol=0, atol=5e-2)  # bf16 compute: close, not equal
+    assert_same_weights(result[0]["weights"], result[1]["weights"], rtol=0, atol=0)
+
+
+def test_fsdp_checkpoint_round_trip_restores_training_exactly(runs):
+    full = ok(runs, "gpt_fsdp_two_epochs_saving")
+    resumed = ok(runs, "gpt_fsdp_resumed")
+    assert full[0]["saved"] == ["epoch=0.ckpt", "epoch=1.ckpt"]
+    for rank in (0, 1):
+        assert_same_weights(resumed[rank]["weights"], full[rank]["weights"], rtol=0, atol=0)
+        # the last checkpoint loads into a plain, unsharded model with the trained weights
+        assert not resumed[rank]["plain_is_sharded"]
+        assert_same_weights(resumed[rank]["plain_loaded"], full[rank]["weights"], rtol=0, atol=0)
+    assert max_change(ok(runs, "gpt_fsdp_checkpointed")[0]["weights"], full[0]["weights"]) > 1e-3  # epoch 2 trained
+
+
+def test_fsdp_units_inside_a_checkpointed_layer_get_a_warning(runs):
+    result = ok(runs, "placement_checks")[0]
+    assert result["units"] == ["model.blocks.0", "model.blocks.1", "model"]
+    assert result["good_warnings"] == []
+    assert len(result["bad_warnings"]) == 1
+    assert "`blocks.0` contains FSDP units (blocks.0.mlp)" in result["bad_warnings"][0]
+
+
+# ------------------------------------------------------------------------------------------------
+# The strategies' own spawn launcher, from this process
+# ------------------------------------------------------------------------------------------------
+
+
+def test_spawn_ddp_hands_back_the_trained_weights(runs):
+    seed_everything(0)
+    model = TwoHeads()
+    callback = GradientCheckpointing()
+    trainer = Trainer(strategy=CheckpointingDDPStrategy(start_method="spawn", find_unused_parameters=True),
+                      accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    trainer.fit(model)
+    expected = ok(runs, "ddp_two_heads_checkpointed")[0]["weights"]
+    assert_same_weights({k: v.float() for k, v in model.state_dict().items()}, expected, rtol=0, atol=0)
+    assert trainer.state.finished
+
+
+def test_spawn_fsdp_hands_back_the_unsharded_weights(runs):
+    from torch.distributed.tensor import DTensor
+
+    seed_everything(0)
+    model = SeededGPT(**GPT_ARGS)
+    trainer = Trainer(strategy="fsdp_ckpt_spawn", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[GradientCheckpointing()])
+    trainer.fit(model, CountingDataModule(vocab_size=32, block_size=16, batch_size=4, num_samples=32))
+    state = model.state_dict()
+    assert not any(isinstance(v, DTensor) for v in state.values())
+    expected = ok(runs, "gpt_fsdp_checkpointed")[0]["weights"]
+    assert_same_weights({k: v.float() for k, v in state.items()}, expected, rtol=0, atol=0)
