@@ -431,7 +431,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     seed = config_seed(base)
     perturbed = os.environ.get(PERTURB_ENV)
     print(f"compare: {args.config}, {args.steps} steps per variant, seed {seed}, {len(args.variants)} variants"
-          f" in fresh processes -> {out_dir}", flush=True)
+          f" in fresh processes -> {out_dir} (each variant's output in <variant>/worker.log)", flush=True)
 
     results: list[VariantResult] = []
     firsts: dict[str, Any] = {}

@@ -120,7 +120,8 @@ def test_tensorboard_logger_gets_every_key(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = TensorBoardLogger(tmp_path, name="tb")
-    trainer(tmp_path, [MemoryMonitor(log_every_n_steps=1)], logger=logger, max_steps=3).fit(tiny_gpt(), data())
+    # no `log_every_n_steps` given: the trainer's applies
+    trainer(tmp_path, [MemoryMonitor()], logger=logger, max_steps=6, log_every_n_steps=2).fit(tiny_gpt(), data())
 
     events = EventAccumulator(logger.log_dir)
     events.Reload()
@@ -131,7 +132,7 @@ def test_tensorboard_logger_gets_every_key(tmp_path):
     samples = [e.value for e in events.Scalars(SAMPLES_PER_SEC)]
     tokens = [e.value for e in events.Scalars(TOKENS_PER_SEC)]
     assert tokens == pytest.approx([s * SEQ for s in samples], rel=1e-6)  # TensorBoard stores float32
-    assert [e.step for e in events.Scalars(STEP_SEC)] == [0, 1, 2]
+    assert [e.step for e in events.Scalars(STEP_SEC)] == [1, 3, 5]
 
 
 def independent_saved_bytes(loss: torch.Tensor, parameters) -> int:
