@@ -59,6 +59,7 @@ __all__ = [
     "check_lightning_strategy",
     "find_checkpointing_callback",
     "fsdp_units",
+    "mixed_precision_policy",
     "reentrant_layers",
     "shard_for_checkpointing",
 ]
@@ -201,6 +202,7 @@ class CheckpointingDDPStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.lightning_module is not None
         _apply_callback(trainer, self.lightning_module)
+        check_checkpointing_placement(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             check_ddp_settings(self.lightning_module, self._ddp_kwargs)
         super().setup(trainer)
