@@ -44,6 +44,7 @@ def _pack(tensor: torch.Tensor) -> Any:
     if tensor.device.type == "cpu" or isinstance(tensor, torch.nn.Parameter):
         if tensor.device.type == "cpu":
             _warn_cpu_once()
+        report_held(tensor, "kept")  # still held where it is; these hooks hide it from outer counters
         return tensor
     report_held(tensor, "offloaded")
     host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
