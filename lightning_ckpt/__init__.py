@@ -1,7 +1,8 @@
 """Gradient (activation) checkpointing for PyTorch Lightning."""
 
 from lightning_ckpt.callback import GradientCheckpointing
+from lightning_ckpt.monitor import MemoryMonitor
 from lightning_ckpt.wrapping import apply_checkpointing, remove_checkpointing
 
-__all__ = ["GradientCheckpointing", "apply_checkpointing", "remove_checkpointing"]
+__all__ = ["GradientCheckpointing", "MemoryMonitor", "apply_checkpointing", "remove_checkpointing"]
 __version__ = "0.1.0"
