@@ -12,6 +12,8 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -294,6 +296,51 @@ def gpt_fsdp_resumed(ckpt_dir: str) -> dict[str, Any]:
             "plain_is_sharded": bool(fsdp_units(plain))}
 
 
+def gpt_fsdp_sharded_saving(ckpt_dir: str) -> dict[str, Any]:
+    seed_everything(0)
+    saver = ModelCheckpoint(dirpath=ckpt_dir, filename="sharded-{epoch}", save_top_k=-1, every_n_epochs=1)
+    result = _fit_gpt(SeededGPT(**GPT_ARGS), CheckpointingFSDPStrategy(save_distributed_checkpoint=True),
+                      [GradientCheckpointing(), saver], max_epochs=2, enable_checkpointing=True)
+    return {**result, "saved_is_dir": os.path.isdir(os.path.join(ckpt_dir, "sharded-epoch=0.ckpt"))}
+
+
+def gpt_fsdp_sharded_resumed(ckpt_dir: str) -> dict[str, Any]:
+    seed_everything(0)
+    path = os.path.join(ckpt_dir, "sharded-epoch=0.ckpt")
+    return _fit_gpt(SeededGPT(**GPT_ARGS), CheckpointingFSDPStrategy(save_distributed_checkpoint=True),
+                    [GradientCheckpointing()], max_epochs=2, ckpt_path=path)
+
+
+@contextmanager
+def _as_two_nodes(rank: int) -> Iterator[None]:
+    """Each process plays one node with one device (NODE_RANK=rank, LOCAL_RANK=0)."""
+    saved = {key: os.environ[key] for key in ("NODE_RANK", "LOCAL_RANK")}
+    os.environ.update(NODE_RANK=str(rank), LOCAL_RANK="0")
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def ddp_two_heads_two_nodes() -> dict[str, Any]:
+    with _as_two_nodes(int(os.environ["LOCAL_RANK"])):
+        seed_everything(0)
+        model = TwoHeads()
+        callback = GradientCheckpointing()
+        trainer = _trainer(CheckpointingDDPStrategy(find_unused_parameters=True), [callback], devices=1, num_nodes=2)
+        trainer.fit(model)
+        return {"weights": full_weights(model), "global_rank": trainer.global_rank, "node_rank": trainer.node_rank,
+                "checkpointed": callback.checkpointed_layers}
+
+
+def gpt_fsdp_two_nodes() -> dict[str, Any]:
+    with _as_two_nodes(int(os.environ["LOCAL_RANK"])):
+        seed_everything(0)
+        result = _fit_gpt(SeededGPT(**GPT_ARGS), CheckpointingFSDPStrategy(), [GradientCheckpointing()], devices=1,
+                          num_nodes=2)
+        return result
+
+
 def placement_checks() -> dict[str, Any]:
     """The placement check on real FSDP2 units: no warning for blocks as units, one for units inside a block."""
     import warnings
@@ -331,6 +378,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
               ddp_two_heads_reentrant_default_flags, ddp_static_reference, ddp_static_reentrant, gpt_ddp_reference,
               gpt_fsdp_plain, gpt_fsdp_checkpointed, gpt_fsdp_checkpointed_configure_model,
               gpt_model_parallel_with_callback, gpt_fsdp_bf16, gpt_fsdp_two_epochs_saving, gpt_fsdp_resumed,
+              gpt_fsdp_sharded_saving, gpt_fsdp_sharded_resumed, ddp_two_heads_two_nodes, gpt_fsdp_two_nodes,
               placement_checks)
 }
 

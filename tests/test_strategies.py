@@ -32,6 +32,7 @@ SCENARIOS = [
     "ddp_two_heads_reentrant_default_flags", "ddp_static_reference", "ddp_static_reentrant",
     "gpt_ddp_reference", "gpt_fsdp_plain", "gpt_fsdp_checkpointed", "gpt_fsdp_checkpointed_configure_model",
     "gpt_model_parallel_with_callback", "gpt_fsdp_bf16", "gpt_fsdp_two_epochs_saving", "gpt_fsdp_resumed",
+    "gpt_fsdp_sharded_saving", "gpt_fsdp_sharded_resumed", "ddp_two_heads_two_nodes", "gpt_fsdp_two_nodes",
     "placement_checks",
 ]
 
@@ -41,7 +42,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("runs")
     ckpt_dir = out / "checkpoints"
     ckpt_dir.mkdir()
-    needs_dir = {"gpt_fsdp_two_epochs_saving", "gpt_fsdp_resumed"}
+    needs_dir = {"gpt_fsdp_two_epochs_saving", "gpt_fsdp_resumed", "gpt_fsdp_sharded_saving", "gpt_fsdp_sharded_resumed"}
     return run_scenarios([(name, {"ckpt_dir": str(ckpt_dir)} if name in needs_dir else {}) for name in SCENARIOS], out)
 
 
@@ -238,6 +239,26 @@ def test_fsdp_checkpoint_round_trip_restores_training_exactly(runs):
         assert not resumed[rank]["plain_is_sharded"]
         assert_same_weights(resumed[rank]["plain_loaded"], full[rank]["weights"], rtol=0, atol=0)
     assert max_change(ok(runs, "gpt_fsdp_checkpointed")[0]["weights"], full[0]["weights"]) > 1e-3  # epoch 2 trained
+
+
+def test_fsdp_sharded_checkpoint_round_trip_restores_training_exactly(runs):
+    full = ok(runs, "gpt_fsdp_sharded_saving")
+    resumed = ok(runs, "gpt_fsdp_sharded_resumed")
+    assert full[0]["saved_is_dir"]  # one folder of shards, not a file
+    for rank in (0, 1):
+        assert_same_weights(resumed[rank]["weights"], full[rank]["weights"], rtol=0, atol=0)
+    # and the same training as with the full-file checkpoints
+    assert_same_weights(full[0]["weights"], ok(runs, "gpt_fsdp_two_epochs_saving")[0]["weights"], rtol=0, atol=0)
+
+
+def test_two_nodes_of_one_device_each_train_like_one_node_of_two(runs):
+    ddp = ok(runs, "ddp_two_heads_two_nodes")
+    assert [r["global_rank"] for r in ddp] == [0, 1] and [r["node_rank"] for r in ddp] == [0, 1]
+    assert ddp[0]["checkpointed"] == ["trunk.0", "trunk.1", "trunk.2"]
+    fsdp = ok(runs, "gpt_fsdp_two_nodes")
+    for rank in (0, 1):
+        assert_same_weights(ddp[rank]["weights"], ok(runs, "ddp_two_heads_checkpointed")[rank]["weights"], rtol=0, atol=0)
+        assert_same_weights(fsdp[rank]["weights"], ok(runs, "gpt_fsdp_checkpointed")[rank]["weights"], rtol=0, atol=0)
 
 
 def test_fsdp_units_inside_a_checkpointed_layer_get_a_warning(runs):
