@@ -272,18 +272,19 @@ def check_checkpointing_placement(module: nn.Module) -> None:
         for wrapper in wrappers:
             if layer == wrapper or _contains(layer, wrapper) or _contains(wrapper, layer):
                 raise ValueError(
-                    f"`{layer}` is checkpointed by GradientCheckpointing and by torch's `CheckpointWrapper` (`{wrapper}`,"
-                    " from an `activation_checkpointing_policy` or `apply_activation_checkpointing`): it would be"
-                    " recomputed twice. Remove one of them; the callback alone is enough."
+                    f"`{layer}` is checkpointed by GradientCheckpointing and by torch's `CheckpointWrapper`"
+                    f" (`{wrapper}`, from an `activation_checkpointing_policy` or `apply_activation_checkpointing`):"
+                    " it would be recomputed twice. Remove one of them; the callback alone is enough."
                 )
     units = fsdp_units(module)
     for layer in checkpointed:
         inner = [unit for unit in units if _contains(layer, unit)]
         if inner:
             rank_zero_warn(
-                f"The checkpointed layer `{layer}` contains FSDP units ({', '.join(inner[:4])}), whose hooks run again"
-                " when it is recomputed. Shard whole layers instead (one FSDP unit per checkpointed layer: `fully_shard`"
-                " on the block, or an `auto_wrap_policy` of the layer class), so that checkpointing sits inside the unit."
+                f"The checkpointed layer `{layer}` contains FSDP units ({', '.join(inner[:4])}), whose hooks run"
+                " again when it is recomputed. Shard whole layers instead (one FSDP unit per checkpointed layer:"
+                " `fully_shard` on the block, or an `auto_wrap_policy` of the layer class), so that checkpointing"
+                " sits inside the unit."
             )
             return
 

@@ -30,7 +30,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.demos import GPT, Block, CountingDataModule
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy, fsdp_units
-from lightning_ckpt.wrapping import checkpointed_names
 
 WORLD_SIZE = 2
 GPT_ARGS = dict(vocab_size=32, block_size=16, n_layer=2, n_embd=32, n_head=2, dropout=0.0, lr=3e-3)
@@ -46,7 +45,8 @@ class MLPBlock(nn.Module):
     def __init__(self, width: int, dropout: float) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(dropout), nn.Linear(2 * width, width))
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(2 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.norm(x))
@@ -211,11 +211,17 @@ def ddp_two_heads_checkpointed() -> dict[str, Any]:
 
 
 def ddp_two_heads_reentrant() -> dict[str, Any]:
-    return _fit_two_heads(CheckpointingDDPStrategy(find_unused_parameters=True), GradientCheckpointing(use_reentrant=True))
+    return _fit_two_heads(CheckpointingDDPStrategy(find_unused_parameters=True),
+                          GradientCheckpointing(use_reentrant=True))
 
 
 def ddp_two_heads_reentrant_default_flags() -> dict[str, Any]:
     return _fit_two_heads("ddp_ckpt", GradientCheckpointing(use_reentrant=True))
+
+
+def fsdp_two_heads_checkpointed() -> dict[str, Any]:
+    """FSDP with several roots (embed, heads, blocks called from ``training_step``) and a head unused on odd steps."""
+    return _fit_two_heads(CheckpointingFSDPStrategy(), GradientCheckpointing())
 
 
 def ddp_static_reference() -> dict[str, Any]:
@@ -374,7 +380,7 @@ def placement_checks() -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     f.__name__: f
-    for f in (ddp_two_heads_reference, ddp_two_heads_checkpointed, ddp_two_heads_reentrant,
+    for f in (ddp_two_heads_reference, ddp_two_heads_checkpointed, ddp_two_heads_reentrant, fsdp_two_heads_checkpointed,
               ddp_two_heads_reentrant_default_flags, ddp_static_reference, ddp_static_reentrant, gpt_ddp_reference,
               gpt_fsdp_plain, gpt_fsdp_checkpointed, gpt_fsdp_checkpointed_configure_model,
               gpt_model_parallel_with_callback, gpt_fsdp_bf16, gpt_fsdp_two_epochs_saving, gpt_fsdp_resumed,
@@ -411,7 +417,9 @@ def _worker(rank: int, port: int, scenarios: list[tuple[str, dict[str, Any]]], o
         torch.save(result, Path(out_dir) / f"{name}.rank{rank}.pt")
 
 
-def run_scenarios(scenarios: list[tuple[str, dict[str, Any]]], out_dir: Path, timeout: float = 300.0) -> dict[str, list]:
+def run_scenarios(
+    scenarios: list[tuple[str, dict[str, Any]]], out_dir: Path, timeout: float = 300.0
+) -> dict[str, list[dict[str, Any]]]:
     """Run ``scenarios`` in 2 spawned processes; return ``{name: [rank0_result, rank1_result]}``."""
     import torch.multiprocessing as mp
 

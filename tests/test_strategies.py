@@ -28,7 +28,7 @@ from lightning_ckpt.strategies import (
 )
 
 SCENARIOS = [
-    "ddp_two_heads_reference", "ddp_two_heads_checkpointed", "ddp_two_heads_reentrant",
+    "ddp_two_heads_reference", "ddp_two_heads_checkpointed", "ddp_two_heads_reentrant", "fsdp_two_heads_checkpointed",
     "ddp_two_heads_reentrant_default_flags", "ddp_static_reference", "ddp_static_reentrant",
     "gpt_ddp_reference", "gpt_fsdp_plain", "gpt_fsdp_checkpointed", "gpt_fsdp_checkpointed_configure_model",
     "gpt_model_parallel_with_callback", "gpt_fsdp_bf16", "gpt_fsdp_two_epochs_saving", "gpt_fsdp_resumed",
@@ -42,7 +42,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("runs")
     ckpt_dir = out / "checkpoints"
     ckpt_dir.mkdir()
-    needs_dir = {"gpt_fsdp_two_epochs_saving", "gpt_fsdp_resumed", "gpt_fsdp_sharded_saving", "gpt_fsdp_sharded_resumed"}
+    needs_dir = {"gpt_fsdp_two_epochs_saving", "gpt_fsdp_resumed", "gpt_fsdp_sharded_saving",
+                 "gpt_fsdp_sharded_resumed"}
     return run_scenarios([(name, {"ckpt_dir": str(ckpt_dir)} if name in needs_dir else {}) for name in SCENARIOS], out)
 
 
@@ -73,7 +74,8 @@ def max_change(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) 
     [
         ("ddp_ckpt", CheckpointingDDPStrategy, {"_start_method": "popen"}),
         ("ddp_ckpt_spawn", CheckpointingDDPStrategy, {"_start_method": "spawn"}),
-        ("ddp_ckpt_find_unused_parameters_true", CheckpointingDDPStrategy, {"_ddp_kwargs": {"find_unused_parameters": True}}),
+        ("ddp_ckpt_find_unused_parameters_true", CheckpointingDDPStrategy,
+         {"_ddp_kwargs": {"find_unused_parameters": True}}),
         ("fsdp_ckpt", CheckpointingFSDPStrategy, {"_start_method": "popen"}),
         ("fsdp_ckpt_spawn", CheckpointingFSDPStrategy, {"_start_method": "spawn"}),
         ("ddp", DDPStrategy, {"_start_method": "popen"}),  # Lightning's own names are left alone
@@ -129,8 +131,8 @@ def test_checkpointing_twice_is_refused():
     model = nn.ModuleDict({"blocks": nn.ModuleList([Block(8, 2), Block(8, 2)])})
     model.blocks[0] = checkpoint_wrapper(model.blocks[0])
     apply_checkpointing(model, layer_cls=Block)
-    with pytest.raises(ValueError, match=r"`blocks.0._checkpoint_wrapped_module` is checkpointed by GradientCheckpointing"
-                                         r" and by torch's `CheckpointWrapper`.*recomputed twice"):
+    with pytest.raises(ValueError, match=r"`blocks.0._checkpoint_wrapped_module` is checkpointed by"
+                                         r" GradientCheckpointing and by torch's `CheckpointWrapper`.*twice"):
         check_checkpointing_placement(model)
 
 
@@ -192,6 +194,14 @@ def test_ddp_reentrant_with_static_graph_matches(runs):
 # ------------------------------------------------------------------------------------------------
 # FSDP2 (2 processes)
 # ------------------------------------------------------------------------------------------------
+
+
+def test_fsdp_with_several_roots_and_an_unused_head_matches_ddp(runs):
+    reference = ok(runs, "ddp_two_heads_reference")
+    result = ok(runs, "fsdp_two_heads_checkpointed")
+    assert result[0]["checkpointed"] == ["trunk.0", "trunk.1", "trunk.2"]
+    for rank in (0, 1):
+        assert_same_weights(result[rank]["weights"], reference[rank]["weights"], rtol=1e-5, atol=1e-6)
 
 FSDP_RUNS = ["gpt_fsdp_plain", "gpt_fsdp_checkpointed", "gpt_fsdp_checkpointed_configure_model",
              "gpt_model_parallel_with_callback"]
@@ -257,7 +267,8 @@ def test_two_nodes_of_one_device_each_train_like_one_node_of_two(runs):
     assert ddp[0]["checkpointed"] == ["trunk.0", "trunk.1", "trunk.2"]
     fsdp = ok(runs, "gpt_fsdp_two_nodes")
     for rank in (0, 1):
-        assert_same_weights(ddp[rank]["weights"], ok(runs, "ddp_two_heads_checkpointed")[rank]["weights"], rtol=0, atol=0)
+        expected = ok(runs, "ddp_two_heads_checkpointed")[rank]["weights"]
+        assert_same_weights(ddp[rank]["weights"], expected, rtol=0, atol=0)
         assert_same_weights(fsdp[rank]["weights"], ok(runs, "gpt_fsdp_checkpointed")[rank]["weights"], rtol=0, atol=0)
 
 
