@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -535,18 +537,25 @@ class CheckpointingFSDPStrategy(ModelParallelStrategy):
 
 
 class _CleanExitLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher that hands back unsharded weights and shuts the process group down.
+    """Lightning's spawn/fork launcher that hands back unsharded weights and ends the workers cleanly.
 
-    A gloo process group still alive when a worker's interpreter exits can abort it ("terminate called
-    without an active exception"); the workers end right after this, so the group is destroyed here.
+    A worker whose interpreter finalizes with gloo state still alive can abort at exit ("terminate called
+    without an active exception"), which fails the whole run although training finished. So once a worker
+    has handed its results back, it destroys the process groups (after a barrier) and leaves with
+    ``os._exit(0)``, as forked workers always do, skipping interpreter finalization. A worker that raised
+    leaves through the usual error path instead.
     """
 
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        _shutdown_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
-        try:
-            with _unsharded_state_dict(self._strategy, trainer.lightning_module):
-                return super()._collect_rank_zero_results(trainer, results)
-        finally:
-            _shutdown_process_group()
+        with _unsharded_state_dict(self._strategy, trainer.lightning_module):
+            return super()._collect_rank_zero_results(trainer, results)
 
 
 @contextmanager

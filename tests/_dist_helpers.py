@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -415,6 +416,14 @@ def _worker(rank: int, port: int, scenarios: list[tuple[str, dict[str, Any]]], o
             result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
         result["seconds"] = time.perf_counter() - start
         torch.save(result, Path(out_dir) / f"{name}.rank{rank}.pt")
+    # Like the strategies' own spawn launcher: destroy the process group, then leave without interpreter
+    # finalization, where leftover gloo state can abort the process.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_scenarios(
