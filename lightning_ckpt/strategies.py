@@ -493,9 +493,7 @@ class CheckpointingFSDPStrategy(ModelParallelStrategy):
             )
         mp_policy = mixed_precision_policy(self.precision_plugin)
         _apply_callback(trainer, self.lightning_module)
-        if fsdp_units(self.model):
-            self.sharded_units = []  # `configure_model` sharded the model itself; keep its layout
-        else:
+        if not fsdp_units(self.model):  # else `configure_model` (or an earlier run) sharded it: keep that layout
             callback = find_checkpointing_callback(trainer)
             layer_cls = callback.settings["layer_cls"] if callback is not None else None
             self.sharded_units = shard_for_checkpointing(
