@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lightning_ckpt.profiling import SavedTensorCounter
+from lightning_ckpt.profiling import SavedTensorCounter, tensor_bytes
 
 GIB = 2**30
 
@@ -86,28 +86,6 @@ def tokens_in_batch(batch: Any) -> Optional[int]:
     if tensor is None or tensor.dim() != 2 or tensor.is_floating_point() or tensor.is_complex():
         return None
     return tensor.numel()
-
-
-def tensor_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
-    """Bytes of the storages behind ``tensors``, each storage once (views and shared buffers are not double counted).
-
-    Example::
-
-        >>> x = torch.zeros(10)
-        >>> tensor_bytes([x, x[:5], None])
-        40
-    """
-    seen: set[tuple[torch.device, int]] = set()
-    total = 0
-    for tensor in tensors:
-        if tensor is None or tensor.device.type == "meta":
-            continue
-        storage = tensor.untyped_storage()
-        key = (tensor.device, storage.data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
 
 
 def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:

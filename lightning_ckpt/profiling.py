@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -39,6 +39,25 @@ def report_held(tensor: torch.Tensor, kind: HeldKind) -> None:
 def _storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
     storage = tensor.untyped_storage()
     return tensor.device, storage.data_ptr()
+
+
+def tensor_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
+    """Bytes of the storages behind ``tensors``, each storage once (views and shared buffers count once).
+
+    Example::
+
+        >>> x = torch.zeros(10)
+        >>> tensor_bytes([x, x[:5], None])
+        40
+    """
+    seen: set[tuple[Any, int]] = set()
+    total = 0
+    for tensor in tensors:
+        if tensor is None or tensor.device.type == "meta" or _storage_key(tensor) in seen:
+            continue
+        seen.add(_storage_key(tensor))
+        total += tensor.untyped_storage().nbytes()
+    return total
 
 
 class SavedTensorCounter(saved_tensors_hooks):
