@@ -85,6 +85,9 @@ class GradientCheckpointing(Callback):
         self._module = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lightning_ckpt.strategies import check_lightning_strategy  # strategies import this module
+
+        check_lightning_strategy(trainer.strategy)
         self._module = pl_module
         if is_overridden("configure_model", pl_module):
             # Layers built in `configure_model` do not exist yet; checkpoint them right after it runs,
@@ -100,6 +103,12 @@ class GradientCheckpointing(Callback):
             pl_module.configure_model = configure_model_then_checkpoint
         else:
             self.apply(pl_module)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_ckpt.strategies import check_checkpointing_placement
+
+        # After the strategy wrapped the model: also covers Lightning's own FSDP/ModelParallel strategies.
+        check_checkpointing_placement(pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.remove()

@@ -46,7 +46,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_ckpt.callback import GradientCheckpointing
-from lightning_ckpt.selection import detect_block_class, resolve_layer_classes, select_layers
+from lightning_ckpt.selection import detect_block_class, is_inside, resolve_layer_classes, select_layers
 from lightning_ckpt.wrapping import checkpointed_names, is_checkpointed
 
 log = logging.getLogger(__name__)
@@ -249,10 +249,6 @@ def fsdp_units(module: nn.Module) -> list[str]:
     return [name for name, sub in module.named_modules() if isinstance(sub, (fsdp_module, FullyShardedDataParallel))]
 
 
-def _contains(outer: str, inner: str) -> bool:
-    return outer != inner and (outer == "" or inner.startswith(outer + "."))
-
-
 def check_checkpointing_placement(module: nn.Module) -> None:
     """Refuse layers checkpointed twice; warn about FSDP units *inside* a checkpointed layer.
 
@@ -272,7 +268,7 @@ def check_checkpointing_placement(module: nn.Module) -> None:
     wrappers = [name for name, sub in module.named_modules() if isinstance(sub, CheckpointWrapper)]
     for layer in checkpointed:
         for wrapper in wrappers:
-            if layer == wrapper or _contains(layer, wrapper) or _contains(wrapper, layer):
+            if layer == wrapper or is_inside(wrapper, layer) or is_inside(layer, wrapper):
                 raise ValueError(
                     f"`{layer}` is checkpointed by GradientCheckpointing and by torch's `CheckpointWrapper`"
                     f" (`{wrapper}`, from an `activation_checkpointing_policy` or `apply_activation_checkpointing`):"
@@ -280,7 +276,7 @@ def check_checkpointing_placement(module: nn.Module) -> None:
                 )
     units = fsdp_units(module)
     for layer in checkpointed:
-        inner = [unit for unit in units if _contains(layer, unit)]
+        inner = [unit for unit in units if unit != layer and is_inside(unit, layer)]
         if inner:
             rank_zero_warn(
                 f"The checkpointed layer `{layer}` contains FSDP units ({', '.join(inner[:4])}), whose hooks run"

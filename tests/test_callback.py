@@ -98,3 +98,17 @@ def test_class_objects_in_settings_are_saved_as_import_paths():
 
     state = GradientCheckpointing(layer_cls=[Block, "torch.nn.LayerNorm"]).state_dict()
     assert state["settings"]["layer_cls"] == ["lightning_ckpt.demos.Block", "torch.nn.LayerNorm"]
+
+
+def test_a_lightning_strategy_that_checkpoints_on_its_own_is_refused_before_any_change():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_ckpt.demos import Block
+
+    trainer = SimpleNamespace(strategy=FSDPStrategy(activation_checkpointing_policy={Block}))
+    model = tiny_gpt()
+    with pytest.raises(ValueError, match="recomputing layers twice.*activation_checkpointing_policy"):
+        GradientCheckpointing().setup(trainer, model, "fit")
+    assert checkpointed_names(model) == []
