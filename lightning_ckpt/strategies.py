@@ -585,10 +585,8 @@ def _destroy_process_group_at_exit() -> None:
 
 def _register(registry: _StrategyRegistry, name: str, cls: type, description: str, **init_params: Any) -> None:
     """Register ``name``; registering the same class again (e.g. on re-import) is a no-op."""
-    if name in registry and registry[name]["strategy"].__name__ == cls.__name__:
-        registry.register(name, cls, description=description, override=True, **init_params)
-        return
-    registry.register(name, cls, description=description, **init_params)
+    same = name in registry and registry[name]["strategy"].__name__ == cls.__name__
+    registry.register(name, cls, description=description, override=same, **init_params)
 
 
 def _register_all() -> None:
