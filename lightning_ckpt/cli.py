@@ -8,21 +8,20 @@ Example::
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
 
-def run_cli(args: Optional[list[str]] = None) -> LightningCLI:
-    """Run LightningCLI over any LightningModule/LightningDataModule named by ``class_path`` and return it."""
+def run_cli(args: Optional[list[str]] = None, **cli_kwargs: Any) -> LightningCLI:
+    """Run LightningCLI over any LightningModule/LightningDataModule named by ``class_path`` and return it.
+
+    ``cli_kwargs`` go to ``LightningCLI`` (e.g. ``run=False`` to only build the trainer, model and data).
+    """
+    cli_kwargs.setdefault("save_config_kwargs", {"overwrite": True})
     return LightningCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=args,
-        save_config_kwargs={"overwrite": True},
+        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args, **cli_kwargs
     )
 
 

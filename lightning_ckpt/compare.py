@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import torch
 import yaml
-from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_ckpt.monitor import (
     ACTIVATIONS,
@@ -178,13 +178,11 @@ class FirstStepRecorder(Callback):
 
 def run_worker(variant_dir: Path) -> None:
     """Train one variant from ``variant_dir/config.yaml`` and write ``variant_dir/result.json`` (rank zero)."""
-    from lightning.pytorch.cli import LightningCLI
-
     from lightning_ckpt.callback import GradientCheckpointing
+    from lightning_ckpt.cli import run_cli
     from lightning_ckpt.monitor import MemoryMonitor
 
-    cli = LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                       args=["--config", str(variant_dir / "config.yaml")], run=False, save_config_callback=None)
+    cli = run_cli(["--config", str(variant_dir / "config.yaml")], run=False, save_config_callback=None)
     trainer = cli.trainer
     trainer.fit(cli.model, datamodule=cli.datamodule)
     if not trainer.is_global_zero:
