@@ -13,11 +13,14 @@ Example::
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from typing import Union
 
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 LayerClass = Union[str, type[nn.Module]]
 LayerClassArg = Union[LayerClass, Sequence[LayerClass], None]
@@ -118,6 +121,18 @@ def detect_block_class(module: nn.Module) -> type[nn.Module]:
         f"Found several repeated layer classes in {type(module).__name__}: {listing}."
         " Pass `layer_cls=` the one (or the list) to checkpoint."
     )
+
+
+def layer_classes(module: nn.Module, layer_cls: LayerClassArg) -> tuple[type[nn.Module], ...]:
+    """The classes named by ``layer_cls``, or, for ``None``, the repeated block of ``module`` (logged).
+
+    Raises what :func:`resolve_layer_classes` and :func:`detect_block_class` raise.
+    """
+    classes = resolve_layer_classes(layer_cls)
+    if classes is None:
+        classes = (detect_block_class(module),)
+        log.info("lightning_ckpt: detected the repeated layer class %s", class_path(classes[0]))
+    return classes
 
 
 def select_layers(

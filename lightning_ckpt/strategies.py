@@ -46,7 +46,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_ckpt.callback import GradientCheckpointing
-from lightning_ckpt.selection import detect_block_class, is_inside, resolve_layer_classes, select_layers
+from lightning_ckpt.selection import is_inside, layer_classes, select_layers
 from lightning_ckpt.wrapping import checkpointed_names, is_checkpointed
 
 log = logging.getLogger(__name__)
@@ -363,12 +363,11 @@ def shard_for_checkpointing(
 def _block_classes(
     module: nn.Module, layer_cls: Union[type[nn.Module], Sequence[type[nn.Module]], None]
 ) -> tuple[type[nn.Module], ...]:
-    classes = resolve_layer_classes(layer_cls)
-    if classes is not None:
-        return classes
     try:
-        return (detect_block_class(module),)
+        return layer_classes(module, layer_cls)
     except ValueError as err:
+        if layer_cls is not None:
+            raise
         rank_zero_info(f"CheckpointingFSDPStrategy: no repeated block to shard on its own ({err}); sharding the"
                        " top-level submodules only.")
         return ()

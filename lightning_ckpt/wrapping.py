@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -34,12 +33,10 @@ from lightning_ckpt.selection import (
     class_path,
     detect_block_class,
     is_inside,
-    resolve_layer_classes,
+    layer_classes,
     select_layers,
     validate_every_n_layers,
 )
-
-log = logging.getLogger(__name__)
 
 Mode = Literal["full", "selective"]
 MODES = ("full", "selective")
@@ -183,10 +180,7 @@ def apply_checkpointing(
         raise TypeError(f"`apply_checkpointing` takes an `nn.Module`, got {type(module).__name__}.")
     options = CheckpointOptions(offload, mode, use_reentrant, preserve_rng_state, checkpoint_kwargs or {})
     every_n_layers = validate_every_n_layers(every_n_layers)
-    classes = resolve_layer_classes(layer_cls)
-    if classes is None:
-        classes = (detect_block_class(module),)
-        log.info("lightning_ckpt: detected the repeated layer class %s", class_path(classes[0]))
+    classes = layer_classes(module, layer_cls)
     selected = select_layers(module, classes, every_n_layers)
     if not selected:
         raise ValueError(_no_match_message(module, classes))
