@@ -75,14 +75,26 @@ def monitor_rows(rows: list[dict[str, str]]) -> list[dict[str, float]]:
 
 
 class SlowValidationGPT(GPT):
-    """GPT with a validation loop that takes a known, long time: it must not count as training time."""
+    """GPT with a validation loop that takes a known, long time: it must not count as training time.
 
-    pause = 1.0
+    The time passes on the monitor's clock (``SlowClock``), not the wall clock: a real sleep would make
+    the test's bound an absolute time, which a loaded machine can break.
+    """
+
+    pause = 1000.0
     validations = 0
 
     def validation_step(self, batch, batch_idx):
         self.validations += 1
-        time.sleep(self.pause)
+        SlowClock.offset += self.pause
+
+
+class SlowClock:
+    offset = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return time.perf_counter() + cls.offset
 
 
 class WithValidationData(CountingDataModule):
@@ -91,7 +103,8 @@ class WithValidationData(CountingDataModule):
         return DataLoader(TensorDataset(seqs[:, :-1], seqs[:, 1:]), batch_size=BATCH)
 
 
-def test_csv_logger_every_key_per_log_step_with_accumulation_and_validation(tmp_path):
+def test_csv_logger_every_key_per_log_step_with_accumulation_and_validation(tmp_path, monkeypatch):
+    monkeypatch.setattr(monitor_module, "time", SlowClock)
     seed_everything(0)
     model = SlowValidationGPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_embd=32, n_head=2)
     logger = CSVLogger(tmp_path, name="csv")
@@ -112,7 +125,7 @@ def test_csv_logger_every_key_per_log_step_with_accumulation_and_validation(tmp_
         assert row[TOKENS_PER_SEC] == pytest.approx(row[SAMPLES_PER_SEC] * SEQ, rel=1e-9)
         # two micro-batches of BATCH samples per optimizer step
         assert row[SAMPLES_PER_SEC] == pytest.approx(2 * BATCH / row[STEP_SEC], rel=1e-9)
-    # validation ran (1 s each) between steps 2 and 4; it is not part of the step time
+    # validation ran (1000 s on the monitor's clock each) between steps 2 and 4; it is not part of the step time
     assert rows[1][STEP_SEC] * 2 < SlowValidationGPT.pause
 
 
