@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional, Union
+from types import MappingProxyType
+from typing import Any, Generic, Optional, TypeVar, Union, overload
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -12,10 +14,47 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_ckpt.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
-from lightning_ckpt.wrapping import CheckpointOptions, Mode, apply_checkpointing, remove_checkpointing
+from lightning_ckpt.wrapping import (
+    CheckpointOptions,
+    Mode,
+    apply_checkpointing,
+    checkpointed_names,
+    remove_checkpointing,
+)
 
 _SETTINGS = ("layer_cls", "every_n_layers", "offload", "mode", "memory_budget", "use_reentrant",
              "preserve_rng_state", "checkpoint_kwargs")
+
+T = TypeVar("T")
+
+
+class _Option(Generic[T]):
+    """A constructor argument exposed as an attribute of the callback.
+
+    Reading returns the value held in the callback's settings (a copy for lists and dicts, so that changing it
+    in place cannot skip validation); setting validates the new value together with the other settings, exactly
+    as the constructor does, and only then stores it (and re-applies, when layers are already checkpointed).
+    """
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Option[T]: ...
+
+    @overload
+    def __get__(self, obj: GradientCheckpointing, owner: type) -> T: ...
+
+    def __get__(self, obj: Optional[GradientCheckpointing], owner: type) -> Union[T, _Option[T]]:
+        if obj is None:
+            return self
+        return copy.copy(obj._settings[self.name])
+
+    def __set__(self, obj: GradientCheckpointing, value: T) -> None:
+        obj._update_settings({self.name: value})
 
 
 class GradientCheckpointing(Callback):
@@ -39,10 +78,31 @@ class GradientCheckpointing(Callback):
     Layers are checkpointed in ``setup`` and, for models built in ``configure_model``, right after it,
     before any strategy wraps the model. Everything is undone in ``teardown`` (or on an exception).
 
+    Every argument is also an attribute (``callback.every_n_layers``, ...). Setting one validates it like the
+    constructor (a bad value raises and changes nothing) and, when layers are already checkpointed, re-applies.
+
     Example::
 
-        trainer = Trainer(callbacks=[GradientCheckpointing(every_n_layers=4, offload=True)])
+        >>> callback = GradientCheckpointing(every_n_layers=4, offload=True)
+        >>> callback.every_n_layers
+        4
+        >>> callback.every_n_layers = 2
+        >>> callback.state_dict()["settings"]["every_n_layers"]
+        2
+
+        trainer = Trainer(callbacks=[callback])
     """
+
+    layer_cls: _Option[Union[str, type, Sequence[Union[str, type]], None]] = _Option(
+        "The layer class(es) to checkpoint, as given (classes or dotted import paths); ``None``: detected.")
+    every_n_layers: _Option[int] = _Option("Checkpoint matched layers 0, n, 2n, ... in registration order.")
+    offload: _Option[bool] = _Option("Keep the checkpointed layers' inputs in pinned host memory.")
+    mode: _Option[Mode] = _Option("``'full'`` or ``'selective'``.")
+    memory_budget: _Option[Union[float, int, str, None]] = _Option("Reserved for the budget planner (``None``).")
+    use_reentrant: _Option[bool] = _Option("Use torch's reentrant checkpoint.")
+    preserve_rng_state: _Option[bool] = _Option("Replay the RNG state in the recomputation.")
+    checkpoint_kwargs: _Option[Optional[dict[str, Any]]] = _Option(
+        "Extra ``torch.utils.checkpoint.checkpoint`` arguments, merged over the other options.")
 
     def __init__(
         self,
@@ -58,15 +118,21 @@ class GradientCheckpointing(Callback):
         settings = dict(layer_cls=layer_cls, every_n_layers=every_n_layers, offload=offload, mode=mode,
                         memory_budget=memory_budget, use_reentrant=use_reentrant,
                         preserve_rng_state=preserve_rng_state, checkpoint_kwargs=checkpoint_kwargs)
+        settings = {name: copy.copy(value) for name, value in settings.items()}
         _validate(settings)
-        self.settings: dict[str, Any] = settings
+        self._settings: dict[str, Any] = settings  # the one place the options live; attributes read from it
         self.checkpointed_layers: list[str] = []
         self._module: Optional[pl.LightningModule] = None
         self._original_configure_model: Any = None
 
+    @property
+    def settings(self) -> Mapping[str, Any]:
+        """All options by name, read-only (set them as attributes: ``callback.every_n_layers = 2``)."""
+        return MappingProxyType(self._settings)
+
     def apply(self, pl_module: pl.LightningModule) -> list[str]:
         """Checkpoint the selected layers of ``pl_module`` (idempotent) and record their names."""
-        options = {k: v for k, v in self.settings.items() if k != "memory_budget"}
+        options = {k: v for k, v in self._settings.items() if k != "memory_budget"}
         names = apply_checkpointing(pl_module, **options)
         if names != self.checkpointed_layers:
             self.checkpointed_layers = names
@@ -117,19 +183,32 @@ class GradientCheckpointing(Callback):
         self.remove()
 
     def state_dict(self) -> dict[str, Any]:
-        settings = dict(self.settings)
+        settings = {name: copy.copy(value) for name, value in self._settings.items()}
         settings["layer_cls"] = _layer_cls_as_paths(settings["layer_cls"])
         return {"settings": settings, "checkpointed_layers": list(self.checkpointed_layers)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         settings = dict(state_dict["settings"])
-        _validate(settings)
         if settings != self.state_dict()["settings"]:
             rank_zero_info(f"GradientCheckpointing: restoring the settings from the checkpoint: {settings}")
-            self.settings = settings
-            if self._module is not None:
-                remove_checkpointing(self._module)
-                self.apply(self._module)
+            self._update_settings(settings)
+
+    def _update_settings(self, changes: Mapping[str, Any]) -> None:
+        """Validate ``changes`` with the other settings, then store them and re-apply to checkpointed layers."""
+        unknown = sorted(set(changes) - set(_SETTINGS))
+        if unknown:
+            raise ValueError(f"GradientCheckpointing has no option {', '.join(map(repr, unknown))}; the options are"
+                             f" {', '.join(_SETTINGS)}.")
+        settings = {**self._settings, **{name: copy.copy(value) for name, value in changes.items()}}
+        _validate(settings)
+        if settings == self._settings:
+            return
+        self._settings.update(settings)
+        # Only where the layers exist and are checkpointed: before `configure_model` ran, applying now would find
+        # no layers; the pending application will use the new settings anyway.
+        if self._module is not None and checkpointed_names(self._module):
+            remove_checkpointing(self._module)
+            self.apply(self._module)
 
 
 def _validate(settings: Mapping[str, Any]) -> None:

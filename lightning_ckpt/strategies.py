@@ -78,7 +78,7 @@ def find_checkpointing_callback(trainer: pl.Trainer) -> Optional[GradientCheckpo
     Example::
 
         >>> from lightning.pytorch import Trainer
-        >>> find_checkpointing_callback(Trainer(callbacks=[GradientCheckpointing()], logger=False)).settings["mode"]
+        >>> find_checkpointing_callback(Trainer(callbacks=[GradientCheckpointing()], logger=False)).mode
         'full'
     """
     found = [cb for cb in trainer.callbacks if isinstance(cb, GradientCheckpointing)]
@@ -490,7 +490,7 @@ class CheckpointingFSDPStrategy(ModelParallelStrategy):
         _apply_callback(trainer, self.lightning_module)
         if not fsdp_units(self.model):  # else `configure_model` (or an earlier run) sharded it: keep that layout
             callback = find_checkpointing_callback(trainer)
-            layer_cls = callback.settings["layer_cls"] if callback is not None else None
+            layer_cls = callback.layer_cls if callback is not None else None
             self.sharded_units = shard_for_checkpointing(
                 self.lightning_module, self.device_mesh["data_parallel"], layer_cls,
                 reshard_after_forward=self._reshard_after_forward, mp_policy=mp_policy,
