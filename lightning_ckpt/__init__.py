@@ -1,5 +1,7 @@
 """Gradient (activation) checkpointing for PyTorch Lightning."""
 
+import logging
+
 from lightning_ckpt.callback import GradientCheckpointing
 from lightning_ckpt.monitor import MemoryMonitor
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy
@@ -14,3 +16,11 @@ __all__ = [
     "remove_checkpointing",
 ]
 __version__ = "0.1.0"
+
+# What the package decides on its own (the detected block, a cache turned off) is said at INFO, shown like
+# Lightning's own messages unless the application configured logging itself.
+_logger = logging.getLogger(__name__)
+_logger.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers():
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False

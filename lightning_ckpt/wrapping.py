@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ckpt.layer_state import CallState, LayerState
 from lightning_ckpt.offload import OffloadToHost
 from lightning_ckpt.policies import selective_context_fn
 from lightning_ckpt.selection import (
@@ -37,6 +40,8 @@ from lightning_ckpt.selection import (
     select_layers,
     validate_every_n_layers,
 )
+
+log = logging.getLogger(__name__)
 
 Mode = Literal["full", "selective"]
 MODES = ("full", "selective")
@@ -82,6 +87,7 @@ class CheckpointedForward:
     """The ``forward`` installed on a checkpointed module; calls the original forward under checkpoint.
 
     In eval mode or without grad it calls the original forward directly: nothing is saved for backward there.
+    Buffers the forward changes are put back around the recompute (see :mod:`lightning_ckpt.layer_state`).
     """
 
     def __init__(self, module: nn.Module, options: CheckpointOptions, original: Callable[..., Any] | None) -> None:
@@ -89,32 +95,82 @@ class CheckpointedForward:
         self.options = options
         # `None` means the class's own forward; anything else was an instance attribute before us.
         self.original = original
+        self.state = LayerState(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         forward = self.original if self.original is not None else type(module).forward.__get__(module)
         if not (module.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
-        run, flat = _tensor_kwargs_as_args(forward, args, kwargs)
+        run, flat = _tensors_as_args(forward, args, kwargs)
         torch_kwargs = self.options.torch_kwargs()
         if torch_kwargs["use_reentrant"]:
             run, flat = _with_grad_anchor(run, flat, module)
-        with OffloadToHost() if self.options.offload else nullcontext():
+        if torch.compiler.is_compiling():
+            # A compiled graph functionalises buffer updates: its recompute does not apply them a second time.
             return checkpoint(run, *flat, **torch_kwargs)
+        _refuse_caches(module, args, kwargs)
+        call = self.state.begin()
+        with OffloadToHost() if self.options.offload else nullcontext():
+            out = checkpoint(_replaying(run, call) if call.needs_replay else run, *flat, **torch_kwargs)
+        self.state.end(call)
+        return out
 
 
-def _tensor_kwargs_as_args(
+def _replaying(run: Callable[..., Any], call: CallState) -> Callable[..., Any]:
+    """``run`` for checkpoint: the first call is the forward, every later call a recompute under ``call``'s state."""
+    calls = 0
+
+    def replaying_run(*flat: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return run(*flat)
+        with call.replayed():
+            return run(*flat)
+
+    return replaying_run
+
+
+def _is_container(node: Any) -> bool:
+    return type(node) in (tuple, list, dict)
+
+
+def _tensors_as_args(
     forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """Pass tensor keyword arguments positionally, so checkpoint saves (and offloads) them like the others."""
-    tensor_names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-    others = {k: v for k, v in kwargs.items() if k not in tensor_names}
-    n_args = len(args)
+    """Pass every tensor in ``args``/``kwargs`` positionally (also inside plain tuples, lists and dicts, such as
+    Transformers' ``position_embeddings``), so that checkpoint saves and offloads them like the others."""
+    leaves, spec = tree_flatten((args, kwargs), is_leaf=lambda node: not _is_container(node))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
-    def run(*flat: Any) -> Any:
-        return forward(*flat[:n_args], **others, **dict(zip(tensor_names, flat[n_args:])))
+    def run(*tensors: Any) -> Any:
+        filled = list(leaves)
+        for i, tensor in zip(positions, tensors):
+            filled[i] = tensor
+        call_args, call_kwargs = tree_unflatten(filled, spec)
+        return forward(*call_args, **call_kwargs)
 
-    return run, (*args, *(kwargs[k] for k in tensor_names))
+    return run, tuple(leaves[i] for i in positions)
+
+
+def _is_cache(value: Any) -> bool:
+    """A key/value cache object (Transformers' ``Cache``), recognised by duck typing."""
+    return not isinstance(value, torch.Tensor) and callable(getattr(value, "update", None)) and callable(
+        getattr(value, "get_seq_length", None))
+
+
+def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A cache that reaches a checkpointed layer would show its recompute what the forward appended to it."""
+    leaves = tree_leaves((args, kwargs), is_leaf=lambda node: not _is_container(node))
+    caches = [type(leaf).__name__ for leaf in leaves if _is_cache(leaf)]
+    if caches:
+        raise ValueError(
+            f"A key/value cache ({caches[0]}) reaches the checkpointed layer {type(module).__name__} in training: its"
+            " recompute would see the keys and values that the forward already added. Checkpointing turned the"
+            " model's `config.use_cache` off; do not pass `use_cache=True` or `past_key_values` to the model in"
+            " training (pass `use_cache=False`)."
+        )
 
 
 def _with_grad_anchor(
@@ -184,6 +240,7 @@ def apply_checkpointing(
     selected = select_layers(module, classes, every_n_layers)
     if not selected:
         raise ValueError(_no_match_message(module, classes))
+    selected = _without_layers_checkpointed_elsewhere(module, selected)
     _check_no_nesting(module, [name for name, _ in selected])
     for _, layer in selected:
         if is_checkpointed(layer):
@@ -191,7 +248,9 @@ def apply_checkpointing(
         else:
             original = layer.__dict__.get("forward")
             layer.forward = CheckpointedForward(layer, options, original)
-    return [name for name, _ in selected]
+    names = [name for name, _ in selected]
+    _turn_off_caches(module, names)
+    return names
 
 
 def remove_checkpointing(module: nn.Module) -> list[str]:
@@ -204,7 +263,65 @@ def remove_checkpointing(module: nn.Module) -> list[str]:
             if original is not None:
                 sub.forward = original
             names.append(name)
+        if _CACHE_FLAG in sub.__dict__:
+            sub.config.use_cache = sub.__dict__.pop(_CACHE_FLAG)
     return names
+
+
+_CACHE_FLAG = "_lightning_ckpt_use_cache"  # on a model whose `config.use_cache` we turned off: the value to restore
+
+
+def _turn_off_caches(module: nn.Module, names: list[str]) -> None:
+    """Turn off the cache of every model (a ``config.use_cache`` found by duck typing, as in Transformers) that
+    holds a checkpointed layer: a cache filled in forward would be seen again by the recompute."""
+    for owner_name, owner in module.named_modules():
+        config = getattr(owner, "config", None)
+        if getattr(config, "use_cache", None) is True and any(is_inside(name, owner_name) for name in names):
+            owner.__dict__[_CACHE_FLAG] = True
+            config.use_cache = False
+            log.info("lightning_ckpt: turned off `config.use_cache` of %s while its layers are checkpointed (the"
+                     " recompute must not see a cache that forward filled); removing checkpointing turns it back on.",
+                     type(owner).__name__)
+
+
+def checkpointed_elsewhere(module: nn.Module, name: str) -> str | None:
+    """Why the submodule ``name`` of ``module`` already runs under someone else's checkpoint, or ``None``.
+
+    Recognised: Transformers' own gradient checkpointing (a ``gradient_checkpointing = True`` attribute on the
+    layer or a module around it, set by ``gradient_checkpointing_enable()``) and torch's ``CheckpointWrapper``
+    on, around or inside the layer.
+
+    Example::
+
+        >>> from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        >>> model = nn.Sequential(checkpoint_wrapper(nn.Linear(2, 2)), nn.Linear(2, 2))
+        >>> checkpointed_elsewhere(model, "0"), checkpointed_elsewhere(model, "1")
+        ("torch's CheckpointWrapper `0`", None)
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    for other, sub in module.named_modules():
+        related = other == name or is_inside(name, other) or is_inside(other, name)
+        if not related:
+            continue
+        if isinstance(sub, CheckpointWrapper):
+            return f"torch's CheckpointWrapper `{other or '<root>'}`"
+        if getattr(sub, "gradient_checkpointing", False) is True:
+            return (f"the model's own gradient checkpointing (`{other or '<root>'}.gradient_checkpointing`; turn it"
+                    " off with `gradient_checkpointing_disable()` to use this package's options)")
+    return None
+
+
+def _without_layers_checkpointed_elsewhere(
+    module: nn.Module, selected: list[tuple[str, nn.Module]]
+) -> list[tuple[str, nn.Module]]:
+    """Leave layers that already run under a checkpoint to it (log which): nested checkpoints recompute twice."""
+    reasons = {name: checkpointed_elsewhere(module, name) for name, _ in selected}
+    left = [name for name, reason in reasons.items() if reason is not None]
+    if left:
+        log.info("lightning_ckpt: %d layers (%s) are left to %s; checkpointing them again would recompute them twice.",
+                 len(left), ", ".join(left[:4]) + (", ..." if len(left) > 4 else ""), reasons[left[0]])
+    return [(name, layer) for name, layer in selected if reasons[name] is None]
 
 
 def _check_no_nesting(module: nn.Module, selected: list[str]) -> None:
