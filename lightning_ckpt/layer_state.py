@@ -30,6 +30,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 Slot = tuple[nn.Module, str]  # (owner module, buffer name): survives `.to()`, which replaces the tensors
 
@@ -95,13 +96,19 @@ class CallState:
 
     @contextmanager
     def replayed(self) -> Iterator[None]:
-        """Around a recompute: the buffers as the forward saw them, then as the forward left them."""
-        after = Snapshot([(owner, name) for owner, name, _, _ in self.before.entries])
-        self.before.restore()
+        """Around a recompute: the buffers as the forward saw them, then as the forward left them.
+
+        The copies run outside any dispatch mode: selective checkpointing replays the recompute's ops against
+        what its forward recorded, and these copies are not the layer's.
+        """
+        with _disable_current_modes():
+            after = Snapshot([(owner, name) for owner, name, _, _ in self.before.entries])
+            self.before.restore()
         try:
             yield
         finally:
-            after.restore()
+            with _disable_current_modes():
+                after.restore()
 
 
 class LayerState:
