@@ -287,9 +287,10 @@ def _turn_off_caches(module: nn.Module, names: list[str]) -> None:
 def checkpointed_elsewhere(module: nn.Module, name: str) -> str | None:
     """Why the submodule ``name`` of ``module`` already runs under someone else's checkpoint, or ``None``.
 
-    Recognised: Transformers' own gradient checkpointing (a ``gradient_checkpointing = True`` attribute on the
-    layer or a module around it, set by ``gradient_checkpointing_enable()``) and torch's ``CheckpointWrapper``
-    on, around or inside the layer.
+    Recognised: torch's ``CheckpointWrapper`` on, around or inside the layer, and Transformers' own gradient
+    checkpointing, a ``gradient_checkpointing = True`` flag (set by ``gradient_checkpointing_enable()``): on the
+    layer or inside it, or, for a layer without a flag of its own, on a module around it that runs its layers
+    under checkpoint.
 
     Example::
 
@@ -300,15 +301,17 @@ def checkpointed_elsewhere(module: nn.Module, name: str) -> str | None:
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+    layer_has_flag = hasattr(module.get_submodule(name), "gradient_checkpointing")
     for other, sub in module.named_modules():
-        related = other == name or is_inside(name, other) or is_inside(other, name)
-        if not related:
+        around = other != name and is_inside(name, other)
+        if not (other == name or around or is_inside(other, name)):
             continue
         if isinstance(sub, CheckpointWrapper):
             return f"torch's CheckpointWrapper `{other or '<root>'}`"
-        if getattr(sub, "gradient_checkpointing", False) is True:
+        if getattr(sub, "gradient_checkpointing", False) is True and not (around and layer_has_flag):
             return (f"the model's own gradient checkpointing (`{other or '<root>'}.gradient_checkpointing`; turn it"
-                    " off with `gradient_checkpointing_disable()` to use this package's options)")
+                    " off with `gradient_checkpointing_disable()`, `activation_checkpointing_disable()` in recent"
+                    " Transformers, to use this package's options)")
     return None
 
 

@@ -1,0 +1,191 @@
+"""Models nobody on this project wrote, built from configs (no downloads): Transformers' Llama (with PEFT LoRA)
+and litgpt's GPT train exactly as without checkpointing; caches and a model's own checkpointing are handled."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ckpt import apply_checkpointing, remove_checkpointing
+from lightning_ckpt.profiling import SavedTensorCounter, count_flops
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+litgpt = pytest.importorskip("litgpt")
+
+# Transformers renames its checkpointing switches; the tests use the names this version has.
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+VOCAB, SEQ, BATCH = 128, 32, 2
+LAYERS = [f"model.layers.{i}" for i in range(4)]
+
+
+def llama(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, attention_dropout=dropout,
+    )
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def lora(model: nn.Module) -> nn.Module:
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"],
+                             init_lora_weights=False)  # B is random, not zero: every adapter gets a gradient
+    return peft.get_peft_model(model, config).train()
+
+
+def ids(seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_loss(model: nn.Module, **kwargs) -> torch.Tensor:
+    return model(input_ids=ids(), labels=ids(), **kwargs).loss
+
+
+def loss_and_grads(model: nn.Module, loss_fn=hf_loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    loss = loss_fn(model)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(result, ref, atol: float) -> None:
+    (loss, grads), (ref_loss, ref_grads) = result, ref
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_hf_llama_with_its_default_cache_trains_exactly_and_the_cache_comes_back(use_reentrant, caplog):
+    ref = loss_and_grads(llama())
+    model = llama()
+    assert model.config.use_cache is True
+    with caplog.at_level(logging.INFO, logger="lightning_ckpt"):
+        names = apply_checkpointing(model, use_reentrant=use_reentrant)
+    assert names == LAYERS
+    assert model.config.use_cache is False
+    assert sum("use_cache" in r.getMessage() for r in caplog.records) == 1
+    assert_same(loss_and_grads(model), ref, atol=1e-6)
+    assert remove_checkpointing(model) == LAYERS
+    assert model.config.use_cache is True
+    assert "_lightning_ckpt_use_cache" not in model.__dict__
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_cache_that_still_reaches_a_checkpointed_layer_is_refused(use_reentrant):
+    model = llama()
+    apply_checkpointing(model, use_reentrant=use_reentrant)
+    with pytest.raises(ValueError, match=r"DynamicCache.*use_cache=False"):
+        hf_loss(model, use_cache=True)
+    model.eval()  # no checkpointing in eval: the cache is the model's business there
+    with torch.no_grad():
+        assert model(input_ids=ids(), use_cache=True).past_key_values is not None
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_peft_lora_adapters_get_their_exact_gradients_with_less_memory(use_reentrant):
+    ref_model = lora(llama())
+    ref = loss_and_grads(ref_model)
+    model = lora(llama())
+    names = apply_checkpointing(model, use_reentrant=use_reentrant)
+    assert names == [f"base_model.model.{n}" for n in LAYERS]
+    result = loss_and_grads(model)
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    assert result[1].keys() == adapters  # frozen base: only adapters get gradients, and every one does
+    assert all(result[1][n].abs().sum() > 0 for n in adapters)
+    assert_same(result, ref, atol=1e-6)
+
+    def held(m):
+        torch.manual_seed(123)
+        with SavedTensorCounter(exclude=m.parameters()) as saved:
+            hf_loss(m)
+        return saved.bytes
+
+    assert held(model) < 0.3 * held(ref_model)
+
+
+def test_peft_lora_dropout_is_really_random():
+    """Dropout on: the bit-equality above needs the RNG replayed, not a dropout that does nothing."""
+    model = lora(llama())
+    torch.manual_seed(1)
+    a = hf_loss(model)
+    torch.manual_seed(2)
+    assert hf_loss(model) != a
+
+
+def litgpt_model() -> nn.Module:
+    torch.manual_seed(0)
+    config = litgpt.Config(n_layer=4, n_embd=64, n_head=4, n_query_groups=2, block_size=SEQ, vocab_size=VOCAB,
+                           padded_vocab_size=VOCAB, bias=False)
+    return litgpt.GPT(config).train()
+
+
+def litgpt_loss(model: nn.Module) -> torch.Tensor:
+    logits = model(ids())
+    return nn.functional.cross_entropy(logits.flatten(0, 1), ids(3).flatten())
+
+
+def test_litgpt_block_is_detected_and_every_second_trains_bit_equal():
+    ref = loss_and_grads(litgpt_model(), litgpt_loss)
+    model = litgpt_model()
+    assert apply_checkpointing(model, every_n_layers=2) == ["transformer.h.0", "transformer.h.2"]
+    assert_same(loss_and_grads(model, litgpt_loss), ref, atol=0)
+    plain = litgpt_model()
+    flops = [count_flops(lambda m=m: litgpt_loss(m).backward()) for m in (plain, model)]
+    assert flops[1] > flops[0]  # it does recompute
+
+
+def test_a_model_with_its_own_checkpointing_is_recomputed_once(caplog):
+    def step(m):
+        return count_flops(lambda: hf_loss(m).backward())
+
+    none = step(llama())
+    own = llama()
+    own.gradient_checkpointing_enable()
+    once = step(own)
+    assert once > none
+    with caplog.at_level(logging.INFO, logger="lightning_ckpt"):
+        assert apply_checkpointing(own) == []
+    assert any("gradient_checkpointing_disable()" in r.getMessage() for r in caplog.records)
+    assert step(own) == once
+    own.gradient_checkpointing_disable()
+    assert apply_checkpointing(own) == LAYERS
+    assert step(own) == once  # ours alone costs what theirs did
+
+
+def test_torch_checkpoint_wrapper_around_a_block_is_left_to_it():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = llama()
+    plain = copy.deepcopy(model)
+    model.model.layers[1] = checkpoint_wrapper(model.model.layers[1])
+    names = apply_checkpointing(model, layer_cls="transformers.models.llama.modeling_llama.LlamaDecoderLayer")
+    assert names == ["model.layers.0", "model.layers.2", "model.layers.3"]
+    ours = copy.deepcopy(plain)
+    apply_checkpointing(ours)
+    flops = [count_flops(lambda m=m: hf_loss(m).backward()) for m in (model, ours)]
+    assert flops[0] == flops[1]  # layer 1 recomputed once, by the wrapper
+
+
+def test_layers_the_model_leaves_alone_are_checkpointed_by_us():
+    """Transformers' `activation_checkpointing_enable(every_n_layers=2)` checkpoints layers 0 and 2; we take 1 and 3,
+    and every layer is recomputed exactly once."""
+    own = llama()
+    if not hasattr(own, "activation_checkpointing_enable"):
+        pytest.skip("this Transformers has no every_n_layers of its own")
+    own.activation_checkpointing_enable(every_n_layers=2)
+    assert apply_checkpointing(own) == ["model.layers.1", "model.layers.3"]
+    ours = llama()
+    apply_checkpointing(ours)
+    flops = [count_flops(lambda m=m: hf_loss(m).backward()) for m in (own, ours)]
+    assert flops[0] == flops[1]
