@@ -1,4 +1,7 @@
-"""GradientCheckpointing: the Lightning callback. It only decides *when*; selection and wrapping decide what and how."""
+"""GradientCheckpointing: the Lightning callback. It only decides *when*; selection and wrapping decide what and how.
+
+Also here: finding the callback on a Trainer, and refusing a Lightning strategy that would checkpoint as well.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +13,11 @@ from typing import Any, Generic, Optional, TypeVar, Union, overload
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_ckpt.placement import check_checkpointing_placement
 from lightning_ckpt.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
 from lightning_ckpt.wrapping import (
     CheckpointOptions,
@@ -151,8 +156,6 @@ class GradientCheckpointing(Callback):
         self._module = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_ckpt.strategies import check_lightning_strategy  # strategies import this module
-
         check_lightning_strategy(trainer.strategy)
         self._module = pl_module
         if is_overridden("configure_model", pl_module):
@@ -171,8 +174,6 @@ class GradientCheckpointing(Callback):
             self.apply(pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning_ckpt.strategies import check_checkpointing_placement
-
         # After the strategy wrapped the model: also covers Lightning's own FSDP/ModelParallel strategies.
         check_checkpointing_placement(pl_module)
 
@@ -209,6 +210,44 @@ class GradientCheckpointing(Callback):
         if self._module is not None and checkpointed_names(self._module):
             remove_checkpointing(self._module)
             self.apply(self._module)
+
+
+def find_checkpointing_callback(trainer: pl.Trainer) -> Optional[GradientCheckpointing]:
+    """The trainer's :class:`GradientCheckpointing` callback, or ``None`` when it has none.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> find_checkpointing_callback(Trainer(callbacks=[GradientCheckpointing()], logger=False)).mode
+        'full'
+    """
+    found = [cb for cb in trainer.callbacks if isinstance(cb, GradientCheckpointing)]
+    if len(found) > 1:
+        raise ValueError(
+            f"The Trainer has {len(found)} `GradientCheckpointing` callbacks; pass one (its `layer_cls` can be a list"
+            " of classes)."
+        )
+    return found[0] if found else None
+
+
+def check_lightning_strategy(strategy: Strategy) -> None:
+    """Refuse Lightning strategies configured to checkpoint on their own while the callback checkpoints too.
+
+    Lightning's ``FSDPStrategy(activation_checkpointing_policy=...)`` (or the deprecated
+    ``activation_checkpointing=...``) wraps layers in torch's ``CheckpointWrapper`` after sharding; with
+    :class:`GradientCheckpointing` as well, layers would be recomputed twice.
+
+    Example::
+
+        >>> from lightning.pytorch.strategies import DDPStrategy
+        >>> check_lightning_strategy(DDPStrategy())  # no checkpointing of its own: fine
+    """
+    if isinstance(strategy, FSDPStrategy) and getattr(strategy, "_activation_checkpointing_kwargs", None):
+        raise ValueError(
+            "`FSDPStrategy(activation_checkpointing_policy=...)` and the `GradientCheckpointing` callback would both"
+            " checkpoint the model, recomputing layers twice. Remove `activation_checkpointing_policy` (the callback"
+            " checkpoints inside the FSDP units when `auto_wrap_policy` wraps the layer class), or remove the callback."
+        )
 
 
 def _validate(settings: Mapping[str, Any]) -> None:

@@ -1,5 +1,8 @@
 """The ``lightning-ckpt`` command: a LightningCLI for any LightningModule, plus ``compare``.
 
+It sits on top of the package: it imports :mod:`lightning_ckpt.compare` and the LightningCLI builder
+(:func:`~lightning_ckpt.cli_builder.run_cli`, re-exported here), and nothing imports it.
+
 Example::
 
     lightning-ckpt fit --config configs/every_4th_offload.yaml
@@ -8,30 +11,19 @@ Example::
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Optional
 
-from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
+from lightning_ckpt.cli_builder import run_cli
+from lightning_ckpt.compare import main as compare_main
 
-
-def run_cli(args: Optional[list[str]] = None, **cli_kwargs: Any) -> LightningCLI:
-    """Run LightningCLI over any LightningModule/LightningDataModule named by ``class_path`` and return it.
-
-    ``cli_kwargs`` go to ``LightningCLI`` (e.g. ``run=False`` to only build the trainer, model and data).
-    """
-    cli_kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-    return LightningCLI(
-        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args, **cli_kwargs
-    )
+__all__ = ["main", "run_cli"]
 
 
 def main(args: Optional[list[str]] = None) -> Optional[int]:
     """Entry point: ``lightning-ckpt {fit,validate,test,predict,compare} --config X.yaml``."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["compare"]:
-        from lightning_ckpt.compare import main as compare
-
-        return compare(argv[1:])
+        return compare_main(argv[1:])
     run_cli(argv)
 
 

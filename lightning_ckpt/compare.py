@@ -179,7 +179,7 @@ class FirstStepRecorder(Callback):
 def run_worker(variant_dir: Path) -> None:
     """Train one variant from ``variant_dir/config.yaml`` and write ``variant_dir/result.json`` (rank zero)."""
     from lightning_ckpt.callback import GradientCheckpointing
-    from lightning_ckpt.cli import run_cli
+    from lightning_ckpt.cli_builder import run_cli
     from lightning_ckpt.monitor import MemoryMonitor
 
     cli = run_cli(["--config", str(variant_dir / "config.yaml")], run=False, save_config_callback=None)

@@ -39,15 +39,18 @@ from lightning.fabric.utilities.distributed import _destroy_dist_connection, _di
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lightning_ckpt.callback import GradientCheckpointing
-from lightning_ckpt.selection import is_inside, layer_classes, select_layers
-from lightning_ckpt.wrapping import checkpointed_names, is_checkpointed
+# `check_lightning_strategy`, `find_checkpointing_callback`, `check_checkpointing_placement` and `fsdp_units` live
+# with the concept they check (the callback; placement) and are re-exported here, where they were first defined.
+from lightning_ckpt.callback import check_lightning_strategy, find_checkpointing_callback
+from lightning_ckpt.placement import _fsdp2, check_checkpointing_placement, fsdp_units
+from lightning_ckpt.selection import layer_classes, select_layers
+from lightning_ckpt.wrapping import is_checkpointed
 
 log = logging.getLogger(__name__)
 
@@ -70,24 +73,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------
 # The callback: one source of truth
 # --------------------------------------------------------------------------------------------------
-
-
-def find_checkpointing_callback(trainer: pl.Trainer) -> Optional[GradientCheckpointing]:
-    """The trainer's :class:`GradientCheckpointing` callback, or ``None`` when it has none.
-
-    Example::
-
-        >>> from lightning.pytorch import Trainer
-        >>> find_checkpointing_callback(Trainer(callbacks=[GradientCheckpointing()], logger=False)).mode
-        'full'
-    """
-    found = [cb for cb in trainer.callbacks if isinstance(cb, GradientCheckpointing)]
-    if len(found) > 1:
-        raise ValueError(
-            f"The Trainer has {len(found)} `GradientCheckpointing` callbacks; pass one (its `layer_cls` can be a list"
-            " of classes)."
-        )
-    return found[0] if found else None
 
 
 def _apply_callback(trainer: Optional[pl.Trainer], pl_module: pl.LightningModule) -> list[str]:
@@ -223,88 +208,6 @@ class CheckpointingDDPStrategy(DDPStrategy):
 # --------------------------------------------------------------------------------------------------
 # FSDP2: shard each block, then the rest, so that checkpointing sits inside each FSDP unit
 # --------------------------------------------------------------------------------------------------
-
-
-def _fsdp2() -> Any:
-    """torch's FSDP2 module (public since torch 2.6, under ``_composable`` before)."""
-    try:
-        from torch.distributed import fsdp
-        fsdp.fully_shard  # noqa: B018
-    except (ImportError, AttributeError):  # pragma: no cover - torch < 2.6
-        from torch.distributed._composable import fsdp
-    return fsdp
-
-
-def fsdp_units(module: nn.Module) -> list[str]:
-    """Names of the FSDP units in ``module``: modules sharded with FSDP2's ``fully_shard`` or wrapped in FSDP1.
-
-    Example::
-
-        >>> fsdp_units(nn.Linear(2, 2))
-        []
-    """
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    fsdp_module = _fsdp2().FSDPModule
-    return [name for name, sub in module.named_modules() if isinstance(sub, (fsdp_module, FullyShardedDataParallel))]
-
-
-def check_checkpointing_placement(module: nn.Module) -> None:
-    """Refuse layers checkpointed twice; warn about FSDP units *inside* a checkpointed layer.
-
-    A layer checkpointed by this package inside or around torch's ``CheckpointWrapper`` (from
-    ``FSDPStrategy(activation_checkpointing_policy=...)`` or ``apply_activation_checkpointing``) would be
-    recomputed twice: that is an error. Checkpointing belongs inside the FSDP unit, ``FSDP(checkpoint(block))``;
-    units inside a checkpointed layer (e.g. ``fully_shard`` on each ``nn.Linear`` with ``layer_cls=Block``)
-    have their hooks run again in the recomputation, so they get a warning.
-
-    Example::
-
-        >>> check_checkpointing_placement(nn.Linear(2, 2))  # nothing checkpointed, nothing sharded: fine
-    """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    checkpointed = checkpointed_names(module)
-    wrappers = [name for name, sub in module.named_modules() if isinstance(sub, CheckpointWrapper)]
-    for layer in checkpointed:
-        for wrapper in wrappers:
-            if layer == wrapper or is_inside(wrapper, layer) or is_inside(layer, wrapper):
-                raise ValueError(
-                    f"`{layer}` is checkpointed by GradientCheckpointing and by torch's `CheckpointWrapper`"
-                    f" (`{wrapper}`, from an `activation_checkpointing_policy` or `apply_activation_checkpointing`):"
-                    " it would be recomputed twice. Remove one of them; the callback alone is enough."
-                )
-    units = fsdp_units(module)
-    for layer in checkpointed:
-        inner = [unit for unit in units if unit != layer and is_inside(unit, layer)]
-        if inner:
-            rank_zero_warn(
-                f"The checkpointed layer `{layer}` contains FSDP units ({', '.join(inner[:4])}), whose hooks run"
-                " again when it is recomputed. Shard whole layers instead (one FSDP unit per checkpointed layer:"
-                " `fully_shard` on the block, or an `auto_wrap_policy` of the layer class), so that checkpointing"
-                " sits inside the unit."
-            )
-            return
-
-
-def check_lightning_strategy(strategy: Strategy) -> None:
-    """Refuse Lightning strategies configured to checkpoint on their own while the callback checkpoints too.
-
-    Lightning's ``FSDPStrategy(activation_checkpointing_policy=...)`` (or the deprecated
-    ``activation_checkpointing=...``) wraps layers in torch's ``CheckpointWrapper`` after sharding; with
-    :class:`~lightning_ckpt.GradientCheckpointing` as well, layers would be recomputed twice.
-
-    Example::
-
-        >>> from lightning.pytorch.strategies import DDPStrategy
-        >>> check_lightning_strategy(DDPStrategy())  # no checkpointing of its own: fine
-    """
-    if isinstance(strategy, FSDPStrategy) and getattr(strategy, "_activation_checkpointing_kwargs", None):
-        raise ValueError(
-            "`FSDPStrategy(activation_checkpointing_policy=...)` and the `GradientCheckpointing` callback would both"
-            " checkpoint the model, recomputing layers twice. Remove `activation_checkpointing_policy` (the callback"
-            " checkpoints inside the FSDP units when `auto_wrap_policy` wraps the layer class), or remove the callback."
-        )
 
 
 def shard_for_checkpointing(
