@@ -19,6 +19,7 @@ EXPECTED = {
     "every_4th_offload.yaml": ["model.blocks.0", "model.blocks.4"],
     "configure_model.yaml": ["model.blocks.0", "model.blocks.2", "model.blocks.4", "model.blocks.6"],
     "tiny.yaml": ["model.blocks.0", "model.blocks.2"],
+    "hf_lora.yaml": [f"model.base_model.model.model.layers.{i}" for i in range(4)],
 }
 
 
