@@ -20,11 +20,16 @@ __all__ = ["main", "run_cli"]
 
 
 def main(args: Optional[list[str]] = None) -> Optional[int]:
-    """Entry point: ``lightning-ckpt {fit,validate,test,predict,compare} --config X.yaml``."""
+    """Entry point: ``lightning-ckpt {fit,validate,test,predict,compare} --config X.yaml``.
+
+    ``args=None`` (the console script) reads the command line. LightningCLI then reads ``sys.argv`` itself:
+    handing it ``sys.argv[1:]`` as ``args`` as well would make it warn, on every run, against passing both.
+    """
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["compare"]:
         return compare_main(argv[1:])
-    run_cli(argv)
+    run_cli(None if args is None else argv)
+    return None
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,7 +183,11 @@ def run_worker(variant_dir: Path) -> None:
     from lightning_ckpt.cli_builder import run_cli
     from lightning_ckpt.monitor import MemoryMonitor
 
-    cli = run_cli(["--config", str(variant_dir / "config.yaml")], run=False, save_config_callback=None)
+    with warnings.catch_warnings():
+        # The worker's own command line (`--worker DIR`) is not for LightningCLI; the config comes as `args` on
+        # purpose, so LightningCLI's caution against passing both would only be noise in every worker log.
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
+        cli = run_cli(["--config", str(variant_dir / "config.yaml")], run=False, save_config_callback=None)
     trainer = cli.trainer
     trainer.fit(cli.model, datamodule=cli.datamodule)
     if not trainer.is_global_zero:

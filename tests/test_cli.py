@@ -4,17 +4,60 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import lightning_ckpt
 
 PACKAGE_DIR = Path(lightning_ckpt.__file__).parent
+CONFIGS = Path(__file__).parents[1] / "configs"
+ARGS_WARNING = "args parameter is intended to run from within Python"
 #: Modules that must stay plain PyTorch (house rule): they never import Lightning, even lazily.
 PLAIN_PYTORCH = {"selection", "planner", "wrapping", "offload", "policies", "profiling", "layer_state", "placement"}
+
+
+# ------------------------------------------------------------------------------------------------
+# The console script
+# ------------------------------------------------------------------------------------------------
+
+
+def console_script() -> str:
+    """The installed ``lightning-ckpt`` next to this interpreter (``pip install -e .`` puts it there)."""
+    script = Path(sys.executable).with_name("lightning-ckpt")
+    found = str(script) if script.exists() else shutil.which("lightning-ckpt")
+    if found is None:
+        pytest.skip("the `lightning-ckpt` console script is not installed (pip install -e .)")
+    return found
+
+
+def run_script(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([console_script(), *args], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def test_console_script_fit_trains_without_a_warning_of_ours(tmp_path):
+    proc = run_script("fit", "--config", str(CONFIGS / "tiny.yaml"), "--trainer.max_steps=1", "--trainer.logger=false",
+                      "--trainer.enable_checkpointing=false", f"--trainer.default_root_dir={tmp_path}", cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert ARGS_WARNING not in output
+    assert "`max_steps=1` reached" in output
+    assert "checkpointing 2 layers (model.blocks.0, model.blocks.2)" in output
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())  # the config the run parsed from the command line
+    assert saved["trainer"]["max_steps"] == 1 and saved["model"]["init_args"]["n_layer"] == 4
+
+
+def test_console_script_dispatches_compare_to_its_own_parser(tmp_path):
+    proc = run_script("compare", "--config", str(tmp_path / "missing.yaml"), cwd=tmp_path)
+    assert proc.returncode == 2  # argparse's usage error, not LightningCLI's
+    assert "lightning-ckpt compare: error: --config" in proc.stderr and "missing.yaml: no such file" in proc.stderr
+    assert ARGS_WARNING not in proc.stdout + proc.stderr
 
 
 # ------------------------------------------------------------------------------------------------
