@@ -114,7 +114,7 @@ def test_loss_falls_with_checkpointing():
 
 
 def test_no_cache_reaches_a_checkpointed_layer():
-    """``use_cache`` is off while layers are checkpointed, so no ``DynamicCache`` is filled (twice, by the recompute)."""
+    """``use_cache`` is off while layers are checkpointed: no ``DynamicCache`` is filled again by the recompute."""
     module = LoraCausalLM(num_layers=2)
     module.configure_model()
     assert module.model.config.use_cache is True
