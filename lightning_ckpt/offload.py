@@ -56,7 +56,7 @@ DEFAULT_MIN_BYTES = 1 << 20
 """Tensors smaller than this stay on the device: copying them costs more than it saves."""
 
 DEFAULT_LAG = 2
-"""A forward copy may still run while this many later checkpointed layers start; then the compute stream waits for it."""
+"""A forward copy may still run while this many later checkpointed layers start; then the compute stream waits."""
 
 _warned_cpu = False
 

@@ -271,17 +271,20 @@ def test_accelerator_offload_gradients_are_bit_equal():
 
 @pytest.mark.accelerator
 def test_accelerator_offload_lowers_peak_memory_by_the_offloaded_bytes():
+    from lightning_ckpt.demos import Transformer
+
     device = _device()
-    n_layer, width, seq, batch = 24, 512, 1024, 8  # 16 MiB per block input, 384 MiB offloaded
+    n_layer, width, seq, batch = 48, 256, 2048, 16  # 32 MiB per block input, 1.5 GiB offloaded
     idx = torch.randint(0, 32, (batch, seq), device=device)
     peaks, offloaded = {}, 0
     for offloaded_run in (False, True):
         torch.manual_seed(0)
-        from lightning_ckpt.demos import Transformer
-
         model = Transformer(32, seq, n_layer, width, n_head=8, dropout=0.0).to(device)
+        # Only the embeddings train (as with frozen blocks in PEFT): weight gradients would otherwise take the memory
+        # that offload frees late in backward, and the comparison would be about them, not about the saved inputs.
+        model.requires_grad_(False).tok_emb.requires_grad_(True)
         apply_checkpointing(model, layer_cls=Block, offload=offloaded_run)
-        for step in range(2):
+        for _ in range(2):  # the second step, on warm allocators and a warm host pool, is measured
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -294,7 +297,8 @@ def test_accelerator_offload_lowers_peak_memory_by_the_offloaded_bytes():
             offloaded = saved.offloaded_bytes
         del model, loss
         offload.release_all()
-    assert offloaded >= n_layer * batch * seq * width * 4
+        torch.cuda.empty_cache()
+    assert offloaded == n_layer * batch * seq * width * 4
     assert peaks[False] - peaks[True] >= 0.8 * offloaded, (peaks, offloaded)
 
 
