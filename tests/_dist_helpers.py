@@ -8,6 +8,7 @@ refused setting does not stop the other scenarios.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -31,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.demos import GPT, Block, CountingDataModule
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy, fsdp_units
+from lightning_ckpt.wrapping import checkpointed_names
 
 WORLD_SIZE = 2
 GPT_ARGS = dict(vocab_size=32, block_size=16, n_layer=2, n_embd=32, n_head=2, dropout=0.0, lr=3e-3)
@@ -167,6 +169,60 @@ class RecordGatheredDtype(Callback):
         block.register_forward_pre_hook(lambda mod, args: self.dtypes.append(str(mod.ln1.weight.dtype)))
 
 
+class RecordTraining(Callback):
+    """Record, on this rank, what training really ran: steps, forward runs of ``block``, and the layout.
+
+    ``forward_runs`` counts the training-mode runs of ``block.forward``, patched at class level from
+    ``on_train_start`` to ``on_train_end``. A checkpointed block runs its forward again when backward
+    recomputes it (``checkpoint`` calls the class's forward a second time; module hooks would not see that),
+    so a step runs each checkpointed block twice and each plain one once. ``units`` and ``checkpointed`` are
+    the FSDP units and the checkpointed layers of the LightningModule at the start of training, after the
+    strategy wrapped or sharded it (the callback undoes checkpointing in ``teardown``). At the end, every
+    rank's ``[forward_runs, steps]`` is gathered into ``trainer.callback_metrics["record/per_rank"]``, which
+    Lightning's spawn launcher hands back to the main process.
+    """
+
+    def __init__(self, block: type[nn.Module]) -> None:
+        self.block = block
+        self.steps = 0
+        self.forward_runs = 0
+        self.units: list[str] = []
+        self.checkpointed: list[str] = []
+        self._original: Optional[Callable[..., Any]] = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
+        self.units = fsdp_units(pl_module)
+        self.checkpointed = checkpointed_names(pl_module)
+        original = self._original = self.block.forward
+
+        @functools.wraps(original)
+        def counted(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if module.training:
+                self.forward_runs += 1
+            return original(module, *args, **kwargs)
+
+        self.block.forward = counted  # type: ignore[method-assign]
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.steps += 1
+
+    def on_train_end(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore()
+        mine = torch.tensor([self.forward_runs, self.steps])
+        trainer.callback_metrics["record/per_rank"] = trainer.strategy.all_gather(mine).reshape(-1, 2).cpu()
+
+    def on_exception(self, trainer: Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._original is not None:
+            self.block.forward = self._original  # type: ignore[method-assign]
+            self._original = None
+
+    def results(self) -> dict[str, Any]:
+        return {"forward_runs": self.forward_runs, "layout": {"units": self.units, "checkpointed": self.checkpointed}}
+
+
 def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every rank's copy of the unsharded weights (collective when ``module`` is sharded)."""
     from torch.distributed.tensor import DTensor
@@ -194,13 +250,14 @@ def _trainer(strategy: Any, callbacks: list[Callback] = (), **kwargs: Any) -> Tr
 def _fit_two_heads(strategy: Any, callback: Optional[GradientCheckpointing], static: bool = False) -> dict[str, Any]:
     seed_everything(0)
     model = TwoHeads(static=static)
-    trainer = _trainer(strategy, [callback] if callback is not None else [])
+    record = RecordTraining(MLPBlock)
+    trainer = _trainer(strategy, [callback, record] if callback is not None else [record])
     try:
         trainer.fit(model)
     except ValueError as err:  # a refused setting: record it with how many steps ran before it
         return {"error": f"{type(err).__name__}: {err}", "steps": model.steps_run}
     checkpointed = callback.checkpointed_layers if callback is not None else []
-    return {"weights": full_weights(model), "steps": model.steps_run, "checkpointed": checkpointed}
+    return {"weights": full_weights(model), "steps": model.steps_run, "checkpointed": checkpointed, **record.results()}
 
 
 def ddp_two_heads_reference() -> dict[str, Any]:
@@ -236,11 +293,12 @@ def ddp_static_reentrant() -> dict[str, Any]:
 
 def _fit_gpt(model: GPT, strategy: Any, callbacks: list[Callback], **trainer_kwargs: Any) -> dict[str, Any]:
     counter = CountCollectives()
+    record = RecordTraining(Block)
     ckpt_path = trainer_kwargs.pop("ckpt_path", None)
-    trainer = _trainer(strategy, [*callbacks, counter], **trainer_kwargs)
+    trainer = _trainer(strategy, [*callbacks, counter, record], **trainer_kwargs)
     trainer.fit(model, CountingDataModule(**DATA_ARGS), ckpt_path=ckpt_path)
     return {"weights": full_weights(model), "counts": counter.counts, "units": fsdp_units(model),
-            "strategy": type(trainer.strategy).__name__}
+            "strategy": type(trainer.strategy).__name__, "steps": record.steps, **record.results()}
 
 
 def gpt_ddp_reference() -> dict[str, Any]:
@@ -334,10 +392,12 @@ def ddp_two_heads_two_nodes() -> dict[str, Any]:
         seed_everything(0)
         model = TwoHeads()
         callback = GradientCheckpointing()
-        trainer = _trainer(CheckpointingDDPStrategy(find_unused_parameters=True), [callback], devices=1, num_nodes=2)
+        record = RecordTraining(MLPBlock)
+        trainer = _trainer(CheckpointingDDPStrategy(find_unused_parameters=True), [callback, record], devices=1,
+                           num_nodes=2)
         trainer.fit(model)
         return {"weights": full_weights(model), "global_rank": trainer.global_rank, "node_rank": trainer.node_rank,
-                "checkpointed": callback.checkpointed_layers}
+                "checkpointed": callback.checkpointed_layers, "steps": model.steps_run, **record.results()}
 
 
 def gpt_fsdp_two_nodes() -> dict[str, Any]:

@@ -1,15 +1,20 @@
-"""CheckpointingDDPStrategy and CheckpointingFSDPStrategy: same weights, safe settings, no extra all-gathers.
+"""CheckpointingDDPStrategy and CheckpointingFSDPStrategy: same weights, recomputation on every rank, safe settings.
 
 The distributed runs use 2 CPU processes with gloo. Most of them share one spawned pair of processes
 (``runs`` below: many short fits on one process group, as under a cluster launcher); the two
 ``test_spawn_*`` tests use the strategies' own ``start_method="spawn"`` launcher from this process.
+
+Weights alone cannot show that checkpointing survived the wrapping: a model trains to the same weights with or
+without it. So every distributed run also counts, per rank, how often the block's forward ran in training
+(``_dist_helpers.RecordTraining``: twice per step for a checkpointed block, once for a plain one) and records
+which layers were checkpointed and which were FSDP units once training started.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _dist_helpers import GPT_ARGS, SeededGPT, TwoHeads, run_scenarios
+from _dist_helpers import GPT_ARGS, MLPBlock, RecordTraining, SeededGPT, TwoHeads, run_scenarios
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, StrategyRegistry
 from torch import nn
@@ -64,6 +69,35 @@ def max_change(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) 
     return max(float((after[k] - before[k]).abs().max()) for k in before)
 
 
+TRUNK = ["trunk.0", "trunk.1", "trunk.2"]  # TwoHeads' blocks
+GPT_BLOCKS = ["model.blocks.0", "model.blocks.1"]
+
+
+def assert_each_rank_ran(result: list[dict], n_layer: int, checkpointed: bool) -> None:
+    """Every rank trained, and ran each block's forward once per step, twice when backward recomputed it."""
+    per_step = n_layer * (2 if checkpointed else 1)
+    for rank, ran in enumerate(result):
+        assert ran["steps"] > 0, f"rank {rank} trained no step"
+        assert ran["forward_runs"] == per_step * ran["steps"], (
+            f"rank {rank}: {ran['forward_runs']} block forward runs in {ran['steps']} steps,"
+            f" expected {per_step} per step ({'checkpointed' if checkpointed else 'plain'})")
+
+
+def assert_checkpointed_in_training(result: list[dict], names: list[str]) -> None:
+    """On every rank, ``names`` were the checkpointed layers once training started (after any wrapping)."""
+    for rank, ran in enumerate(result):
+        assert ran["layout"]["checkpointed"] == names, f"rank {rank}"
+
+
+def assert_checkpointing_inside_units(result: list[dict], blocks: list[str]) -> None:
+    """On every rank, each checkpointed block is its own FSDP unit and holds no unit inside: FSDP(checkpoint(block))."""
+    assert_checkpointed_in_training(result, blocks)
+    for rank, ran in enumerate(result):
+        units = ran["layout"]["units"]
+        assert set(blocks) <= set(units), f"rank {rank}: units {units}"
+        assert not [u for u in units for b in blocks if u.startswith(b + ".")], f"rank {rank}: units {units}"
+
+
 # ------------------------------------------------------------------------------------------------
 # Registration and settings (no processes)
 # ------------------------------------------------------------------------------------------------
@@ -90,12 +124,47 @@ def test_registered_names(name, cls, attributes):
     assert issubclass(CheckpointingFSDPStrategy, ModelParallelStrategy)
 
 
-def test_registering_again_is_a_no_op():
-    before = dict(StrategyRegistry["fsdp_ckpt"])
-    CheckpointingFSDPStrategy.register_strategies(StrategyRegistry)
-    CheckpointingDDPStrategy.register_strategies(StrategyRegistry)
-    assert StrategyRegistry["fsdp_ckpt"]["strategy"] is before["strategy"]
-    assert StrategyRegistry["ddp_ckpt_spawn"]["init_params"] == {"start_method": "spawn"}
+OUR_NAMES = {
+    "ddp_ckpt": (CheckpointingDDPStrategy, {"start_method": "popen"}),
+    "ddp_ckpt_spawn": (CheckpointingDDPStrategy, {"start_method": "spawn"}),
+    "ddp_ckpt_fork": (CheckpointingDDPStrategy, {"start_method": "fork"}),
+    "ddp_ckpt_notebook": (CheckpointingDDPStrategy, {"start_method": "fork"}),
+    "ddp_ckpt_find_unused_parameters_true": (CheckpointingDDPStrategy, {"find_unused_parameters": True}),
+    "fsdp_ckpt": (CheckpointingFSDPStrategy, {}),
+    "fsdp_ckpt_spawn": (CheckpointingFSDPStrategy, {"start_method": "spawn"}),
+}
+
+
+def _registry_entries() -> list[tuple[str, type, str, dict]]:
+    return [(name, entry["strategy"], entry["description"], dict(entry["init_params"]))
+            for name, entry in StrategyRegistry.items()]
+
+
+def test_registering_again_changes_nothing():
+    before = _registry_entries()
+    ours = {name: (cls, params) for name, cls, _, params in before if "_ckpt" in name}
+    assert ours == OUR_NAMES
+    for _ in range(2):  # as on a second import: no error, no entry replaced, renamed, added or reordered
+        CheckpointingFSDPStrategy.register_strategies(StrategyRegistry)
+        CheckpointingDDPStrategy.register_strategies(StrategyRegistry)
+    after = _registry_entries()
+    assert [name for name, *_ in after] == [name for name, *_ in before]
+    for (name, cls, description, params), (_, cls_before, description_before, params_before) in zip(after, before):
+        assert cls is cls_before and description == description_before and params == params_before, name
+
+
+def test_registering_does_not_replace_another_class_under_our_name():
+    class Other(DDPStrategy):
+        pass
+
+    ours = StrategyRegistry["ddp_ckpt"]
+    StrategyRegistry.register("ddp_ckpt", Other, description="someone else's", override=True)
+    try:
+        with pytest.raises(ValueError, match="'ddp_ckpt' is already present"):
+            CheckpointingDDPStrategy.register_strategies(StrategyRegistry)
+        assert StrategyRegistry["ddp_ckpt"]["strategy"] is Other
+    finally:
+        StrategyRegistry["ddp_ckpt"] = ours
 
 
 def test_reentrant_is_only_accepted_with_a_static_graph():
@@ -162,8 +231,11 @@ def test_mixed_precision_follows_the_trainer_precision():
 def test_ddp_unused_head_trains_to_the_same_weights_with_checkpointing(runs):
     reference = ok(runs, "ddp_two_heads_reference")
     checkpointed = ok(runs, "ddp_two_heads_checkpointed")
-    assert checkpointed[0]["checkpointed"] == ["trunk.0", "trunk.1", "trunk.2"]
+    assert checkpointed[0]["checkpointed"] == TRUNK
     assert reference[0]["steps"] == checkpointed[0]["steps"] == 4
+    assert_each_rank_ran(reference, n_layer=3, checkpointed=False)
+    assert_each_rank_ran(checkpointed, n_layer=3, checkpointed=True)
+    assert_checkpointed_in_training(checkpointed, TRUNK)
     assert max_change(TwoHeads().state_dict(), reference[0]["weights"]) > 1e-3  # it trained
     for rank in (0, 1):
         assert_same_weights(checkpointed[rank]["weights"], reference[rank]["weights"], rtol=0, atol=0)
@@ -185,7 +257,10 @@ def test_ddp_reentrant_with_unused_parameters_is_refused_before_training(runs, s
 def test_ddp_reentrant_with_static_graph_matches(runs):
     reference = ok(runs, "ddp_static_reference")
     reentrant = ok(runs, "ddp_static_reentrant")
-    assert reentrant[0]["checkpointed"] == ["trunk.0", "trunk.1", "trunk.2"]
+    assert reentrant[0]["checkpointed"] == TRUNK
+    assert_each_rank_ran(reference, n_layer=3, checkpointed=False)
+    assert_each_rank_ran(reentrant, n_layer=3, checkpointed=True)
+    assert_checkpointed_in_training(reentrant, TRUNK)
     for rank in (0, 1):
         assert_same_weights(reentrant[rank]["weights"], reference[rank]["weights"], rtol=0, atol=0)
     assert_same_weights(reentrant[0]["weights"], reentrant[1]["weights"], rtol=0, atol=0)
@@ -199,7 +274,9 @@ def test_ddp_reentrant_with_static_graph_matches(runs):
 def test_fsdp_with_several_roots_and_an_unused_head_matches_ddp(runs):
     reference = ok(runs, "ddp_two_heads_reference")
     result = ok(runs, "fsdp_two_heads_checkpointed")
-    assert result[0]["checkpointed"] == ["trunk.0", "trunk.1", "trunk.2"]
+    assert result[0]["checkpointed"] == TRUNK
+    assert_each_rank_ran(result, n_layer=3, checkpointed=True)
+    assert_checkpointing_inside_units(result, TRUNK)
     for rank in (0, 1):
         assert_same_weights(result[rank]["weights"], reference[rank]["weights"], rtol=1e-5, atol=1e-6)
 
@@ -212,17 +289,32 @@ def test_fsdp_trains_to_the_weights_of_ddp_without_checkpointing(runs, scenario)
     reference = ok(runs, "gpt_ddp_reference")
     result = ok(runs, scenario)
     assert max_change(SeededGPT(**GPT_ARGS).state_dict(), reference[0]["weights"]) > 1e-3
-    assert result[0]["units"] == ["model", "model.blocks.0", "model.blocks.1"]
-    if scenario != "gpt_fsdp_plain":
-        assert result[0]["checkpointed"] == ["model.blocks.0", "model.blocks.1"]
+    assert_each_rank_ran(reference, GPT_ARGS["n_layer"], checkpointed=False)
+    checkpointed = scenario != "gpt_fsdp_plain"
+    assert_each_rank_ran(result, GPT_ARGS["n_layer"], checkpointed=checkpointed)
+    if checkpointed:
+        assert result[0]["checkpointed"] == GPT_BLOCKS
+        assert_checkpointing_inside_units(result, GPT_BLOCKS)
+    else:
+        assert_checkpointed_in_training(result, [])
+    for rank in (0, 1):
+        assert result[rank]["layout"]["units"] == ["model", *GPT_BLOCKS], f"rank {rank}"
     for rank in (0, 1):
         assert_same_weights(result[rank]["weights"], reference[rank]["weights"], rtol=1e-5, atol=1e-6)
     assert_same_weights(result[0]["weights"], result[1]["weights"], rtol=0, atol=0)
 
 
-def test_fsdp_all_gathers_once_per_unit_with_and_without_checkpointing(runs):
+def test_fsdp_collectives_per_step_are_the_same_with_and_without_checkpointing(runs):
+    """A guard on the collectives of one step: one all-gather per unit in forward, one per block again in backward.
+
+    This does not tell where checkpointing sits: on this torch, FSDP2 skips the unshard while recomputing, so
+    ``checkpoint(FSDP(block))`` would all-gather as often as ``FSDP(checkpoint(block))``. The placement itself is
+    asserted from the unit layout (``assert_checkpointing_inside_units``) in the tests above.
+    """
     n_layer = GPT_ARGS["n_layer"]
-    counts = {name: ok(runs, name)[rank]["counts"] for name in FSDP_RUNS for rank in (0, 1)}
+    for name in FSDP_RUNS:
+        assert_each_rank_ran(ok(runs, name), n_layer, checkpointed=name != "gpt_fsdp_plain")
+    counts = {(name, rank): ok(runs, name)[rank]["counts"] for name in FSDP_RUNS for rank in (0, 1)}
     for name, count in counts.items():
         # forward: the root and every block; backward: every block again (resharded after forward), the root not
         assert count["_allgather_base_"] == 2 * n_layer + 1, name
@@ -231,6 +323,8 @@ def test_fsdp_all_gathers_once_per_unit_with_and_without_checkpointing(runs):
 
 def test_fsdp_bf16_mixed_gathers_in_bf16_and_keeps_fp32_shards(runs):
     result = ok(runs, "gpt_fsdp_bf16")
+    assert_each_rank_ran(result, GPT_ARGS["n_layer"], checkpointed=True)
+    assert_checkpointing_inside_units(result, GPT_BLOCKS)
     for rank in (0, 1):
         assert result[rank]["gathered_dtypes"] == ["torch.bfloat16"]
         assert result[rank]["sharded_dtypes"] == ["torch.float32"]
@@ -243,6 +337,10 @@ def test_fsdp_checkpoint_round_trip_restores_training_exactly(runs):
     full = ok(runs, "gpt_fsdp_two_epochs_saving")
     resumed = ok(runs, "gpt_fsdp_resumed")
     assert full[0]["saved"] == ["epoch=0.ckpt", "epoch=1.ckpt"]
+    assert [r["steps"] for r in full] == [8, 8] and [r["steps"] for r in resumed] == [4, 4]  # resumed: epoch 2 only
+    for result in (full, resumed):
+        assert_each_rank_ran(result, GPT_ARGS["n_layer"], checkpointed=True)
+        assert_checkpointing_inside_units(result, GPT_BLOCKS)
     for rank in (0, 1):
         assert_same_weights(resumed[rank]["weights"], full[rank]["weights"], rtol=0, atol=0)
         # the last checkpoint loads into a plain, unsharded model with the trained weights
@@ -255,6 +353,10 @@ def test_fsdp_sharded_checkpoint_round_trip_restores_training_exactly(runs):
     full = ok(runs, "gpt_fsdp_sharded_saving")
     resumed = ok(runs, "gpt_fsdp_sharded_resumed")
     assert full[0]["saved_is_dir"]  # one folder of shards, not a file
+    assert [r["steps"] for r in full] == [8, 8] and [r["steps"] for r in resumed] == [4, 4]
+    for result in (full, resumed):
+        assert_each_rank_ran(result, GPT_ARGS["n_layer"], checkpointed=True)
+        assert_checkpointing_inside_units(result, GPT_BLOCKS)
     for rank in (0, 1):
         assert_same_weights(resumed[rank]["weights"], full[rank]["weights"], rtol=0, atol=0)
     # and the same training as with the full-file checkpoints
@@ -264,8 +366,12 @@ def test_fsdp_sharded_checkpoint_round_trip_restores_training_exactly(runs):
 def test_two_nodes_of_one_device_each_train_like_one_node_of_two(runs):
     ddp = ok(runs, "ddp_two_heads_two_nodes")
     assert [r["global_rank"] for r in ddp] == [0, 1] and [r["node_rank"] for r in ddp] == [0, 1]
-    assert ddp[0]["checkpointed"] == ["trunk.0", "trunk.1", "trunk.2"]
+    assert ddp[0]["checkpointed"] == TRUNK
+    assert_each_rank_ran(ddp, n_layer=3, checkpointed=True)
+    assert_checkpointed_in_training(ddp, TRUNK)
     fsdp = ok(runs, "gpt_fsdp_two_nodes")
+    assert_each_rank_ran(fsdp, GPT_ARGS["n_layer"], checkpointed=True)
+    assert_checkpointing_inside_units(fsdp, GPT_BLOCKS)
     for rank in (0, 1):
         expected = ok(runs, "ddp_two_heads_checkpointed")[rank]["weights"]
         assert_same_weights(ddp[rank]["weights"], expected, rtol=0, atol=0)
@@ -285,14 +391,22 @@ def test_fsdp_units_inside_a_checkpointed_layer_get_a_warning(runs):
 # ------------------------------------------------------------------------------------------------
 
 
+def assert_spawned_ranks_recomputed(trainer: Trainer, n_layer: int, steps: int) -> None:
+    """The ``[forward_runs, steps]`` of each spawned rank, handed back by ``RecordTraining``: checkpointed blocks."""
+    per_rank = trainer.callback_metrics["record/per_rank"].tolist()
+    assert per_rank == [[2 * n_layer * steps, steps]] * 2, f"[forward runs, steps] per rank: {per_rank}"
+
+
 def test_spawn_ddp_hands_back_the_trained_weights(runs):
     seed_everything(0)
     model = TwoHeads()
     callback = GradientCheckpointing()
     trainer = Trainer(strategy=CheckpointingDDPStrategy(start_method="spawn", find_unused_parameters=True),
                       accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[callback, RecordTraining(MLPBlock)])
     trainer.fit(model)
+    assert_spawned_ranks_recomputed(trainer, n_layer=3, steps=4)
     expected = ok(runs, "ddp_two_heads_checkpointed")[0]["weights"]
     assert_same_weights({k: v.float() for k, v in model.state_dict().items()}, expected, rtol=0, atol=0)
     assert trainer.state.finished
@@ -305,8 +419,9 @@ def test_spawn_fsdp_hands_back_the_unsharded_weights(runs):
     model = SeededGPT(**GPT_ARGS)
     trainer = Trainer(strategy="fsdp_ckpt_spawn", accelerator="cpu", devices=2, max_epochs=1, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[GradientCheckpointing()])
+                      callbacks=[GradientCheckpointing(), RecordTraining(Block)])
     trainer.fit(model, CountingDataModule(vocab_size=32, block_size=16, batch_size=4, num_samples=32))
+    assert_spawned_ranks_recomputed(trainer, GPT_ARGS["n_layer"], steps=4)
     state = model.state_dict()
     assert not any(isinstance(v, DTensor) for v in state.values())
     expected = ok(runs, "gpt_fsdp_checkpointed")[0]["weights"]
