@@ -78,8 +78,12 @@ def test_bad_arguments_exit_with_usage_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["compare", "--config", str(TINY), "--variants", "none,every_3rd"])
     assert exit_info.value.code == 2 and "every_3rd" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli_main(["compare", "--config", str(tmp_path / "missing.yaml")])
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["compare", "--config", str(missing)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2  # argparse's usage error, not a crash (1) or a traceback
+    assert err.startswith("usage: lightning-ckpt compare") and f"--config {missing}: no such file" in err
 
 
 def test_compare_tiny_config_writes_table_and_plot(tmp_path, capsys):

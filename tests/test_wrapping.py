@@ -67,17 +67,28 @@ def test_saved_bytes_full_is_inputs_plus_outside_and_every_2nd_is_halfway():
     assert saved_bytes(half_model, tokens()) == pytest.approx((none + full) / 2, rel=0.02)
 
 
-def test_eval_and_no_grad_skip_checkpointing():
+def test_eval_and_no_grad_skip_checkpointing(monkeypatch):
+    import lightning_ckpt.wrapping as wrapping
+
+    calls = []
+    checkpoint = wrapping.checkpoint
+
+    def counting_checkpoint(*args, **kwargs):
+        calls.append(1)
+        return checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(wrapping, "checkpoint", counting_checkpoint)
     ref, model = tiny_transformer(), tiny_transformer()
     apply_checkpointing(model, layer_cls=Block)
     ref.eval(), model.eval()
     assert saved_bytes(model, tokens()) == saved_bytes(ref, tokens())
+    assert len(calls) == 0
     model.train()
     with torch.no_grad():
-        flops_ckpt = count_flops(lambda: model(tokens()))
-    with torch.no_grad():
-        flops_ref = count_flops(lambda: ref.train()(tokens()))
-    assert flops_ckpt == flops_ref
+        model(tokens())
+    assert len(calls) == 0
+    model(tokens())  # and the counter sees checkpoint when it runs: once per block
+    assert len(calls) == len(model.blocks) == 6
 
 
 def _train_flops(model) -> int:
@@ -269,9 +280,11 @@ def test_tensor_kwargs_are_saved_like_positional_inputs():
     apply_checkpointing(model)
     with SavedTensorCounter(exclude=model.parameters()) as saved:
         model(torch.randn(4, 8, requires_grad=True))
-    # x, the shared `extra` input and the bias kwarg of each layer: everything else is recomputed.
-    per_layer = 4 * 8 * 4
-    assert saved.bytes <= 3 * per_layer + 8 * 4 * 2 + 64
+    # Each layer's input x (the first layer's is also the shared `extra`, counted once) and its own `bias`
+    # kwarg (a new `bias * 0.1` per call): exactly these, so a tensor kwarg kept out of checkpoint's inputs
+    # (in a closure, invisible to saved-tensor hooks and offload) fails, as does anything else kept.
+    x_bytes, bias_bytes = 4 * 8 * 4, 8 * 4
+    assert saved.bytes == 3 * x_bytes + 3 * bias_bytes == 480
 
 
 def test_offload_on_cpu_is_a_noop_that_says_so_and_keeps_gradients():
