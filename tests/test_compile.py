@@ -105,3 +105,16 @@ def test_compile_in_configure_model_with_the_callback(tmp_path):
     for p, q in zip(checkpointed.parameters(), plain.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
     assert checkpointed.held[-1] < 0.35 * plain.held[-1]
+
+
+def test_compiled_layer_state_is_updated_once():
+    """Under compile the graph applies BatchNorm's and the counter's updates once: buffers end as in eager."""
+    from test_layer_state import ConvBlock, _assert_same_state, _cnn, _train
+
+    torch._dynamo.reset()
+    ref = _train(_cnn())
+    model = _cnn()
+    apply_checkpointing(model, layer_cls=ConvBlock)
+    _train(torch.compile(model))
+    assert int(model.blocks[0].bn.num_batches_tracked) == 3 and int(model.blocks[0].calls) == 3
+    _assert_same_state(model, ref, atol=1e-5)
