@@ -1,0 +1,637 @@
+"""The memory-budget plan: per-layer costs in, the cheapest checkpointing that fits a budget out.
+
+:func:`plan_checkpointing` measures, for every matched layer, the activation bytes it holds for
+backward un-checkpointed (``"none"``), fully checkpointed (``"full"``: its inputs) and selectively
+checkpointed (``"selective"``: its inputs and the outputs of its matmul/attention/convolution ops),
+and what each costs in recomputation. It then picks one mode per layer so that the predicted bytes
+fit the budget with the fewest recomputed FLOPs: a multiple-choice knapsack, solved exactly up to a
+fine quantisation of bytes (rounded towards safety, so a plan never exceeds its budget).
+
+Cost is FLOPs, not seconds: FLOPs are exact and the same on every machine, so a plan does not
+depend on the noise of one timing run. Matmuls, convolutions and attention count as torch's
+``FlopCounterMode`` counts them; every other op counts one FLOP per output element (torch counts
+those as zero, which would make element-wise recomputation look free). See :class:`OpCostMode`.
+
+Measuring is safe when memory is short: the step runs once with every matched layer fully
+checkpointed, and each layer is re-run alone right after its own checkpointed forward, its result
+dropped at once. So planning never holds more activations than full checkpointing plus one layer,
+and never runs the whole model un-checkpointed. The RNG and every buffer are left as they were.
+Plain PyTorch; nothing here imports Lightning.
+
+Example::
+
+    >>> import torch
+    >>> from torch import nn
+    >>> torch.manual_seed(0) and None
+    >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
+    >>> x = torch.randn(8, 16, requires_grad=True)
+    >>> plan = plan_checkpointing(model, lambda: model(x).sum(), 0.5, layer_cls=nn.Sequential)
+    >>> plan.planned_bytes <= plan.budget_bytes < plan.baseline_bytes
+    True
+    >>> sorted(set(plan.layers.values()) - {"none", "full", "selective"})
+    []
+    >>> plan.apply(model) == [n for n, mode in plan.layers.items() if mode != "none"]
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Optional
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from lightning_ckpt.layer_state import buffers_restored
+from lightning_ckpt.policies import COMPUTE_HEAVY_OPS
+from lightning_ckpt.profiling import SavedTensorCounter, report_held, tensor_bytes
+from lightning_ckpt.selection import LayerClassArg, is_inside, layer_classes, parse_memory_budget, select_layers
+from lightning_ckpt.wrapping import (
+    MODES,
+    CheckpointedForward,
+    CheckpointOptions,
+    apply_checkpointing,
+    checkpointed_names,
+    is_checkpointed,
+    remove_checkpointing,
+)
+
+Choice = Literal["none", "full", "selective"]
+_aten = torch.ops.aten
+
+
+# --------------------------------------------------------------------------------------------- cost
+
+
+def _cpu_flash_attention_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_attention_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# torch's registry has no formula for the CPU attention kernel; the math is the same as the GPU one's.
+_EXTRA_FORMULAS: dict[Any, Callable[..., int]] = {}
+if hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    _EXTRA_FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_attention_flops
+    _EXTRA_FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_flash_attention_backward_flops
+
+
+def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """FLOPs of one ATen op call: torch's formula where it has one, else one per output element (views: 0)."""
+    packet = func.overloadpacket
+    if packet in _EXTRA_FORMULAS:
+        return int(_EXTRA_FORMULAS[packet](*args, **kwargs))
+    if packet in flop_registry:
+        return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    if func.is_view:
+        return 0
+    return sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+class OpCostMode(TorchDispatchMode):
+    """Count the FLOPs (see :func:`op_cost`) of every op run while active, in order.
+
+    ``log`` holds ``(flops, is_compute_heavy)`` per op call; ``total`` their sum.
+
+    Example::
+
+        >>> layer = torch.nn.Linear(8, 8)
+        >>> x = torch.randn(4, 8)
+        >>> with OpCostMode() as cost:
+        ...     _ = torch.relu(layer(x))
+        >>> cost.total  # addmm: 2 * 4 * 8 * 8; relu: one per output element
+        544
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[int, bool]] = []
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flops = op_cost(func, args, kwargs, out)
+        self.log.append((flops, func in COMPUTE_HEAVY_OPS))
+        self.total += flops
+        return out
+
+
+def count_cost(fn: Callable[[], Any]) -> int:
+    """FLOPs (as :class:`OpCostMode` counts them) that ``fn()`` runs, recomputation included."""
+    with OpCostMode() as cost:
+        fn()
+    return cost.total
+
+
+# ---------------------------------------------------------------------------------------- measuring
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one matched layer holds for backward and costs to recompute, summed over its calls in a step."""
+
+    name: str
+    cls: str
+    none_bytes: int  # held un-checkpointed
+    full_bytes: int  # held fully checkpointed: the layer's tensor inputs
+    selective_bytes: int  # held selectively checkpointed: inputs and kept matmul/attention outputs
+    offloadable_bytes: int  # the part of the inputs on an accelerator: what offload moves to host memory
+    full_flops: int  # recomputed in backward, fully checkpointed
+    selective_flops: int  # recomputed in backward, selectively checkpointed (the cheap ops only)
+    calls: int = 1
+
+    def device_bytes(self, choice: Choice, offload: bool = False) -> int:
+        """Bytes held on the device for ``choice``; with ``offload`` the checkpointed inputs live on the host."""
+        if choice == "none":
+            return self.none_bytes
+        held = self.full_bytes if choice == "full" else self.selective_bytes
+        return held - self.offloadable_bytes if offload else held
+
+    def host_bytes(self, choice: Choice, offload: bool = False) -> int:
+        return self.offloadable_bytes if offload and choice != "none" else 0
+
+    def flops(self, choice: Choice) -> int:
+        return {"none": 0, "full": self.full_flops, "selective": self.selective_flops}[choice]
+
+
+class _StepCounter(SavedTensorCounter):
+    """A saved-tensor counter that can be paused, and that reports what it sees to counters outside it.
+
+    Saved-tensor hooks do not stack (the innermost pair wins), so like offload's hooks these report every
+    tensor through :func:`report_held`: an outer counter still sees what the planner holds.
+    """
+
+    paused = False
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes += self._count(tensor, self._seen)
+        # A detached alias: returning a saved *output* itself would tie it to its own grad_fn, a reference
+        # cycle that outlives the graph (the activations would never be freed).
+        held = tensor.detach()
+        report_held(held, "kept")
+        return held
+
+    def _held(self, tensor: torch.Tensor, kind: Any) -> None:
+        if not self.paused:
+            super()._held(tensor, kind)
+
+
+class _LayerRunCounter(_StepCounter):
+    """Counts one isolated layer run, and where in its op log the last tensor was saved."""
+
+    def __init__(self, cost: OpCostMode, exclude: Sequence[torch.Tensor]) -> None:
+        super().__init__(exclude=exclude)
+        self.cost = cost
+        self.last_save = 0
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # A pack hook runs after the op that saves has been dispatched, so the log ends with that op.
+        self.last_save = len(self.cost.log)
+        return super()._pack(tensor)
+
+
+def _plain_forward(layer: nn.Module) -> Callable[..., Any]:
+    """The layer's forward without our checkpoint around it."""
+    forward = layer.forward
+    if is_checkpointed(layer):
+        forward = forward.original if forward.original is not None else type(layer).forward.__get__(layer)
+    return forward
+
+
+def _fork_rng(tensors: Sequence[torch.Tensor]) -> Any:
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    return torch.random.fork_rng(devices=devices)
+
+
+class LayerCostRecorder:
+    """Measure each layer's :class:`LayerCost` during a step in which every layer is fully checkpointed.
+
+    After each layer's (checkpointed) forward, a hook runs the same layer again with the same inputs:
+    once plainly and, if asked, once selectively checkpointed, each under a saved-tensor counter and
+    :class:`OpCostMode`, with the RNG forked and the layer's buffers restored; each result is dropped at
+    once. ``held_bytes`` is what the fully checkpointed step itself held for backward.
+
+    Example::
+
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> with LayerCostRecorder(model, [("0", model[0])]) as recorder:
+        ...     _ = model(x)
+        >>> cost = recorder.costs()[0]
+        >>> cost.full_bytes, cost.none_bytes  # the input x: 2 * 4 float32 (the weights do not count)
+        (32, 32)
+    """
+
+    def __init__(self, module: nn.Module, layers: Sequence[tuple[str, nn.Module]], selective: bool = False) -> None:
+        self.module = module
+        self.layers = list(layers)
+        self.selective = selective
+        self._params = list(module.parameters())
+        self._step = _StepCounter(exclude=self._params)
+        self._totals = {name: dict.fromkeys(("none", "full", "sel", "off", "fflops", "sflops", "calls"), 0)
+                        for name, _ in self.layers}
+        self._handles: list[Any] = []
+
+    @property
+    def held_bytes(self) -> int:
+        return self._step.bytes
+
+    def __enter__(self) -> LayerCostRecorder:
+        for name, layer in self.layers:
+            hook = self._hook(name, layer)
+            self._handles.append(layer.register_forward_hook(hook, with_kwargs=True, always_call=False))
+        self._step.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._step.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, name: str, layer: nn.Module) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if module.training and torch.is_grad_enabled():
+                self._measure(name, layer, args, kwargs)
+        return hook
+
+    def _measure(self, name: str, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        totals = self._totals[name]
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        excluded = {p.untyped_storage().data_ptr() for p in self._params}
+        inputs_held = [t for t in inputs if t.untyped_storage().data_ptr() not in excluded]
+        totals["full"] += tensor_bytes(inputs_held)
+        totals["off"] += tensor_bytes(t for t in inputs_held if t.device.type != "cpu")
+        totals["calls"] += 1
+        forward = _plain_forward(layer)
+        self._step.paused = True
+        try:
+            with OpCostMode() as cost:
+                saved = self._run(layer, inputs, cost, lambda: forward(*args, **kwargs))
+            totals["none"] += saved.bytes
+            log = cost.log[:saved.last_save]  # recompute stops after the last saved tensor (early stop)
+            totals["fflops"] += sum(flops for flops, _ in log)
+            totals["sflops"] += sum(flops for flops, heavy in log if not heavy)
+            if self.selective:
+                selective = CheckpointedForward(layer, CheckpointOptions(mode="selective"), forward)
+                totals["sel"] += self._run(layer, inputs, OpCostMode(), lambda: selective(*args, **kwargs)).bytes
+        finally:
+            self._step.paused = False
+
+    def _run(self, layer: nn.Module, inputs: list[torch.Tensor], cost: OpCostMode, fn: Callable[[], Any]) -> _LayerRunCounter:
+        with _fork_rng(inputs), buffers_restored(layer), torch.enable_grad():
+            with _LayerRunCounter(cost, self._params) as saved:
+                fn()  # the result, and with it everything it saved, is dropped here
+        return saved
+
+    def costs(self) -> list[LayerCost]:
+        """One :class:`LayerCost` per layer, in order (a layer not called in the step holds and costs nothing)."""
+        out = []
+        for name, layer in self.layers:
+            t = self._totals[name]
+            out.append(LayerCost(name, type(layer).__qualname__, t["none"], t["full"],
+                                 t["sel"] if self.selective else t["none"], t["off"], t["fflops"], t["sflops"],
+                                 t["calls"]))
+        return out
+
+
+# ------------------------------------------------------------------------------------------- solving
+
+
+# Bytes are counted in quanta of the shortfall (the bytes to free) / max(8192, 64 * layers): rounding each
+# option down costs at most one quantum per layer, 1/64 of the shortfall in all, usually far less.
+_UNITS = 1 << 13
+_INF = 1 << 62
+
+
+def cheapest_choices(costs: Sequence[LayerCost], need_bytes: int, modes: Sequence[str] = MODES,
+                     offload: bool = False) -> list[Choice]:
+    """The modes (one per layer) that free at least ``need_bytes`` of device memory with the fewest recompute FLOPs.
+
+    A multiple-choice knapsack by dynamic programming over freed bytes, quantised to at least 8192 steps
+    (``need_bytes`` exactly when smaller). Each option's freed bytes are rounded down, so the result always
+    frees what is asked. Ties go to ``"none"``, then to the order of ``modes``: the result is deterministic.
+    Raises ``ValueError`` when even the largest saving of every layer is not enough.
+
+    Example::
+
+        >>> a = LayerCost("a", "Block", 100, 10, 40, 0, full_flops=50, selective_flops=5)
+        >>> b = LayerCost("b", "Block", 100, 10, 40, 0, full_flops=80, selective_flops=8)
+        >>> cheapest_choices([a, b], 120)  # 60 + 60 bytes for 5 + 8 FLOPs
+        ['selective', 'selective']
+        >>> cheapest_choices([a, b], 150)  # 90 + 60 for 50 + 8 is cheaper than 60 + 90 for 5 + 80
+        ['full', 'selective']
+    """
+    options: list[list[tuple[Choice, int, int]]] = []  # per layer: (choice, freed bytes, flops), "none" first
+    for cost in costs:
+        none = cost.device_bytes("none", offload)
+        layer_options: list[tuple[Choice, int, int]] = [("none", 0, 0)]
+        for mode in modes:
+            freed = none - cost.device_bytes(mode, offload)  # type: ignore[arg-type]
+            if freed > 0:
+                layer_options.append((mode, freed, cost.flops(mode)))  # type: ignore[arg-type]
+        options.append(layer_options)
+    if need_bytes <= 0:
+        return ["none"] * len(costs)
+    most = sum(max(freed for _, freed, _ in opts) for opts in options)
+    if most < need_bytes:
+        raise ValueError(f"at most {most} bytes can be freed, {need_bytes} are needed")
+
+    units = min(need_bytes, max(_UNITS, 64 * len(costs)))
+    quantum = need_bytes / units
+    steps = [[min(units, int(freed // quantum) if units < need_bytes else freed) for _, freed, _ in opts] for opts in options]
+    best = torch.full((units + 1,), _INF, dtype=torch.int64)  # best[j]: fewest FLOPs freeing >= j quanta
+    best[0] = 0
+    shifted = torch.empty_like(best)
+    picks = []
+    for opts, layer_steps in zip(options, steps):
+        new, pick = best.clone(), torch.zeros(units + 1, dtype=torch.int8)
+        for k in range(1, len(opts)):
+            step = layer_steps[k]
+            shifted[:step] = best[0]
+            shifted[step:] = best[:units + 1 - step]
+            candidate = (shifted + opts[k][2]).clamp_(max=_INF)
+            better = candidate < new  # strict: ties keep "none", then the earlier mode
+            new = torch.where(better, candidate, new)
+            pick.masked_fill_(better, k)
+        best = new
+        picks.append(pick)
+    if int(best[units]) >= _INF:  # rounding down lost the little slack there was: take the largest saving
+        return [max(opts, key=lambda o: (o[1], -o[2]))[0] for opts in options]
+    chosen: list[Choice] = []
+    j = units
+    for opts, layer_steps, pick in zip(reversed(options), reversed(steps), reversed(picks)):
+        k = int(pick[j])
+        chosen.append(opts[k][0])
+        j = max(0, j - layer_steps[k])
+    return chosen[::-1]
+
+
+# --------------------------------------------------------------------------------------------- plan
+
+
+@dataclass
+class CheckpointPlan:
+    """Which mode each matched layer gets, and what that is predicted to hold and cost.
+
+    ``layers`` maps every matched layer (in order) to ``"none"``, ``"full"`` or ``"selective"``. Bytes are
+    activation bytes held for backward on the device (``outside_bytes``: those of everything outside the
+    matched layers, embeddings, head and loss, part of every figure). ``recompute_flops`` is the predicted
+    extra FLOPs per step (see :class:`OpCostMode`).
+    """
+
+    layers: dict[str, str]
+    baseline_bytes: int
+    planned_bytes: int
+    budget_bytes: int
+    recompute_flops: int
+    outside_bytes: int
+    planned_host_bytes: int = 0
+    offload: bool = False
+    costs: list[LayerCost] = field(default_factory=list)
+
+    def apply(self, module: nn.Module, **checkpoint_options: Any) -> list[str]:
+        """Checkpoint ``module``'s layers as planned (layers planned ``"none"`` are left or made plain).
+
+        ``checkpoint_options`` (``use_reentrant``, ``preserve_rng_state``, ``checkpoint_kwargs``) go to
+        :func:`~lightning_ckpt.wrapping.apply_checkpointing`. Returns the checkpointed names, in order.
+        Everything is checked before anything changes.
+        """
+        unknown = set(checkpoint_options) - {"use_reentrant", "preserve_rng_state", "checkpoint_kwargs"}
+        if unknown:
+            raise TypeError(f"`apply` takes use_reentrant, preserve_rng_state and checkpoint_kwargs; got {sorted(unknown)}."
+                            " Layer selection, mode and offload come from the plan.")
+        for mode in set(self.layers.values()) - {"none"}:
+            CheckpointOptions(offload=self.offload, mode=mode, **checkpoint_options)  # type: ignore[arg-type]
+        layers = {}
+        for name in self.layers:
+            try:
+                layers[name] = module.get_submodule(name)
+            except AttributeError as err:
+                raise ValueError(f"The plan names layer `{name}`, which {type(module).__name__} does not have: apply"
+                                 " a plan to the module it was made for (names are relative to it).") from err
+        _check_no_nesting(module, list(self.layers))
+        for name, mode in self.layers.items():
+            remove_checkpointing(layers[name])
+            if mode != "none":
+                apply_checkpointing(layers[name], layer_cls=type(layers[name]), mode=mode, offload=self.offload,
+                                    **checkpoint_options)
+        return [name for name, mode in self.layers.items() if mode != "none"]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (for a Lightning checkpoint); :meth:`from_state_dict` rebuilds the plan."""
+        return asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> CheckpointPlan:
+        return cls(**{**state, "costs": [LayerCost(**c) for c in state.get("costs", [])]})
+
+    def __str__(self) -> str:
+        head = ("layer", "class", "none", "full", "selective", "FLOPs full", "FLOPs selective", "choice")
+        rows = [head]
+        for cost in self.costs:
+            rows.append((cost.name, cost.cls, _fmt_bytes(cost.none_bytes), _fmt_bytes(cost.device_bytes("full", self.offload)),
+                         _fmt_bytes(cost.device_bytes("selective", self.offload)), _fmt_flops(cost.full_flops),
+                         _fmt_flops(cost.selective_flops), self.layers.get(cost.name, "?")))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                 for row in rows]
+        n = sum(mode != "none" for mode in self.layers.values())
+        pct = 100 * self.planned_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
+        lines += [
+            f"outside the layers: {_fmt_bytes(self.outside_bytes)} (in every figure below)",
+            f"plan: {n} of {len(self.layers)} layers checkpointed; activations {_fmt_bytes(self.planned_bytes)}"
+            f" ({pct:.0f}% of {_fmt_bytes(self.baseline_bytes)} without checkpointing), budget"
+            f" {_fmt_bytes(self.budget_bytes)}; recompute {_fmt_flops(self.recompute_flops)} per step"
+            + (f"; {_fmt_bytes(self.planned_host_bytes)} offloaded to host" if self.offload else ""),
+        ]
+        return "\n".join(lines)
+
+
+def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: object,
+              modes: Sequence[str] = MODES, offload: bool = False) -> CheckpointPlan:
+    """Solve for the cheapest plan from measured costs (what :func:`plan_checkpointing` does after measuring).
+
+    ``memory_budget`` as :func:`plan_checkpointing` takes it. Raises ``ValueError`` if it cannot be met.
+
+    Example::
+
+        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> plan = make_plan(costs, outside_bytes=100, memory_budget=0.5)
+        >>> plan.layers, plan.planned_bytes, plan.recompute_flops
+        ({'l0': 'selective', 'l1': 'selective', 'l2': 'selective', 'l3': 'full'}, 230, 65)
+    """
+    modes = _validate_modes(modes)
+    budget = parse_memory_budget(memory_budget)
+    if budget is None:
+        raise ValueError("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as '2GiB'.")
+    baseline = outside_bytes + sum(c.none_bytes for c in costs)
+    budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
+    try:
+        choices = cheapest_choices(costs, baseline - budget_bytes, modes, offload)
+    except ValueError:
+        raise ValueError(_impossible_message(costs, outside_bytes, baseline, budget_bytes, memory_budget, modes, offload)) from None
+    return CheckpointPlan(
+        layers={c.name: choice for c, choice in zip(costs, choices)},
+        baseline_bytes=baseline,
+        planned_bytes=outside_bytes + sum(c.device_bytes(ch, offload) for c, ch in zip(costs, choices)),
+        budget_bytes=budget_bytes,
+        recompute_flops=sum(c.flops(ch) for c, ch in zip(costs, choices)),
+        outside_bytes=outside_bytes,
+        planned_host_bytes=sum(c.host_bytes(ch, offload) for c, ch in zip(costs, choices)),
+        offload=offload,
+        costs=list(costs),
+    )
+
+
+def plan_checkpointing(
+    module: nn.Module,
+    step: Callable[[], Any],
+    memory_budget: object,
+    layer_cls: LayerClassArg = None,
+    modes: Sequence[str] = MODES,
+    offload: bool = False,
+) -> CheckpointPlan:
+    """Measure one step and return the cheapest :class:`CheckpointPlan` whose activations fit ``memory_budget``.
+
+    Args:
+        module: the model (in training mode). It is left exactly as it was: apply the plan with ``plan.apply``.
+        step: runs what a training step runs before backward and returns the loss; called once here, and
+            not backpropagated (no gradient is touched).
+        memory_budget: a fraction of the activation bytes held without checkpointing (``0.3``), or bytes
+            (``"2GiB"``, ``500_000_000``). ``1.0``, or a budget already met, checkpoints nothing.
+        layer_cls: the layers to choose among, as in :func:`~lightning_ckpt.wrapping.apply_checkpointing`.
+        modes: the checkpointing modes a layer may get, besides ``"none"``.
+        offload: plan for ``offload=True``: checkpointed layers' inputs count as host bytes, not device bytes.
+
+    The plan has the fewest recompute FLOPs among those whose predicted bytes fit: layers that free most
+    bytes per recomputed FLOP go first, whatever their position. FLOPs, not seconds, because they are exact
+    and machine-independent. Raises ``ValueError`` (nothing changed) when even checkpointing every layer
+    would not fit; the message gives the minimum and what else would help.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`plan_checkpointing` takes an `nn.Module`, got {type(module).__name__}.")
+    if not callable(step):
+        raise TypeError(f"`step` must be a callable with no arguments that returns the loss, got {step!r}.")
+    modes = _validate_modes(modes)
+    if not isinstance(offload, bool):
+        raise TypeError(f"`offload` must be True or False, got {offload!r}.")
+    if parse_memory_budget(memory_budget) is None:
+        raise ValueError("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as '2GiB'.")
+    if not module.training:
+        raise ValueError("`plan_checkpointing` measures a training step, but the module is in eval mode, where"
+                         " nothing is saved for backward. Call `module.train()` first.")
+    selected = select_layers(module, layer_classes(module, layer_cls))
+    if not selected:
+        raise ValueError(f"No submodule of {type(module).__name__} matches `layer_cls={layer_cls!r}`:"
+                         " pass the class of the model's repeated block.")
+    _check_no_nesting(module, [name for name, _ in selected])
+
+    with _fully_checkpointed(selected), torch.random.fork_rng(devices=_cuda_devices(module)), buffers_restored(module):
+        with LayerCostRecorder(module, selected, selective="selective" in modes) as recorder:
+            loss = step()
+            del loss  # frees the step's graph
+    costs = recorder.costs()
+    if not any(c.calls for c in costs):
+        raise ValueError(f"`step()` never called a matched layer ({', '.join(n for n, _ in selected[:3])}, ...) in"
+                         " training mode with grad enabled: pass a step that runs the model's forward and returns the loss.")
+    outside = max(0, recorder.held_bytes - sum(c.full_bytes for c in costs))
+    return make_plan(costs, outside, memory_budget, modes, offload)
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _validate_modes(modes: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(modes, str) or not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"`modes={modes!r}` is not understood. Pass a non-empty tuple of {MODES}, such as ('full',).")
+    return tuple(dict.fromkeys(modes))
+
+
+def _cuda_devices(module: nn.Module) -> list[int]:
+    return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+
+
+def _check_no_nesting(module: nn.Module, names: Sequence[str]) -> None:
+    for wrapped in checkpointed_names(module):
+        for name in names:
+            if name != wrapped and (is_inside(name, wrapped) or is_inside(wrapped, name)):
+                raise ValueError(
+                    f"`{wrapped}` is checkpointed and lies inside or around the planned layer `{name}`: nested"
+                    " checkpoints recompute twice. Call `remove_checkpointing` first."
+                )
+
+
+@contextmanager
+def _fully_checkpointed(selected: Sequence[tuple[str, nn.Module]]) -> Iterator[None]:
+    """Every selected layer fully checkpointed (no offload) inside the block; each forward as it was after."""
+    before = [(layer, layer.__dict__.get("forward")) for _, layer in selected]
+    try:
+        for _, layer in selected:
+            remove_checkpointing(layer)
+            apply_checkpointing(layer, layer_cls=type(layer))
+        yield
+    finally:
+        for layer, forward in before:
+            remove_checkpointing(layer)
+            if forward is not None:
+                layer.forward = forward
+
+
+def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int, budget_bytes: int,
+                        memory_budget: object, modes: Sequence[str], offload: bool) -> str:
+    def least(off: bool) -> int:
+        return outside + sum(min(c.device_bytes(m, off) for m in ("none", *modes)) for c in costs)  # type: ignore[misc]
+
+    minimum = least(offload)
+    text = (f"`memory_budget={memory_budget!r}` asks for at most {_fmt_bytes(budget_bytes)} of activations"
+            f" ({_pct(budget_bytes, baseline)} of the {_fmt_bytes(baseline)} held without checkpointing), but the least"
+            f" reachable is {_fmt_bytes(minimum)} ({_pct(minimum, baseline)}), with every matched layer checkpointed;"
+            f" {_fmt_bytes(outside)} of it is outside the matched layers (embeddings, head, loss). Nothing was applied."
+            f" To fit: pass a budget of at least {minimum / baseline:.3f} (or {minimum} bytes)")
+    if not offload:
+        with_offload = least(True)
+        if with_offload < minimum:
+            text += f"; or offload=True, which reaches {_fmt_bytes(with_offload)} ({_pct(with_offload, baseline)})"
+        else:
+            text += "; offload=True would not help here (the layer inputs are in host memory already)"
+    if "full" not in modes:
+        text += "; or allow modes=('full', 'selective')"
+    text += (f"; or a smaller batch or shorter sequences (activations grow about linearly with them: about"
+             f" {math.ceil(100 * budget_bytes / minimum)}% of the current size would fit); or checkpoint more of the"
+             " model by adding the classes outside the layers to `layer_cls`.")
+    return text
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "n/a"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _fmt_flops(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000 or unit == "T":
+            return f"{n:.0f} FLOP" if unit == "" else f"{n:.1f} {unit}FLOP"
+        n /= 1000
+    return f"{n:.1f} TFLOP"
+
+
+__all__ = ["CheckpointPlan", "LayerCost", "LayerCostRecorder", "OpCostMode", "cheapest_choices", "count_cost",
+           "make_plan", "plan_checkpointing"]

@@ -1,0 +1,416 @@
+"""plan_checkpointing: measured against brute force, memory-safe while measuring, and an exact solver."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_ckpt.demos import Block
+from lightning_ckpt.planner import CheckpointPlan, LayerCost, cheapest_choices, count_cost, make_plan, plan_checkpointing
+from lightning_ckpt.profiling import SavedTensorCounter
+from lightning_ckpt.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
+
+VOCAB, SEQ, BATCH, WIDTH = 32, 16, 4, 32
+
+
+class WideElementwise(nn.Module):
+    """Element-wise only, on a 4x wider tensor: many bytes held, few FLOPs to recompute."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.repeat(1, 1, 4)
+        h = torch.tanh(h) * torch.sigmoid(h * 1.5)
+        h = torch.exp(-h * h) * h
+        return x + h.view(*x.shape[:-1], 4, x.shape[-1]).mean(-2)
+
+
+class MatmulHeavy(nn.Module):
+    """Four square matmuls: few bytes held, many FLOPs to recompute."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fcs = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for fc in self.fcs:
+            h = F.relu(fc(h))
+        return x + h
+
+
+class LM(nn.Module):
+    """Embeddings, a list of blocks, a head: the bytes outside the blocks (logits) are part of every figure."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def uniform_model() -> tuple[LM, tuple[type, ...]]:
+    torch.manual_seed(0)
+    return LM([Block(WIDTH, 4, dropout=0.1) for _ in range(6)]), (Block,)
+
+
+def heterogeneous_model() -> tuple[LM, tuple[type, ...]]:
+    torch.manual_seed(0)
+    kinds = [lambda: WideElementwise(), lambda: MatmulHeavy(WIDTH), lambda: Block(WIDTH, 4, dropout=0.1)]
+    return LM([kinds[i % 3]() for i in range(8)]), (WideElementwise, MatmulHeavy, Block)
+
+
+MODELS = {"uniform": uniform_model, "heterogeneous": heterogeneous_model}
+IDX = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def loss_of(model: nn.Module) -> torch.Tensor:
+    return model(IDX).logsumexp(-1).mean()
+
+
+def held_bytes(model: nn.Module) -> int:
+    with SavedTensorCounter(exclude=model.parameters()) as saved:
+        loss_of(model)
+    return saved.bytes
+
+
+def step_cost(model: nn.Module) -> int:
+    """FLOPs of forward and backward (gradients start from None every time, so no accumulation is counted)."""
+    model.zero_grad(set_to_none=True)
+    cost = count_cost(lambda: loss_of(model).backward())
+    model.zero_grad(set_to_none=True)
+    return cost
+
+
+def loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    loss = loss_of(model)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def brute_force(request: pytest.FixtureRequest) -> dict:
+    """Every subset of full checkpointing, measured: held bytes (a forward per subset) and extra FLOPs.
+
+    Recomputation of one layer does not depend on the others, so a subset's extra FLOPs are the sum of
+    its layers' extra FLOPs, each measured with only that layer checkpointed.
+    """
+    model, classes = MODELS[request.param]()
+    names = [f"blocks.{i}" for i in range(len(model.blocks))]
+    base_bytes, base_cost = held_bytes(model), step_cost(model)
+    extra = {}
+    for name in names:
+        apply_checkpointing(model.get_submodule(name), layer_cls=type(model.get_submodule(name)))
+        extra[name] = step_cost(model) - base_cost
+        remove_checkpointing(model)
+    subsets = []
+    for mask in itertools.product((False, True), repeat=len(names)):
+        chosen = [name for name, on in zip(names, mask) if on]
+        for name in chosen:
+            apply_checkpointing(model.get_submodule(name), layer_cls=type(model.get_submodule(name)))
+        subsets.append((held_bytes(model), sum(extra[name] for name in chosen)))
+        remove_checkpointing(model)
+    return {"name": request.param, "model": model, "classes": classes, "base_bytes": base_bytes,
+            "base_cost": base_cost, "subsets": subsets, "reference": loss_and_grads(model)}
+
+
+@pytest.mark.parametrize("budget", [0.35, 0.5, 0.7])
+def test_plan_against_brute_force(brute_force: dict, budget: float) -> None:
+    model, base_bytes = brute_force["model"], brute_force["base_bytes"]
+    plan = plan_checkpointing(model, lambda: loss_of(model), budget, layer_cls=brute_force["classes"], modes=("full",))
+    assert plan.baseline_bytes == pytest.approx(base_bytes, rel=0.05)
+    assert checkpointed_names(model) == []  # planning applies nothing
+
+    applied = plan.apply(model)
+    try:
+        measured, extra = held_bytes(model), step_cost(model) - brute_force["base_cost"]
+        loss, grads = loss_and_grads(model)
+    finally:
+        remove_checkpointing(model)
+    assert applied == [name for name, mode in plan.layers.items() if mode == "full"]
+    assert measured <= budget * base_bytes * 1.02
+    assert plan.planned_bytes == pytest.approx(measured, rel=0.05)
+    assert plan.recompute_flops == pytest.approx(extra, rel=0.01)
+    optimum = min(cost for held, cost in brute_force["subsets"] if held <= budget * base_bytes)
+    assert extra <= 1.05 * optimum
+    ref_loss, ref_grads = brute_force["reference"]
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.allclose(g, r, rtol=1e-5, atol=1e-7) for g, r in zip(grads, ref_grads))
+
+
+def test_heterogeneous_plan_is_not_the_first_k_layers(brute_force: dict) -> None:
+    """Bytes per recomputed FLOP decide, not position: the element-wise blocks go first."""
+    if brute_force["name"] != "heterogeneous":
+        pytest.skip("only the heterogeneous model has layers that differ")
+    model = brute_force["model"]
+    plan = plan_checkpointing(model, lambda: loss_of(model), 0.5, layer_cls=brute_force["classes"], modes=("full",))
+    chosen = [name for name, mode in plan.layers.items() if mode == "full"]
+    wide = [f"blocks.{i}" for i in range(0, 8, 3)]
+    assert set(wide) <= set(chosen)
+    assert chosen != [f"blocks.{i}" for i in range(len(chosen))]
+
+
+@pytest.mark.parametrize("budget", [0.35, 0.5, 0.7])
+def test_selective_never_costs_more_than_full_only(brute_force: dict, budget: float) -> None:
+    model, classes = brute_force["model"], brute_force["classes"]
+    full_only = plan_checkpointing(model, lambda: loss_of(model), budget, layer_cls=classes, modes=("full",))
+    both = plan_checkpointing(model, lambda: loss_of(model), budget, layer_cls=classes)
+    assert both.recompute_flops <= full_only.recompute_flops
+    both.apply(model)
+    try:
+        measured, extra = held_bytes(model), step_cost(model) - brute_force["base_cost"]
+    finally:
+        remove_checkpointing(model)
+    assert measured <= budget * brute_force["base_bytes"] * 1.02
+    assert both.planned_bytes == pytest.approx(measured, rel=0.05)
+    assert extra <= full_only.recompute_flops * 1.01
+
+
+class AliveBytes(SavedTensorCounter):
+    """Bytes saved for backward that are alive at once (each storage once), and the peak of that.
+
+    Sees what inner saved-tensor hooks hide through their reports (``report_held``); a saved tensor stops
+    counting when its last Python reference (the autograd graph's) goes.
+    """
+
+    def __init__(self, exclude) -> None:
+        super().__init__(exclude=exclude)
+        self.refs: dict[tuple, int] = {}
+        self.alive = self.peak = 0
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        key = (tensor.device, tensor.untyped_storage().data_ptr())
+        if key in self._excluded:
+            return
+        if self.refs.get(key, 0) == 0:
+            self.alive += tensor.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.alive)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        weakref.finalize(tensor, self._release, key, tensor.untyped_storage().nbytes())
+
+    def _release(self, key: tuple, nbytes: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.alive -= nbytes
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        held = tensor.detach()  # returning a saved output itself would make a cycle with its grad_fn
+        self._track(held)
+        return held
+
+    def _held(self, tensor: torch.Tensor, kind) -> None:
+        self._track(tensor)
+
+
+def largest_layer_bytes(model: LM) -> int:
+    """Bytes one block holds un-checkpointed, the largest over blocks, each run alone on its real input."""
+    inputs = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach())) for b in model.blocks]
+    with torch.no_grad():
+        loss_of(model)
+    for hook in hooks:
+        hook.remove()
+    largest = 0
+    for block, x in zip(model.blocks, inputs):
+        with SavedTensorCounter(exclude=model.parameters()) as saved:
+            block(x.requires_grad_())
+        largest = max(largest, saved.bytes)
+    return largest
+
+
+def test_planning_holds_at_most_full_checkpointing_plus_one_layer(brute_force: dict) -> None:
+    model, classes = brute_force["model"], brute_force["classes"]
+    apply_checkpointing(model, layer_cls=classes)
+    full = held_bytes(model)
+    remove_checkpointing(model)
+    largest = largest_layer_bytes(model)
+
+    with AliveBytes(exclude=model.parameters()) as tracker:
+        plan = plan_checkpointing(model, lambda: loss_of(model), 0.5, layer_cls=classes)
+    assert tracker.alive == 0  # everything measured was released
+    assert tracker.peak >= full  # the tracker saw the step
+    assert tracker.peak <= (full + largest) * 1.05
+    assert tracker.peak < 0.6 * brute_force["base_bytes"]  # never an un-checkpointed forward of the whole model
+    assert plan.baseline_bytes == pytest.approx(brute_force["base_bytes"], rel=0.05)
+
+
+def test_impossible_budget_says_what_would_help_and_changes_nothing() -> None:
+    model, classes = uniform_model()
+    apply_checkpointing(model, layer_cls=Block, every_n_layers=3)
+    forwards = [b.__dict__.get("forward") for b in model.blocks]
+    state = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError) as err:
+        plan_checkpointing(model, lambda: loss_of(model), 0.05, layer_cls=classes)
+    text = str(err.value)
+    assert "memory_budget=0.05" in text and "least reachable" in text
+    assert "offload=True" in text and "smaller batch" in text and "Nothing was applied" in text
+    minimum = float(text.split("pass a budget of at least ")[1].split(" ")[0])
+    assert 0.05 < minimum < 0.5
+    with pytest.raises(ValueError, match="least reachable"):
+        plan_checkpointing(model, lambda: loss_of(model), "1KiB", layer_cls=classes)
+    assert [b.__dict__.get("forward") for b in model.blocks] == forwards
+    assert checkpointed_names(model) == ["blocks.0", "blocks.3"]
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_minimum_reachable_is_reachable() -> None:
+    model, classes = uniform_model()
+    with pytest.raises(ValueError) as err:
+        plan_checkpointing(model, lambda: loss_of(model), 0.05, layer_cls=classes)
+    minimum = int(str(err.value).split(" bytes)")[0].rsplit("(or ", 1)[1])
+    plan = plan_checkpointing(model, lambda: loss_of(model), minimum, layer_cls=classes)
+    plan.apply(model)
+    assert held_bytes(model) == pytest.approx(minimum, rel=0.02)
+    assert plan.planned_bytes <= minimum
+
+
+def test_budget_already_met_checkpoints_nothing() -> None:
+    model, classes = uniform_model()
+    plan = plan_checkpointing(model, lambda: loss_of(model), 1.0, layer_cls=classes)
+    assert set(plan.layers.values()) == {"none"} and plan.recompute_flops == 0
+    assert plan.planned_bytes == plan.baseline_bytes
+    assert plan.apply(model) == [] and checkpointed_names(model) == []
+
+
+class BNBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.bn(self.conv(x)))
+
+
+def test_planning_leaves_batchnorm_buffers_and_rng_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *[BNBlock(8) for _ in range(4)], nn.Dropout(0.2))
+    x = torch.randn(4, 3, 8, 8)
+    model(x)  # buffers away from their initial values
+    before = copy.deepcopy(dict(model.named_buffers()))
+    rng = torch.get_rng_state()
+    plan = plan_checkpointing(model, lambda: model(x).square().mean(), 0.5, layer_cls=BNBlock)
+    after = dict(model.named_buffers())
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert int(after["1.bn.num_batches_tracked"]) == 1
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert sum(mode != "none" for mode in plan.layers.values()) >= 1
+
+
+def test_planning_restores_existing_checkpointing() -> None:
+    model, classes = uniform_model()
+    apply_checkpointing(model, layer_cls=Block, every_n_layers=2, mode="selective")
+    forwards = [b.__dict__.get("forward") for b in model.blocks]
+    plan = plan_checkpointing(model, lambda: loss_of(model), 0.5, layer_cls=classes)
+    assert [b.__dict__.get("forward") for b in model.blocks] == forwards
+    assert all(f.options.mode == "selective" for f in forwards if f is not None)
+    plan.apply(model)
+    assert checkpointed_names(model) == [n for n, mode in plan.layers.items() if mode != "none"]
+    assert [model.get_submodule(n).forward.options.mode for n in checkpointed_names(model)] == [
+        mode for mode in plan.layers.values() if mode != "none"]
+
+
+def test_bad_input_is_refused_before_anything_runs() -> None:
+    model, classes = uniform_model()
+    calls = []
+
+    def step():
+        calls.append(1)
+        return loss_of(model)
+
+    with pytest.raises(ValueError, match="fraction must be in"):
+        plan_checkpointing(model, step, 1.5, layer_cls=classes)
+    with pytest.raises(ValueError, match="modes="):
+        plan_checkpointing(model, step, 0.5, layer_cls=classes, modes=("fast",))
+    with pytest.raises(ValueError, match="module.train()"):
+        plan_checkpointing(model.eval(), step, 0.5, layer_cls=classes)
+    assert calls == []
+
+
+# ---------------------------------------------------------------------------------------------- solver
+
+
+def random_costs(n: int, seed: int) -> list[LayerCost]:
+    rng = random.Random(seed)
+    costs = []
+    for i in range(n):
+        none = rng.randint(1_000, 100_000)
+        full = rng.randint(10, none // 10)
+        selective = rng.randint(full, none)
+        flops = rng.randint(1_000, 1_000_000)
+        costs.append(LayerCost(f"l{i}", "Block", none, full, selective, 0, flops, rng.randint(0, flops)))
+    return costs
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_solver_finds_the_exhaustive_optimum(seed: int) -> None:
+    costs = random_costs(7, seed)
+    baseline = sum(c.none_bytes for c in costs)
+    need = baseline // 2
+    chosen = cheapest_choices(costs, need)
+    freed = lambda ch: sum(c.none_bytes - c.device_bytes(m) for c, m in zip(costs, ch))  # noqa: E731
+    flops = lambda ch: sum(c.flops(m) for c, m in zip(costs, ch))  # noqa: E731
+    optimum = min(flops(ch) for ch in itertools.product(("none", "full", "selective"), repeat=7) if freed(ch) >= need)
+    assert freed(chosen) >= need
+    assert flops(chosen) <= optimum * 1.001
+
+
+def test_solver_500_layers_is_deterministic_and_near_optimal() -> None:
+    costs = random_costs(500, 0)
+    plans = [make_plan(costs, outside_bytes=1_000_000, memory_budget=0.3, modes=("full",)) for _ in range(2)]
+    assert plans[0].layers == plans[1].layers
+    assert plans[0].planned_bytes <= plans[0].budget_bytes
+    # The fractional (LP) optimum, greedy by freed bytes per FLOP, is a lower bound on the optimum;
+    # the greedy whole-layer solution is at most one layer's FLOPs above it. The solver rounds freed bytes
+    # down to quanta of 1/32000 of the shortfall here, so it may pay a little more than that (0.2%).
+    need = plans[0].baseline_bytes - plans[0].budget_bytes
+    items = sorted((c.full_flops / (c.none_bytes - c.full_bytes), c.none_bytes - c.full_bytes) for c in costs)
+    bound, left = 0.0, need
+    for ratio, freed in items:
+        take = min(freed, left)
+        bound, left = bound + ratio * take, left - take
+    assert bound <= plans[0].recompute_flops <= 1.002 * (bound + max(c.full_flops for c in costs))
+    with_selective = make_plan(costs, outside_bytes=1_000_000, memory_budget=0.3)
+    assert with_selective.recompute_flops <= plans[0].recompute_flops
+
+
+def test_offload_counts_checkpointed_inputs_as_host_bytes() -> None:
+    costs = [LayerCost(f"l{i}", "Block", 100, 20, 50, offloadable_bytes=20, full_flops=10, selective_flops=2)
+             for i in range(4)]
+    with pytest.raises(ValueError, match="offload=True, which reaches 100 B"):
+        make_plan(costs, outside_bytes=100, memory_budget=150)
+    plan = make_plan(costs, outside_bytes=100, memory_budget=150, offload=True)
+    # device bytes: full 0, selective 30 (its kept outputs); three full and one selective is the cheapest fit
+    assert sorted(plan.layers.values()) == ["full", "full", "full", "selective"]
+    assert plan.planned_bytes == 130 and plan.planned_host_bytes == 80 and plan.recompute_flops == 32
+
+
+def test_plan_round_trips_and_prints_its_table() -> None:
+    model, classes = uniform_model()
+    plan = plan_checkpointing(model, lambda: loss_of(model), 0.5, layer_cls=classes)
+    again = CheckpointPlan.from_state_dict(copy.deepcopy(plan.state_dict()))
+    assert again == plan
+    text = str(plan)
+    rows = [line for line in text.splitlines() if line.startswith("blocks.")]
+    assert len(rows) == 6 and all(" Block " in row for row in rows)
+    assert [row.split()[-1] for row in rows] == list(plan.layers.values())
+    assert f"{sum(m != 'none' for m in plan.layers.values())} of 6 layers checkpointed" in text
