@@ -4,15 +4,18 @@ import logging
 
 from lightning_ckpt.callback import GradientCheckpointing
 from lightning_ckpt.monitor import MemoryMonitor
+from lightning_ckpt.planner import CheckpointPlan, plan_checkpointing
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy
 from lightning_ckpt.wrapping import apply_checkpointing, remove_checkpointing
 
 __all__ = [
+    "CheckpointPlan",
     "CheckpointingDDPStrategy",
     "CheckpointingFSDPStrategy",
     "GradientCheckpointing",
     "MemoryMonitor",
     "apply_checkpointing",
+    "plan_checkpointing",
     "remove_checkpointing",
 ]
 __version__ = "0.1.0"

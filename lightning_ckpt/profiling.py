@@ -86,7 +86,8 @@ class SavedTensorCounter(saved_tensors_hooks):
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.bytes += self._count(tensor, self._seen)
-        return tensor
+        # Not `tensor` itself: a saved output would then hold its own grad_fn, a cycle that is never freed.
+        return tensor.detach()
 
     def _held(self, tensor: torch.Tensor, kind: HeldKind) -> None:
         if kind == "offloaded":
