@@ -604,10 +604,7 @@ def _pack(tensor: torch.Tensor) -> Any:
 def _unpack(packed: Any) -> torch.Tensor:
     if isinstance(packed, torch.Tensor):
         return packed
-    if isinstance(packed, _Handle):
-        return packed.engine.unpack(packed)
-    device, host = packed  # the `(device, host tensor)` pair that a custom pack function may return
-    return host.to(device, non_blocking=True)
+    return packed.engine.unpack(packed)
 
 
 class OffloadToHost(saved_tensors_hooks):

@@ -18,7 +18,6 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ckpt.monitor as monitor_module
-import lightning_ckpt.offload as offload_module
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequences
 from lightning_ckpt.monitor import (
@@ -33,7 +32,7 @@ from lightning_ckpt.monitor import (
     TOKENS_PER_SEC,
     MemoryMonitor,
 )
-from lightning_ckpt.profiling import report_held
+from lightning_ckpt.offload import FakeStreams, OffloadEngine, default_engine, use_engine
 
 VOCAB, SEQ, BATCH = 32, 16, 8
 ALWAYS = {HOST_RSS, ACTIVATIONS, ACTIVATIONS_OFFLOADED, SAMPLES_PER_SEC, TOKENS_PER_SEC, STEP_SEC}
@@ -199,30 +198,26 @@ def test_activation_bytes_match_an_independent_count_and_shrink_with_checkpointi
     assert every < 0.5 * plain
 
 
-def test_offloaded_bytes_are_reported_separately(tmp_path, monkeypatch):
-    """On CPU offload keeps tensors where they are; this pack hook pretends CPU is a device (it reports the
-    tensor as offloaded and moves a copy), so that the monitor's side of offload is tested on any machine."""
-
-    def pack_as_if_on_a_device(tensor):
-        if isinstance(tensor, torch.nn.Parameter):
-            return tensor
-        report_held(tensor, "offloaded")
-        return tensor.device, tensor.clone()
-
+def test_offloaded_bytes_are_reported_separately(tmp_path):
+    """On CPU offload keeps tensors where they are; the fake-stream engine copies them to "host" anyway (a
+    host-to-host copy through the real pack/unpack path), so the monitor's side of offload is tested on any machine."""
     seed_everything(0)
     model = tiny_gpt(n_layer=4)
     kept, kept_offloaded = logged_activations(tmp_path, [GradientCheckpointing(layer_cls=Block)], model)
-    monkeypatch.setattr(offload_module, "_pack", pack_as_if_on_a_device)
-    resident, offloaded = logged_activations(tmp_path, [GradientCheckpointing(layer_cls=Block, offload=True)], model)
+    with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) as engine:
+        resident, offloaded = logged_activations(tmp_path, [GradientCheckpointing(layer_cls=Block, offload=True)],
+                                                 model)
 
     assert kept_offloaded == 0
     # the 4 block inputs, [BATCH, SEQ, 32] float32 each, moved from "device" to host
     assert offloaded == 4 * BATCH * SEQ * 32 * 4
+    assert engine.stats.to_host_copies > 0
     assert resident + offloaded == pytest.approx(kept, rel=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_device_peaks_and_real_offload(tmp_path):
+@pytest.mark.accelerator
+def test_cuda_device_peaks_and_real_offload(tmp_path, monkeypatch):
+    monkeypatch.setattr(default_engine("cuda"), "min_bytes", 0)  # these inputs are 8 KiB, under the default threshold
     monitor = MemoryMonitor(log_every_n_steps=1)
     logger = CSVLogger(tmp_path, name="cuda")
     callbacks = [GradientCheckpointing(layer_cls=Block, offload=True), monitor]
