@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing, remove_checkpointing
+from lightning_ckpt.offload import FakeStreams, OffloadEngine, use_engine
 from lightning_ckpt.profiling import count_flops
 
 
@@ -90,6 +91,17 @@ def test_buffers_and_weights_end_as_without_checkpointing(variant):
     apply_checkpointing(model, layer_cls=ConvBlock, **VARIANTS[variant])
     _train(model)
     assert int(model.blocks[0].bn.num_batches_tracked) == 3 and int(model.blocks[0].calls) == 3
+    _assert_same_state(model, ref, atol=1e-6)
+
+
+def test_buffers_end_as_without_checkpointing_through_real_offload_copies():
+    """Offload's copy path (host-to-host on the fake-stream engine, copies late and out of order) and layer state."""
+    ref = _train(_cnn())
+    model = _cnn()
+    apply_checkpointing(model, layer_cls=ConvBlock, offload=True)
+    with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) as engine:
+        _train(model)
+    assert engine.stats.to_host_copies >= 3 * 4
     _assert_same_state(model, ref, atol=1e-6)
 
 
