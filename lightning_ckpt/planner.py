@@ -37,20 +37,18 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightning_ckpt.layer_state import buffers_restored
 from lightning_ckpt.policies import COMPUTE_HEAVY_OPS
-from lightning_ckpt.profiling import SavedTensorCounter, report_held, tensor_bytes
+from lightning_ckpt.profiling import OpCostMode, SavedTensorCounter, count_cost, report_held, storage_key, tensor_bytes
 from lightning_ckpt.selection import LayerClassArg, is_inside, layer_classes, parse_memory_budget, select_layers
 from lightning_ckpt.wrapping import (
     MODES,
@@ -63,73 +61,6 @@ from lightning_ckpt.wrapping import (
 )
 
 Choice = Literal["none", "full", "selective"]
-_aten = torch.ops.aten
-
-
-# --------------------------------------------------------------------------------------------- cost
-
-
-def _cpu_flash_attention_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
-
-
-def _cpu_flash_attention_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
-
-
-# torch's registry has no formula for the CPU attention kernel; the math is the same as the GPU one's.
-_EXTRA_FORMULAS: dict[Any, Callable[..., int]] = {}
-if hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu"):
-    _EXTRA_FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_attention_flops
-    _EXTRA_FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_flash_attention_backward_flops
-
-
-def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
-    """FLOPs of one ATen op call: torch's formula where it has one, else one per output element (views: 0)."""
-    packet = func.overloadpacket
-    if packet in _EXTRA_FORMULAS:
-        return int(_EXTRA_FORMULAS[packet](*args, **kwargs))
-    if packet in flop_registry:
-        return int(flop_registry[packet](*args, **kwargs, out_val=out))
-    if func.is_view:
-        return 0
-    return sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-
-
-class OpCostMode(TorchDispatchMode):
-    """Count the FLOPs (see :func:`op_cost`) of every op run while active, in order.
-
-    ``log`` holds ``(flops, is_compute_heavy)`` per op call; ``total`` their sum.
-
-    Example::
-
-        >>> layer = torch.nn.Linear(8, 8)
-        >>> x = torch.randn(4, 8)
-        >>> with OpCostMode() as cost:
-        ...     _ = torch.relu(layer(x))
-        >>> cost.total  # addmm: 2 * 4 * 8 * 8; relu: one per output element
-        544
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.log: list[tuple[int, bool]] = []
-        self.total = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        flops = op_cost(func, args, kwargs, out)
-        self.log.append((flops, func in COMPUTE_HEAVY_OPS))
-        self.total += flops
-        return out
-
-
-def count_cost(fn: Callable[[], Any]) -> int:
-    """FLOPs (as :class:`OpCostMode` counts them) that ``fn()`` runs, recomputation included."""
-    with OpCostMode() as cost:
-        fn()
-    return cost.total
 
 
 # ---------------------------------------------------------------------------------------- measuring
@@ -268,8 +199,8 @@ class LayerCostRecorder:
     def _measure(self, name: str, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         totals = self._totals[name]
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        excluded = {p.untyped_storage().data_ptr() for p in self._params}
-        inputs_held = [t for t in inputs if t.untyped_storage().data_ptr() not in excluded]
+        excluded = {storage_key(p) for p in self._params}
+        inputs_held = [t for t in inputs if storage_key(t) not in excluded]
         totals["full"] += tensor_bytes(inputs_held)
         totals["off"] += tensor_bytes(t for t in inputs_held if t.device.type != "cpu")
         totals["calls"] += 1
@@ -281,7 +212,7 @@ class LayerCostRecorder:
             totals["none"] += saved.bytes
             log = cost.log[:saved.last_save]  # recompute stops after the last saved tensor (early stop)
             totals["fflops"] += sum(flops for flops, _ in log)
-            totals["sflops"] += sum(flops for flops, heavy in log if not heavy)
+            totals["sflops"] += sum(flops for flops, op in log if op not in COMPUTE_HEAVY_OPS)
             if self.selective:
                 selective = CheckpointedForward(layer, CheckpointOptions(mode="selective"), forward)
                 totals["sel"] += self._run(layer, inputs, OpCostMode(), lambda: selective(*args, **kwargs)).bytes
@@ -519,15 +450,38 @@ def plan_checkpointing(
     and machine-independent. Raises ``ValueError`` (nothing changed) when even checkpointing every layer
     would not fit; the message gives the minimum and what else would help.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"`plan_checkpointing` takes an `nn.Module`, got {type(module).__name__}.")
-    if not callable(step):
-        raise TypeError(f"`step` must be a callable with no arguments that returns the loss, got {step!r}.")
+    _check_module_and_step(module, step)
     modes = _validate_modes(modes)
     if not isinstance(offload, bool):
         raise TypeError(f"`offload` must be True or False, got {offload!r}.")
     if parse_memory_budget(memory_budget) is None:
         raise ValueError("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as '2GiB'.")
+    costs, outside = measure_layer_costs(module, step, layer_cls, modes)
+    return make_plan(costs, outside, memory_budget, modes, offload)
+
+
+def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
+                        modes: Sequence[str] = MODES) -> tuple[list[LayerCost], int]:
+    """Measure ``(costs, outside_bytes)`` in one fully checkpointed step: what :func:`plan_checkpointing` solves from.
+
+    ``costs`` has one :class:`LayerCost` per matched layer, in order; ``outside_bytes`` is what everything
+    outside the matched layers holds for backward. Works on real and on fake tensors
+    (``torch._subclasses.FakeTensorMode``: build the module and run ``step`` under it) alike. The module,
+    its buffers and the RNG are left as they were.
+
+    Example::
+
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        >>> x = torch.randn(2, 4)
+        >>> costs, outside = measure_layer_costs(model, lambda: model(x).sum(), layer_cls=nn.Tanh)
+        >>> [(c.name, c.full_bytes, c.none_bytes, c.full_flops) for c in costs]  # its input; its output; 2 * 8 tanh
+        [('1', 64, 64, 16)]
+        >>> outside  # the inputs of the two Linears, 2 * 4 and 2 * 8 float32
+        96
+    """
+    _check_module_and_step(module, step)
+    modes = _validate_modes(modes)
     if not module.training:
         raise ValueError("`plan_checkpointing` measures a training step, but the module is in eval mode, where"
                          " nothing is saved for backward. Call `module.train()` first.")
@@ -545,11 +499,31 @@ def plan_checkpointing(
     if not any(c.calls for c in costs):
         raise ValueError(f"`step()` never called a matched layer ({', '.join(n for n, _ in selected[:3])}, ...) in"
                          " training mode with grad enabled: pass a step that runs the model's forward and returns the loss.")
-    outside = max(0, recorder.held_bytes - sum(c.full_bytes for c in costs))
-    return make_plan(costs, outside, memory_budget, modes, offload)
+    return costs, max(0, recorder.held_bytes - sum(c.full_bytes for c in costs))
+
+
+def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str, str],
+            offload: bool = False) -> tuple[int, int]:
+    """``(device bytes, recompute FLOPs)`` that the layer modes ``choices`` (name -> mode; missing: ``"none"``) hold and cost.
+
+    Example::
+
+        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> predict(costs, 100, {"l0": "full", "l2": "full"})  # every 2nd layer
+        (320, 100)
+    """
+    device = outside_bytes + sum(c.device_bytes(choices.get(c.name, "none"), offload) for c in costs)  # type: ignore[arg-type]
+    return device, sum(c.flops(choices.get(c.name, "none")) for c in costs)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------- helpers
+
+
+def _check_module_and_step(module: object, step: object) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`plan_checkpointing` takes an `nn.Module`, got {type(module).__name__}.")
+    if not callable(step):
+        raise TypeError(f"`step` must be a callable with no arguments that returns the loss, got {step!r}.")
 
 
 def _validate_modes(modes: Sequence[str]) -> tuple[str, ...]:
@@ -634,4 +608,4 @@ def _fmt_flops(n: float) -> str:
 
 
 __all__ = ["CheckpointPlan", "LayerCost", "LayerCostRecorder", "OpCostMode", "cheapest_choices", "count_cost",
-           "make_plan", "plan_checkpointing"]
+           "make_plan", "measure_layer_costs", "plan_checkpointing", "predict"]

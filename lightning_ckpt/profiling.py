@@ -1,7 +1,10 @@
 """Measure what checkpointing trades: bytes held for backward and FLOPs.
 
 Both are exact and machine-independent: bytes are counted with saved-tensor hooks, FLOPs with
-``torch.utils.flop_counter.FlopCounterMode``. Plain PyTorch; nothing here imports Lightning.
+``torch.utils.flop_counter.FlopCounterMode`` (:func:`count_flops`) or, for the recompute cost of a plan,
+:class:`OpCostMode` (which also charges element-wise ops). Both work on fake tensors
+(``torch._subclasses.FakeTensorMode``) exactly as on real ones, so a model too large for this machine
+can be measured without allocating its memory. Plain PyTorch; nothing here imports Lightning.
 
 Example::
 
@@ -19,10 +22,14 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 HeldKind = Literal["offloaded", "kept"]
+_aten = torch.ops.aten
 _held_observers: list[Callable[[torch.Tensor, HeldKind], None]] = []
 
 
@@ -36,13 +43,25 @@ def report_held(tensor: torch.Tensor, kind: HeldKind) -> None:
         observer(tensor, kind)
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
+def storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
+    """What identifies ``tensor``'s storage (views share it), for real and fake tensors alike.
+
+    Example::
+
+        >>> x = torch.zeros(4)
+        >>> storage_key(x) == storage_key(x[1:]) != storage_key(x.clone())
+        True
+    """
     storage = tensor.untyped_storage()
+    if isinstance(tensor, FakeTensor):  # no data pointer (it reads 0 for all): the storage object itself
+        return tensor.device, storage._cdata
     return tensor.device, storage.data_ptr()
 
 
 def tensor_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     """Bytes of the storages behind ``tensors``, each storage once (views and shared buffers count once).
+
+    Fake tensors count what their real counterparts would hold; meta tensors count nothing.
 
     Example::
 
@@ -53,9 +72,9 @@ def tensor_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     seen: set[tuple[Any, int]] = set()
     total = 0
     for tensor in tensors:
-        if tensor is None or tensor.device.type == "meta" or _storage_key(tensor) in seen:
+        if tensor is None or tensor.device.type == "meta" or storage_key(tensor) in seen:
             continue
-        seen.add(_storage_key(tensor))
+        seen.add(storage_key(tensor))
         total += tensor.untyped_storage().nbytes()
     return total
 
@@ -70,7 +89,7 @@ class SavedTensorCounter(saved_tensors_hooks):
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {_storage_key(t) for t in exclude}
+        self._excluded = {storage_key(t) for t in exclude}
         self._seen: set[tuple[Any, int]] = set()
         self._offloaded_seen: set[tuple[Any, int]] = set()
         self.bytes = 0
@@ -78,7 +97,7 @@ class SavedTensorCounter(saved_tensors_hooks):
         super().__init__(self._pack, lambda tensor: tensor)
 
     def _count(self, tensor: torch.Tensor, seen: set[tuple[Any, int]]) -> int:
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key in self._excluded or key in seen or tensor.device.type == "meta":
             return 0
         seen.add(key)
@@ -117,3 +136,67 @@ def count_flops(fn: Callable[[], Any]) -> int:
     with FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops()
+
+
+def _cpu_flash_attention_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_attention_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# torch's registry has no formula for the CPU attention kernel; the math is the same as the GPU one's.
+_EXTRA_FORMULAS: dict[Any, Callable[..., int]] = {}
+if hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    _EXTRA_FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_attention_flops
+    _EXTRA_FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_flash_attention_backward_flops
+
+
+def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """FLOPs of one ATen op call: torch's formula where it has one, else one per output element (views: 0)."""
+    packet = func.overloadpacket
+    if packet in _EXTRA_FORMULAS:
+        return int(_EXTRA_FORMULAS[packet](*args, **kwargs))
+    if packet in flop_registry:
+        return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    if func.is_view:
+        return 0
+    return sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+class OpCostMode(TorchDispatchMode):
+    """Count the FLOPs (see :func:`op_cost`) of every op run while active, in order.
+
+    ``log`` holds ``(flops, op)`` per op call (``op`` the ATen overload, e.g. ``aten.addmm.default``);
+    ``total`` their sum. Under ``FakeTensorMode`` (entered first) it counts the same as on real tensors.
+
+    Example::
+
+        >>> layer = torch.nn.Linear(8, 8)
+        >>> x = torch.randn(4, 8)
+        >>> with OpCostMode() as cost:
+        ...     _ = torch.relu(layer(x))
+        >>> cost.total  # addmm: 2 * 4 * 8 * 8; relu: one per output element
+        544
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[int, Any]] = []
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flops = op_cost(func, args, kwargs, out)
+        self.log.append((flops, func))
+        self.total += flops
+        return out
+
+
+def count_cost(fn: Callable[[], Any]) -> int:
+    """FLOPs (as :class:`OpCostMode` counts them) that ``fn()`` runs, recomputation included."""
+    with OpCostMode() as cost:
+        fn()
+    return cost.total
