@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Generic, Optional, TypeVar, Union, overload
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, Strategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_ckpt.offload import release_all
 from lightning_ckpt.placement import check_checkpointing_placement
+from lightning_ckpt.planner import CheckpointPlan, LayerCost, LayerCostRecorder, _fmt_bytes, _fmt_flops, make_plan
+from lightning_ckpt.profiling import tensor_bytes
 from lightning_ckpt.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
 from lightning_ckpt.wrapping import (
     CheckpointOptions,
@@ -26,6 +31,10 @@ from lightning_ckpt.wrapping import (
     checkpointed_names,
     remove_checkpointing,
 )
+
+AUTO_MEMORY_FRACTION = 0.9
+"""``memory_budget="auto"`` plans for this fraction of the accelerator's memory; the rest is headroom
+(allocator fragmentation, the CUDA context, buffers this package cannot see)."""
 
 _SETTINGS = ("layer_cls", "every_n_layers", "offload", "mode", "memory_budget", "use_reentrant",
              "preserve_rng_state", "checkpoint_kwargs")
@@ -75,7 +84,11 @@ class GradientCheckpointing(Callback):
         every_n_layers: checkpoint matched layers 0, n, 2n, ... in registration order.
         offload: keep the checkpointed layers' inputs in pinned host memory instead of the device.
         mode: ``"full"`` recomputes the whole layer; ``"selective"`` keeps matmul/attention outputs.
-        memory_budget: reserved for the budget planner; only ``None`` is supported yet.
+        memory_budget: let the callback choose: a fraction of the activation bytes held without checkpointing
+            (``0.5``), bytes (``"2GiB"``), or ``"auto"`` (what fits the accelerator). The first training step
+            runs fully checkpointed and measures each layer; from the next batch on, the cheapest plan that
+            fits (fewest recomputed FLOPs; each layer ``"none"``, ``"full"`` or ``"selective"``) is applied.
+            Replaces ``every_n_layers`` and ``mode``.
         use_reentrant: use torch's reentrant checkpoint (not recommended; non-reentrant is the default).
         preserve_rng_state: replay the RNG state in recompute so dropout masks match.
         checkpoint_kwargs: extra ``torch.utils.checkpoint.checkpoint`` arguments, merged over the above.
@@ -85,6 +98,11 @@ class GradientCheckpointing(Callback):
 
     Every argument is also an attribute (``callback.every_n_layers``, ...). Setting one validates it like the
     constructor (a bad value raises and changes nothing) and, when layers are already checkpointed, re-applies.
+
+    With ``memory_budget``, ``callback.plan`` holds the :class:`~lightning_ckpt.planner.CheckpointPlan` once made
+    (and ``checkpointed_layers`` its choice). The plan is saved in Lightning checkpoints: a resumed run applies it
+    from its first step without measuring again. Under DDP/FSDP every rank measures, the per-layer costs are
+    combined with their maximum over ranks, and every rank solves the same plan.
 
     Example::
 
@@ -103,7 +121,8 @@ class GradientCheckpointing(Callback):
     every_n_layers: _Option[int] = _Option("Checkpoint matched layers 0, n, 2n, ... in registration order.")
     offload: _Option[bool] = _Option("Keep the checkpointed layers' inputs in pinned host memory.")
     mode: _Option[Mode] = _Option("``'full'`` or ``'selective'``.")
-    memory_budget: _Option[Union[float, int, str, None]] = _Option("Reserved for the budget planner (``None``).")
+    memory_budget: _Option[Union[float, int, str, None]] = _Option(
+        "A fraction (``0.5``), bytes (``'2GiB'``) or ``'auto'``: the callback plans what to checkpoint; ``None``: off.")
     use_reentrant: _Option[bool] = _Option("Use torch's reentrant checkpoint.")
     preserve_rng_state: _Option[bool] = _Option("Replay the RNG state in the recomputation.")
     checkpoint_kwargs: _Option[Optional[dict[str, Any]]] = _Option(
@@ -127,8 +146,13 @@ class GradientCheckpointing(Callback):
         _validate(settings)
         self._settings: dict[str, Any] = settings  # the one place the options live; attributes read from it
         self.checkpointed_layers: list[str] = []
+        self.plan: Optional[CheckpointPlan] = None
         self._module: Optional[pl.LightningModule] = None
         self._original_configure_model: Any = None
+        self._recorder: Optional[LayerCostRecorder] = None
+        self._measured: Optional[_Measurement] = None  # this rank's, until the plan is made
+        self._plan_pending = False  # made, not applied yet: applied at the end of the batch
+        self._start_step = 0
 
     @property
     def settings(self) -> Mapping[str, Any]:
@@ -136,9 +160,21 @@ class GradientCheckpointing(Callback):
         return MappingProxyType(self._settings)
 
     def apply(self, pl_module: pl.LightningModule) -> list[str]:
-        """Checkpoint the selected layers of ``pl_module`` (idempotent) and record their names."""
-        options = {k: v for k, v in self._settings.items() if k != "memory_budget"}
-        names = apply_checkpointing(pl_module, **options)
+        """Checkpoint the selected layers of ``pl_module`` (idempotent) and record their names.
+
+        With ``memory_budget``: the plan when there is one, else every matched layer fully checkpointed (the
+        measuring step).
+        """
+        options = {k: v for k, v in self._settings.items() if k not in ("memory_budget", "every_n_layers", "mode")}
+        if self._settings["memory_budget"] is None:
+            names = apply_checkpointing(pl_module, every_n_layers=self._settings["every_n_layers"],
+                                        mode=self._settings["mode"], **options)
+        elif self.plan is not None:
+            options.pop("layer_cls")
+            options.pop("offload")  # the plan's own, which it was solved for
+            names = self.plan.apply(pl_module, **options)
+        else:
+            names = apply_checkpointing(pl_module, **{**options, "offload": False})  # measuring: every layer, full
         if names != self.checkpointed_layers:
             self.checkpointed_layers = names
             shown = ", ".join(names) if len(names) <= 8 else ", ".join(names[:8]) + ", ..."
@@ -157,6 +193,11 @@ class GradientCheckpointing(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_lightning_strategy(trainer.strategy)
+        if self._settings["memory_budget"] == "auto" and trainer.strategy.root_device.type == "cpu":
+            raise ValueError(
+                "`memory_budget='auto'` plans for the accelerator's memory, but this run is on the CPU. Pass a"
+                " fraction of the un-checkpointed activation memory (`memory_budget=0.5`) or bytes (`'2GiB'`)."
+            )
         self._module = pl_module
         if is_overridden("configure_model", pl_module):
             # Layers built in `configure_model` do not exist yet; checkpoint them right after it runs,
@@ -177,22 +218,121 @@ class GradientCheckpointing(Callback):
         # After the strategy wrapped the model: also covers Lightning's own FSDP/ModelParallel strategies.
         check_checkpointing_placement(pl_module)
 
+    # ------------------------------------------------------------------ memory budget: measure, plan, apply
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._settings["memory_budget"] is None or self.plan is not None or self._measured is not None:
+            return
+        if self._recorder is None:
+            # The first batch: every matched layer is fully checkpointed; measure it during this ordinary step.
+            layers = [(name, pl_module.get_submodule(name)) for name in self.checkpointed_layers]
+            if self._settings["memory_budget"] == "auto":
+                _device_call(trainer.strategy.root_device, "reset_peak_memory_stats")
+            self._recorder = LayerCostRecorder(pl_module, layers, selective=not self._reentrant())
+            self._recorder.__enter__()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._stop_measuring() and self._settings["memory_budget"] != "auto":
+            # Planned before the first backward: an impossible budget fails before any weight has changed.
+            self._make_plan(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._stop_measuring()  # a step that returned no loss ran no backward
+        # "auto" also needs the static memory, optimizer state included: wait for the first optimizer step.
+        if self._measured is not None and self.plan is None and (
+                self._settings["memory_budget"] != "auto" or trainer.global_step > self._start_step):
+            self._make_plan(trainer, pl_module)
+        if self._plan_pending and self.plan is not None:
+            self._plan_pending = False
+            self.apply(pl_module)
+
+    def _reentrant(self) -> bool:
+        kwargs = self._settings["checkpoint_kwargs"] or {}
+        return bool(kwargs.get("use_reentrant", self._settings["use_reentrant"]))
+
+    def _stop_measuring(self) -> bool:
+        """Leave the measuring hooks (if measuring); ``True`` when this ended a measurement."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is None:
+            return False
+        recorder.__exit__(None, None, None)
+        costs = recorder.costs()
+        counted = sum(c.full_bytes for c in costs)
+        if recorder.held_bytes < counted:
+            rank_zero_warn("GradientCheckpointing: the bytes held outside the checkpointed layers could not be measured"
+                           " (other saved-tensor hooks were entered after this callback's); the plan counts them as 0."
+                           " Put GradientCheckpointing after such callbacks in `callbacks`.")
+        self._measured = _Measurement(costs, max(0, recorder.held_bytes - counted))
+        return True
+
+    def _make_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._measured is not None
+        budget: object = self._settings["memory_budget"]
+        auto: Optional[AutoBudget] = None
+        measured = self._measured
+        if budget == "auto":
+            device = trainer.strategy.root_device
+            static = _static_bytes(pl_module, trainer.optimizers)
+            peak = int(_device_call(device, "max_memory_allocated") or 0)
+            held = measured.outside_bytes + sum(c.full_bytes for c in measured.costs)
+            mine = AutoBudget.from_step(int(_device_call(device, "mem_get_info")[1]), static, peak, held)
+            figures = [mine.device_bytes, mine.static_bytes, mine.other_peak_bytes]
+            measured, figures = _combine_over_ranks(trainer.strategy, measured, figures)
+            auto = AutoBudget(*figures)
+            budget = auto.budget_bytes
+        else:
+            measured, _ = _combine_over_ranks(trainer.strategy, measured, [])
+        modes = ("full",) if self._reentrant() else ("full", "selective")
+        # An impossible budget raises here; the step's own full checkpointing is undone by `on_exception`.
+        plan = make_plan(measured.costs, measured.outside_bytes, budget, modes, self._settings["offload"])
+        self.plan, self._measured, self._plan_pending = plan, None, True
+        if trainer.is_global_zero:
+            _report_plan(trainer, plan, self._settings["memory_budget"], auto)
+
+    # ------------------------------------------------------------------ end, state
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.remove()
+        self._end()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        if self._recorder is not None:
+            self._recorder.__exit__(None, None, None)
+            self._recorder = None
+        self._measured = None
         self.remove()
+        if self._settings["offload"]:
+            release_all()  # the pinned host buffers pooled for offload
 
     def state_dict(self) -> dict[str, Any]:
         settings = {name: copy.copy(value) for name, value in self._settings.items()}
         settings["layer_cls"] = _layer_cls_as_paths(settings["layer_cls"])
-        return {"settings": settings, "checkpointed_layers": list(self.checkpointed_layers)}
+        state = {"settings": settings, "checkpointed_layers": list(self.checkpointed_layers)}
+        if self.plan is not None:
+            state["plan"] = self.plan.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         settings = dict(state_dict["settings"])
+        plan = state_dict.get("plan")
         if settings != self.state_dict()["settings"]:
             rank_zero_info(f"GradientCheckpointing: restoring the settings from the checkpoint: {settings}")
             self._update_settings(settings)
+        if plan is not None and settings.get("memory_budget") is not None:
+            # A resumed run: the plan from the checkpoint, from the first step, without measuring again.
+            self.plan = CheckpointPlan.from_state_dict(plan)
+            self._measured, self._plan_pending = None, False
+            if self._recorder is not None:
+                self._recorder.__exit__(None, None, None)
+                self._recorder = None
+            if self._module is not None and checkpointed_names(self._module):
+                self.apply(self._module)
 
     def _update_settings(self, changes: Mapping[str, Any]) -> None:
         """Validate ``changes`` with the other settings, then store them and re-apply to checkpointed layers."""
@@ -204,6 +344,9 @@ class GradientCheckpointing(Callback):
         _validate(settings)
         if settings == self._settings:
             return
+        if self.plan is not None and _PLAN_SETTINGS & {k for k in settings if settings[k] != self._settings[k]}:
+            # The plan was solved for the old budget and options; measure again on the next training batch.
+            self.plan, self._plan_pending = None, False
         self._settings.update(settings)
         # Only where the layers exist and are checkpointed: before `configure_model` ran, applying now would find
         # no layers; the pending application will use the new settings anyway.
@@ -251,15 +394,156 @@ def check_lightning_strategy(strategy: Strategy) -> None:
 
 
 def _validate(settings: Mapping[str, Any]) -> None:
-    validate_every_n_layers(settings["every_n_layers"])
+    every_n_layers = validate_every_n_layers(settings["every_n_layers"])
     resolve_layer_classes(settings["layer_cls"])
     CheckpointOptions(settings["offload"], settings["mode"], settings["use_reentrant"],
                       settings["preserve_rng_state"], settings["checkpoint_kwargs"] or {})
-    if parse_memory_budget(settings["memory_budget"]) is not None:
-        raise NotImplementedError(
-            "`memory_budget` is not yet supported by GradientCheckpointing. Pass `every_n_layers` (and `layer_cls`)"
-            " to choose the checkpointed layers."
+    budget = parse_memory_budget(settings["memory_budget"], allow_auto=True)
+    if budget is not None and every_n_layers != 1:
+        raise ValueError(
+            f"`memory_budget={settings['memory_budget']!r}` and `every_n_layers={every_n_layers}` are two ways of choosing"
+            " the checkpointed layers. Pass one: `memory_budget` alone lets the callback choose (leave `every_n_layers`"
+            " at 1), or set `memory_budget=None` to checkpoint every n-th layer."
         )
+
+
+_PLAN_SETTINGS = {"layer_cls", "memory_budget", "offload", "use_reentrant", "checkpoint_kwargs"}
+
+
+# --------------------------------------------------------------------------------------------- budget helpers
+
+
+@dataclass(frozen=True)
+class _Measurement:
+    costs: list[LayerCost]
+    outside_bytes: int  # held for backward outside the measured layers (embeddings, head, loss)
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    """The figures behind ``memory_budget="auto"``: what is left of the device for activations.
+
+    Example::
+
+        >>> auto = AutoBudget(device_bytes=80 * 2**30, static_bytes=30 * 2**30, other_peak_bytes=2 * 2**30)
+        >>> auto.budget_bytes / 2**30  # 0.9 * 80 - 30 - 2
+        40.0
+    """
+
+    device_bytes: int  # the accelerator's total memory
+    static_bytes: int  # weights, gradients and optimizer state
+    other_peak_bytes: int  # the step's peak beyond static memory and activations (temporaries, the recompute)
+    fraction: float = AUTO_MEMORY_FRACTION
+
+    @classmethod
+    def from_step(cls, device_bytes: int, static_bytes: int, step_peak_bytes: int, activation_bytes: int,
+                  fraction: float = AUTO_MEMORY_FRACTION) -> AutoBudget:
+        """The figures from a measured step: its peak allocated memory, less static memory and its activations.
+
+        Example::
+
+            >>> auto = AutoBudget.from_step(device_bytes=1000, static_bytes=400, step_peak_bytes=650, activation_bytes=200)
+            >>> auto.other_peak_bytes, auto.budget_bytes  # 650 - 400 - 200; 0.9 * 1000 - 400 - 50
+            (50, 450)
+        """
+        return cls(device_bytes, static_bytes, max(0, step_peak_bytes - static_bytes - activation_bytes), fraction)
+
+    @property
+    def budget_bytes(self) -> int:
+        return auto_memory_budget(self.device_bytes, self.static_bytes, self.other_peak_bytes, self.fraction)
+
+    def __str__(self) -> str:
+        return (f"auto: {self.fraction:g} x {_fmt_bytes(self.device_bytes)} device memory - {_fmt_bytes(self.static_bytes)}"
+                f" weights, gradients and optimizer state - {_fmt_bytes(self.other_peak_bytes)} other peak of the step"
+                f" = {_fmt_bytes(self.budget_bytes)} for activations")
+
+
+def auto_memory_budget(device_bytes: int, static_bytes: int, other_peak_bytes: int,
+                       fraction: float = AUTO_MEMORY_FRACTION) -> int:
+    """Bytes of activations that fit: ``device_bytes * fraction - static_bytes - other_peak_bytes``.
+
+    Raises ``ValueError`` when nothing is left: then weights and optimizer state, not activations, fill the device,
+    and checkpointing cannot help.
+
+    Example::
+
+        >>> auto_memory_budget(device_bytes=1000, static_bytes=500, other_peak_bytes=100)
+        300
+    """
+    budget = int(device_bytes * fraction) - static_bytes - other_peak_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"`memory_budget='auto'`: {fraction:g} x {_fmt_bytes(device_bytes)} of device memory leaves nothing for"
+            f" activations after {_fmt_bytes(static_bytes)} of weights, gradients and optimizer state and"
+            f" {_fmt_bytes(other_peak_bytes)} of other peak memory in the step. Checkpointing only saves activations:"
+            " shard the weights and optimizer state (`strategy='fsdp_ckpt'`), train fewer parameters (PEFT), or use a"
+            " smaller model."
+        )
+    return budget
+
+
+def _device_call(device: torch.device, name: str) -> Any:
+    """``torch.<device type>.<name>(device)`` where that exists (``None`` on CPU or where it does not)."""
+    module = getattr(torch, device.type, None)
+    fn = getattr(module, name, None) if device.type != "cpu" else None
+    return fn(device) if fn is not None else None
+
+
+def _local_tensors(tensors: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            yield t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+
+
+def _static_bytes(pl_module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """Weights, gradients (as large as the trainable weights, whether allocated yet or not) and optimizer state."""
+    params = list(pl_module.parameters())
+    weights = tensor_bytes(_local_tensors(params))
+    grads = tensor_bytes(_local_tensors(p for p in params if p.requires_grad))
+    state = tensor_bytes(_local_tensors(v for opt in optimizers for s in opt.state.values() for v in s.values()))
+    return weights + grads + state
+
+
+_COST_FIELDS = [f.name for f in fields(LayerCost) if f.name not in ("name", "cls")]
+
+
+def _combine_over_ranks(strategy: Strategy, measured: _Measurement, figures: list[int]) -> tuple[_Measurement, list[int]]:
+    """Every rank's costs combined with their maximum (the plan must fit every rank), and ``figures`` too.
+
+    ``figures`` is ``[device_bytes, static_bytes, other_peak_bytes]`` for "auto" (device memory: the minimum).
+    """
+    row = [getattr(c, f) for c in measured.costs for f in _COST_FIELDS] + [measured.outside_bytes]
+    local = torch.tensor(row + figures, dtype=torch.int64, device=strategy.root_device)
+    gathered = strategy.all_gather(local).reshape(-1, local.numel())
+    combined = gathered.max(dim=0).values.tolist()
+    if figures:
+        combined[len(row)] = int(gathered[:, len(row)].min())
+    width = len(_COST_FIELDS)
+    costs = [LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, combined[i * width:(i + 1) * width])))
+             for i, c in enumerate(measured.costs)]
+    return _Measurement(costs, combined[len(row) - 1]), combined[len(row):]
+
+
+def _report_plan(trainer: pl.Trainer, plan: CheckpointPlan, memory_budget: object, auto: Optional[AutoBudget]) -> None:
+    """One line in the log; the whole table to each logger that takes text, else to the log (info)."""
+    n = sum(mode != "none" for mode in plan.layers.values())
+    pct = 100 * plan.planned_bytes / plan.baseline_bytes if plan.baseline_bytes else 0.0
+    rank_zero_info(
+        f"GradientCheckpointing: memory_budget={memory_budget!r}: checkpointing {n} of {len(plan.layers)} layers;"
+        f" activations {_fmt_bytes(plan.planned_bytes)} predicted against a budget of {_fmt_bytes(plan.budget_bytes)}"
+        f" ({pct:.0f}% of {_fmt_bytes(plan.baseline_bytes)} without checkpointing); {_fmt_flops(plan.recompute_flops)}"
+        " recomputed per step" + (f" ({auto})" if auto is not None else "")
+    )
+    table = str(plan) + (f"\n{auto}" if auto is not None else "")
+    sent = False
+    for logger in trainer.loggers:
+        add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+        if callable(add_text):  # TensorBoard's SummaryWriter; shown as Markdown, hence the code block
+            add_text("gradient_checkpointing/plan", "\n".join("    " + line for line in table.splitlines()),
+                     trainer.global_step)
+            sent = True
+    if not sent:
+        rank_zero_info(f"GradientCheckpointing plan:\n{table}")
 
 
 def _layer_cls_as_paths(layer_cls: Any) -> Any:

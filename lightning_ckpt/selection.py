@@ -154,14 +154,25 @@ def is_inside(name: str, outer: str) -> bool:
     return outer == "" or name.startswith(outer + ".")
 
 
-def parse_memory_budget(budget: object) -> float | int | None:
+def parse_memory_budget(budget: object, allow_auto: bool = False) -> float | int | str | None:
     """Parse ``memory_budget``: ``None``, a fraction in (0, 1], bytes as an int, or a string like ``"2GiB"``.
 
-    Returns a float for a fraction and an int for bytes.
+    Returns a float for a fraction and an int for bytes. With ``allow_auto`` (the Lightning callback, which
+    knows the device), ``"auto"`` is accepted and returned as is: what fits the accelerator's memory.
+
+    Example::
+
+        >>> parse_memory_budget("2GiB"), parse_memory_budget(0.25), parse_memory_budget("auto", allow_auto=True)
+        (2147483648, 0.25, 'auto')
     """
     if budget is None:
         return None
     hint = "Pass None, a fraction of the un-checkpointed activation memory such as 0.25, or bytes such as '2GiB' or 500_000_000."
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        if allow_auto:
+            return "auto"
+        raise ValueError(f"`memory_budget='auto'` is only understood by the GradientCheckpointing callback, which knows"
+                         f" the accelerator's memory. {hint}")
     if isinstance(budget, bool):
         raise TypeError(f"`memory_budget={budget!r}` is not understood. {hint}")
     if isinstance(budget, float):

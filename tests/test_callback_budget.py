@@ -1,0 +1,269 @@
+"""GradientCheckpointing(memory_budget=...): measured in the first step, planned, applied from the next batch.
+
+Bytes are counted with saved-tensor hooks inside ``training_step`` (from the second batch on: the first is the
+measuring step, whose own counter a nested one would hide). Dropout is off, so weights must be bit-equal to a
+run without the callback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+
+import lightning_ckpt.callback as callback_module
+from lightning_ckpt import GradientCheckpointing
+from lightning_ckpt.callback import AUTO_MEMORY_FRACTION, AutoBudget, _combine_over_ranks, _Measurement, auto_memory_budget
+from lightning_ckpt.demos import GPT, CountingDataModule
+from lightning_ckpt.planner import LayerCost
+from lightning_ckpt.profiling import SavedTensorCounter
+from lightning_ckpt.wrapping import checkpointed_names
+
+N_LAYER = 4
+BLOCKS = [f"model.blocks.{i}" for i in range(N_LAYER)]
+
+
+class RecordingGPT(GPT):
+    """The demo GPT (its ``training_step`` logs) recording, per batch: training_step calls, checkpointed layers
+    and the bytes held for backward."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(vocab_size=32, block_size=16, n_layer=N_LAYER, n_embd=32, n_head=2, dropout=0.0, **kwargs)
+        self.calls = 0
+        self.seen: list[list[str]] = []
+        self.held: list[int | None] = []
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        self.seen.append(checkpointed_names(self))
+        if self.calls == 1:  # the measuring step: no counter of ours in the way
+            self.held.append(None)
+            return super().training_step(batch, batch_idx)
+        with SavedTensorCounter(exclude=self.parameters()) as saved:
+            loss = super().training_step(batch, batch_idx)
+        self.held.append(saved.bytes)
+        return loss
+
+
+class ManualGPT(RecordingGPT):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+def fit(model, callbacks=(), max_steps: int = 3, ckpt_path=None, **trainer_kwargs) -> Trainer:
+    trainer_kwargs = {"logger": False, "enable_checkpointing": False, **trainer_kwargs}
+    trainer = Trainer(max_steps=max_steps, accelerator="cpu", devices=1, callbacks=list(callbacks),
+                      enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
+    trainer.fit(model, CountingDataModule(vocab_size=32, block_size=16, batch_size=4, num_samples=64),
+                ckpt_path=ckpt_path)
+    return trainer
+
+
+def run(model_cls=RecordingGPT, callbacks=(), model_kwargs=None, **fit_kwargs) -> tuple[RecordingGPT, Trainer]:
+    seed_everything(0)
+    model = model_cls(**(model_kwargs or {}))
+    trainer = fit(model, callbacks, **fit_kwargs)
+    return model, trainer
+
+
+def assert_same_weights(a: RecordingGPT, b: RecordingGPT) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa), [k for k in sa if not torch.equal(sa[k], sb[k])]
+
+
+@pytest.fixture(scope="module")
+def reference() -> RecordingGPT:
+    return run()[0]
+
+
+@pytest.fixture(scope="module")
+def reference_manual() -> RecordingGPT:
+    return run(ManualGPT)[0]
+
+
+def planned(callback: GradientCheckpointing) -> list[str]:
+    return [name for name, mode in callback.plan.layers.items() if mode != "none"]
+
+
+@pytest.mark.parametrize("build_in_configure_model", [False, True])
+def test_budget_half_holds_half_the_bytes_and_trains_the_same(reference, build_in_configure_model, caplog):
+    callback = GradientCheckpointing(memory_budget=0.5)
+    with caplog.at_level(logging.INFO):
+        model, _ = run(callbacks=[callback], model_kwargs={"build_in_configure_model": build_in_configure_model})
+    chosen = planned(callback)
+    assert 0 < len(chosen) < N_LAYER  # a real choice, neither nothing nor everything
+    assert model.calls == 3  # training_step once per batch, the measuring step included
+    assert model.seen == [BLOCKS, chosen, chosen]  # step 1 fully checkpointed, the plan from step 2
+    assert callback.checkpointed_layers == chosen
+    assert model.held[2] <= 0.5 * reference.held[2] * 1.02
+    assert callback.plan.planned_bytes == pytest.approx(model.held[2], rel=0.05)
+    assert callback.plan.baseline_bytes == pytest.approx(reference.held[2], rel=0.05)
+    assert_same_weights(model, reference)
+    assert checkpointed_names(model) == []  # undone at teardown
+    line = next(r.getMessage() for r in caplog.records if "memory_budget=0.5" in r.getMessage())
+    assert f"checkpointing {len(chosen)} of {N_LAYER} layers" in line and "budget" in line and "recomputed" in line
+    assert str(callback.plan) in caplog.text  # no text logger: the table goes to the log
+
+
+def test_manual_optimisation(reference_manual):
+    callback = GradientCheckpointing(memory_budget=0.5)
+    model, _ = run(ManualGPT, [callback])
+    chosen = planned(callback)
+    assert model.calls == 3 and model.seen == [BLOCKS, chosen, chosen]
+    assert model.held[2] <= 0.5 * reference_manual.held[2] * 1.02
+    assert_same_weights(model, reference_manual)
+
+
+def test_gradient_accumulation_measures_the_first_micro_batch_and_plans_from_the_second():
+    reference, _ = run(max_steps=2, accumulate_grad_batches=2)
+    callback = GradientCheckpointing(memory_budget=0.5)
+    model, trainer = run(callbacks=[callback], max_steps=2, accumulate_grad_batches=2)
+    chosen = planned(callback)
+    assert trainer.global_step == 2 and model.calls == 4
+    # Micro-batch 1 of optimizer step 1 is measured; the plan applies from micro-batch 2 (same optimizer step).
+    assert model.seen == [BLOCKS, chosen, chosen, chosen]
+    assert max(model.held[1:]) <= 0.5 * max(reference.held[1:]) * 1.02
+    assert_same_weights(model, reference)
+
+
+class CountingRecorder(callback_module.LayerCostRecorder):
+    uses = 0
+
+    def __enter__(self):
+        type(self).uses += 1
+        return super().__enter__()
+
+
+def test_resume_applies_the_saved_plan_from_the_first_step_without_measuring(tmp_path, monkeypatch):
+    monkeypatch.setattr(callback_module, "LayerCostRecorder", CountingRecorder)
+    first = GradientCheckpointing(memory_budget=0.5)
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    run(callbacks=[first, saver], max_steps=2, enable_checkpointing=True)
+    assert CountingRecorder.uses == 1
+    path = tmp_path / "step=2.ckpt"
+    assert torch.load(path, weights_only=False)["callbacks"]["GradientCheckpointing"]["plan"] == first.plan.state_dict()
+
+    CountingRecorder.uses = 0
+    resumed = GradientCheckpointing(memory_budget=0.5)
+    model, trainer = run(callbacks=[resumed], max_steps=4, ckpt_path=str(path))
+    chosen = planned(first)
+    assert CountingRecorder.uses == 0  # nothing measured again
+    assert trainer.global_step == 4 and model.seen == [chosen, chosen]  # the plan from the resumed run's first step
+    assert resumed.plan.state_dict() == first.plan.state_dict()
+    assert resumed.checkpointed_layers == chosen
+
+
+@pytest.mark.parametrize("first", [{"memory_budget": 0.5}, {"every_n_layers": 2}])
+def test_memory_budget_and_every_n_layers_are_two_ways_of_choosing(first):
+    with pytest.raises(ValueError, match="two ways of choosing.*Pass one"):
+        GradientCheckpointing(memory_budget=0.5, every_n_layers=2)
+    callback = GradientCheckpointing(**first)
+    other = ("every_n_layers", 2) if "memory_budget" in first else ("memory_budget", 0.5)
+    with pytest.raises(ValueError, match="two ways of choosing"):
+        setattr(callback, *other)
+    assert callback.state_dict()["settings"] == GradientCheckpointing(**first).state_dict()["settings"]
+
+
+def test_an_impossible_budget_fails_before_any_weight_changes_and_leaves_the_model_plain():
+    seed_everything(0)
+    model = RecordingGPT()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    callback = GradientCheckpointing(memory_budget=0.01)
+    with pytest.raises(ValueError, match=r"least reachable.*Nothing was applied.*budget of at least"):
+        fit(model, [callback])
+    assert model.calls == 1 and model.seen == [BLOCKS]  # the fully checkpointed first step, no backward after it
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert checkpointed_names(model) == [] and all("forward" not in b.__dict__ for b in model.model.blocks)
+    assert callback.plan is None and callback.checkpointed_layers == BLOCKS
+
+
+def test_auto_on_cpu_asks_for_a_fraction_or_bytes_before_anything_changes():
+    seed_everything(0)
+    model = RecordingGPT(build_in_configure_model=True)
+    callback = GradientCheckpointing(memory_budget="auto")
+    with pytest.raises(ValueError, match=r"memory_budget='auto'.*CPU.*memory_budget=0.5.*'2GiB'"):
+        fit(model, [callback])
+    assert model.calls == 0 and model.model is None  # setup raised: configure_model never ran
+    assert "configure_model" not in model.__dict__ and callback.checkpointed_layers == []
+
+
+def test_auto_arithmetic():
+    gib = 2**30
+    assert AUTO_MEMORY_FRACTION == 0.9
+    assert auto_memory_budget(80 * gib, 30 * gib, 2 * gib) == int(0.9 * 80 * gib) - 32 * gib
+    auto = AutoBudget.from_step(device_bytes=80 * gib, static_bytes=30 * gib, step_peak_bytes=45 * gib,
+                                activation_bytes=12 * gib)
+    assert auto.other_peak_bytes == 3 * gib  # the step's peak beyond static memory and its activations
+    assert auto.budget_bytes == int(0.9 * 80 * gib) - 33 * gib
+    assert str(auto) == ("auto: 0.9 x 80.0 GiB device memory - 30.0 GiB weights, gradients and optimizer state"
+                         " - 3.0 GiB other peak of the step = 39.0 GiB for activations")
+    assert AutoBudget.from_step(100, 10, 5, 20).other_peak_bytes == 0  # never negative
+    with pytest.raises(ValueError, match="leaves nothing for activations.*fsdp_ckpt.*PEFT"):
+        auto_memory_budget(80 * gib, 70 * gib, 2 * gib)
+
+
+class FakeGather:
+    """A strategy of two ranks: ``all_gather`` stacks this rank's row with ``other``."""
+
+    root_device = torch.device("cpu")
+
+    def __init__(self, other: torch.Tensor) -> None:
+        self.other = other
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack([tensor, self.other])
+
+
+def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device():
+    mine = _Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)], 7)
+    other_row = [120, 8, 45, 0, 40, 9, 1, 150, 12, 20, 0, 70, 1, 1, 3] + [900, 50, 9]
+    measured, figures = _combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])
+    assert [(c.name, c.none_bytes, c.full_bytes, c.selective_bytes, c.full_flops, c.selective_flops)
+            for c in measured.costs] == [("a", 120, 10, 45, 50, 9), ("b", 200, 12, 30, 70, 6)]
+    assert measured.outside_bytes == 7 and figures == [900, 50, 11]
+
+
+def test_the_plan_table_reaches_a_logger_that_takes_text(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    callback = GradientCheckpointing(memory_budget=0.5)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    run(callbacks=[callback], max_steps=2, logger=logger)
+    logger.experiment.flush()
+    events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    [event] = events.Tensors("gradient_checkpointing/plan/text_summary")
+    text = tensor_util.make_ndarray(event.tensor_proto).item().decode()
+    assert text.splitlines() == ["    " + line for line in str(callback.plan).splitlines()]
+    assert all(name in text for name in BLOCKS) and "selective" in text
+
+
+@pytest.mark.accelerator
+def test_auto_on_an_accelerator_plans_for_the_device(caplog):
+    callback = GradientCheckpointing(memory_budget="auto")
+    seed_everything(0)
+    model = RecordingGPT()
+    with caplog.at_level(logging.INFO):
+        Trainer(max_steps=3, accelerator="cuda", devices=1, callbacks=[callback], logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
+            model, CountingDataModule(vocab_size=32, block_size=16, batch_size=4, num_samples=64))
+    total = torch.cuda.mem_get_info()[1]
+    # A tiny model fits many times over: the plan checkpoints nothing, from the first optimizer step on.
+    assert 0 < callback.plan.budget_bytes < AUTO_MEMORY_FRACTION * total
+    assert planned(callback) == [] and model.seen == [BLOCKS, [], []]
+    assert "auto: 0.9 x" in caplog.text and "weights, gradients and optimizer state" in caplog.text
