@@ -408,6 +408,43 @@ def gpt_fsdp_two_nodes() -> dict[str, Any]:
         return result
 
 
+class _RecordingBudgetCallback(GradientCheckpointing):
+    """Keeps this rank's own measurement (before the ranks are combined), for the test to compare."""
+
+    local_none_bytes: list[int] = []
+    local_outside_bytes = 0
+
+    def _stop_measuring(self) -> bool:
+        stopped = super()._stop_measuring()
+        if stopped and self._measured is not None:
+            self.local_none_bytes = [c.none_bytes for c in self._measured.costs]
+            self.local_outside_bytes = self._measured.outside_bytes
+        return stopped
+
+
+class RecordCheckpointedPerBatch(Callback):
+    def __init__(self) -> None:
+        self.seen: list[list[str]] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.seen.append(checkpointed_names(pl_module))
+
+
+def ddp_memory_budget_ranks_differ() -> dict[str, Any]:
+    """A budget in bytes that rank 0's batch (2 samples) meets un-checkpointed and rank 1's (4 samples) does not."""
+    seed_everything(0)
+    rank = int(os.environ["LOCAL_RANK"])
+    callback = _RecordingBudgetCallback(memory_budget=300_000)
+    record = RecordCheckpointedPerBatch()
+    model = SeededGPT(**{**GPT_ARGS, "n_layer": 4})
+    data = CountingDataModule(**{**DATA_ARGS, "batch_size": 2 if rank == 0 else 4, "num_samples": 64})
+    trainer = _trainer(CheckpointingDDPStrategy(), [callback, record], max_steps=3)
+    trainer.fit(model, data)
+    return {"checkpointed": callback.checkpointed_layers, "plan": callback.plan.state_dict(), "seen": record.seen,
+            "local_none_bytes": callback.local_none_bytes, "local_baseline_bytes": sum(callback.local_none_bytes)
+            + callback.local_outside_bytes, "weights": full_weights(model)}
+
+
 def placement_checks() -> dict[str, Any]:
     """The placement check on real FSDP2 units: no warning for blocks as units, one for units inside a block."""
     import warnings
@@ -446,7 +483,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
               gpt_fsdp_plain, gpt_fsdp_checkpointed, gpt_fsdp_checkpointed_configure_model,
               gpt_model_parallel_with_callback, gpt_fsdp_bf16, gpt_fsdp_two_epochs_saving, gpt_fsdp_resumed,
               gpt_fsdp_sharded_saving, gpt_fsdp_sharded_resumed, ddp_two_heads_two_nodes, gpt_fsdp_two_nodes,
-              placement_checks)
+              placement_checks, ddp_memory_budget_ranks_differ)
 }
 
 

@@ -428,3 +428,29 @@ def test_spawn_fsdp_hands_back_the_unsharded_weights(runs):
     assert not any(isinstance(v, DTensor) for v in state.values())
     expected = ok(runs, "gpt_fsdp_checkpointed")[0]["weights"]
     assert_same_weights({k: v.float() for k, v in state.items()}, expected, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# memory_budget: one plan on every rank
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def budget_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    return run_scenarios([("ddp_memory_budget_ranks_differ", {})], tmp_path_factory.mktemp("budget_runs"))
+
+
+def test_memory_budget_gives_every_rank_the_same_plan_when_their_batches_differ(budget_runs):
+    rank0, rank1 = ok(budget_runs, "ddp_memory_budget_ranks_differ")
+    # Each rank measured its own batch: rank 1's is twice as large, and alone rank 0 would need no checkpointing.
+    assert all(b > a for a, b in zip(rank0["local_none_bytes"], rank1["local_none_bytes"]))
+    assert rank0["local_baseline_bytes"] <= 300_000 < rank1["local_baseline_bytes"]
+    plan = rank0["plan"]
+    assert sum(c["none_bytes"] for c in plan["costs"]) + plan["outside_bytes"] == plan["baseline_bytes"]
+    assert [c["none_bytes"] for c in plan["costs"]] == rank1["local_none_bytes"]  # the maximum over ranks
+    assert rank1["plan"] == plan  # the same plan, costs and all, on both ranks
+    chosen = [name for name, mode in plan["layers"].items() if mode != "none"]
+    assert chosen and rank0["checkpointed"] == rank1["checkpointed"] == chosen
+    every = [f"model.blocks.{i}" for i in range(4)]
+    assert rank0["seen"] == rank1["seen"] == [every, chosen, chosen]  # measured in step 1, planned from step 2
+    assert_same_weights(rank0["weights"], rank1["weights"], rtol=0, atol=0)
