@@ -1,0 +1,562 @@
+"""``lightning-ckpt plan``: what fits, before a run starts.
+
+One training step of a LightningCLI config's model and data is measured with every matched layer fully
+checkpointed (:func:`~lightning_ckpt.planner.measure_layer_costs`): each layer's activation bytes
+un-checkpointed, fully and selectively checkpointed, and its recompute FLOPs. From those numbers alone (no
+further runs) it predicts the activations and extra FLOPs of the standard settings (none, every 4th, every
+2nd, every layer, selective everywhere) and of the plan for ``--memory-budget``, and adds the static memory
+(weights, gradients and the configured optimizer's state, counted after one optimizer step).
+
+With ``--device-memory`` the step is measured at two batch sizes, activations are fitted per setting as
+``fixed + per_sample * batch``, and the largest batch size each setting fits is printed (static memory
+plus activations; the transient memory of the backward pass is not included).
+
+With ``--fake``, or by default when the static memory would not fit this machine, the model is built and
+the step run under ``torch._subclasses.FakeTensorMode``: shapes, dtypes and bytes without any storage, as
+torch's own AutoSAC estimator measures. A 7B-parameter config can be planned on a laptop.
+
+Example::
+
+    lightning-ckpt plan --config configs/tiny.yaml --memory-budget 0.3 --device-memory 80GiB
+
+It prints a Markdown report and writes it to ``plan.md`` in ``--output-dir`` (default
+``lightning_ckpt_plan/<config name>``). Exit status: 0, 1 when the budget cannot be met (the report says
+what can), 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch import LightningModule
+from torch._subclasses import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lightning_ckpt.callback import GradientCheckpointing
+from lightning_ckpt.cli_builder import run_cli
+from lightning_ckpt.planner import CheckpointPlan, LayerCost, make_plan, measure_layer_costs, predict
+from lightning_ckpt.profiling import tensor_bytes
+from lightning_ckpt.selection import parse_memory_budget
+
+DEFAULT_BUDGET = 0.5
+#: Standard setting -> description, in the order they are reported; each maps to layer modes in :func:`setting_choices`.
+SETTINGS = {
+    "none": "no checkpointing",
+    "every_4th": "every 4th layer, full",
+    "every_2nd": "every 2nd layer, full",
+    "every_layer": "every layer, full",
+    "selective": "every layer, selective",
+    "plan": "the plan for the budget",
+}
+_LOG_WARNING = r"You are trying to `self.log\(\)` but the `self.trainer` reference is not registered"
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+
+
+def parse_budget_arg(text: str) -> float | int | str:
+    """``--memory-budget`` text as :func:`~lightning_ckpt.selection.parse_memory_budget` takes it.
+
+    Example::
+
+        >>> parse_budget_arg("0.3"), parse_budget_arg("2GiB"), parse_budget_arg("500000000")
+        (0.3, 2147483648, 500000000)
+    """
+    text = text.strip()
+    value: float | int | str = text
+    if re.fullmatch(r"\d+", text):
+        value = int(text)
+    elif re.fullmatch(r"\d*\.\d+(e-?\d+)?|\d+e-?\d+", text):
+        value = float(text)
+    parsed = parse_memory_budget(value)
+    assert parsed is not None
+    return parsed
+
+
+def parse_bytes_arg(text: str) -> int:
+    """``--device-memory`` text (``80GiB``, ``40e9``, ``1000000``) as bytes.
+
+    Example::
+
+        >>> parse_bytes_arg("80GiB"), parse_bytes_arg("40e9")
+        (85899345920, 40000000000)
+    """
+    text = text.strip()
+    if re.fullmatch(r"\d+(\.\d+)?e\d+", text):
+        return int(float(text))
+    parsed = parse_memory_budget(int(text) if text.isdigit() else text)
+    if not isinstance(parsed, int):
+        raise ValueError(f"{text!r} is not a number of bytes")
+    return parsed
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="lightning-ckpt plan",
+        description="Measure one training step of a LightningCLI config and show what each checkpointing setting"
+                    " holds and recomputes, the cheapest plan for a memory budget, and (with --device-memory) the"
+                    " largest batch size each setting fits.")
+    parser.add_argument("--config", type=Path, help="LightningCLI YAML config (model, data, trainer)")
+    parser.add_argument("--memory-budget", default=None,
+                        help="a fraction of the activations without checkpointing (0.3) or bytes (2GiB); default:"
+                             f" the config's GradientCheckpointing memory_budget, else {DEFAULT_BUDGET}")
+    parser.add_argument("--device-memory", default=None,
+                        help="memory of the target device (80GiB): also print the largest batch size each setting fits")
+    parser.add_argument("--fake", action="store_true",
+                        help="measure under FakeTensorMode: no memory allocated (default when the model would not fit"
+                             " this machine)")
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help="where to write plan.md (default: lightning_ckpt_plan/<config name>)")
+    args = parser.parse_args(list(argv))
+    if args.config is None:
+        parser.error("--config is required: pass the LightningCLI YAML of the run to plan, e.g. --config configs/tiny.yaml")
+    if not args.config.is_file():
+        parser.error(f"--config {args.config}: no such file")
+    if args.memory_budget is not None:
+        try:
+            args.memory_budget = parse_budget_arg(args.memory_budget)
+        except (TypeError, ValueError):
+            parser.error(f"--memory-budget {args.memory_budget}: pass a fraction in (0, 1] of the activations without"
+                         " checkpointing, such as 0.3, or bytes, such as 2GiB or 500000000")
+    if args.device_memory is not None:
+        try:
+            args.device_memory = parse_bytes_arg(args.device_memory)
+        except (TypeError, ValueError):
+            parser.error(f"--device-memory {args.device_memory}: pass the device's memory in bytes, such as 80GiB,"
+                         " 40e9 or 16000000000")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------- building
+
+
+@dataclass
+class Built:
+    """A config's model, its training data and where (and how) to run its step."""
+
+    module: LightningModule
+    loader: Any
+    device: torch.device
+    layer_cls: Any
+    offload: bool
+    memory_budget: Any
+    fake_mode: Optional[FakeTensorMode]
+
+    def mode(self) -> AbstractContextManager[Any]:
+        """The context in which tensors are made: the fake mode, or nothing."""
+        return self.fake_mode if self.fake_mode is not None else nullcontext()
+
+
+def build(config: Path, fake: bool) -> Built:
+    """Build the config's model (with ``configure_model`` run), data and checkpointing settings; under
+    ``FakeTensorMode`` when ``fake`` (no memory is allocated for weights or activations)."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else None
+    context = fake_mode if fake_mode is not None else nullcontext()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
+        with context:
+            cli = run_cli(["--config", str(config)], run=False, save_config_callback=None)
+    module = cli.model
+    device = cli.trainer.strategy.root_device
+    with context, (nullcontext() if fake else torch.device(device)):
+        module.configure_model()
+        if any(t.device != device for t in (*module.parameters(), *module.buffers())):
+            module.to(device)
+    module.train()
+    callbacks = [c for c in cli.trainer.callbacks if isinstance(c, GradientCheckpointing)]
+    settings = callbacks[0].settings if callbacks else {}
+    data = cli.datamodule if cli.datamodule is not None else module
+    if cli.datamodule is not None:
+        data.prepare_data()
+        data.setup("fit")
+    return Built(module, data.train_dataloader(), device, settings.get("layer_cls"), bool(settings.get("offload")),
+                 settings.get("memory_budget"), fake_mode)
+
+
+def batch_size_of(batch: Any) -> int:
+    """The first dimension of the first tensor in ``batch``."""
+    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    if not leaves or leaves[0].dim() == 0:
+        raise ValueError("plan: the training batch has no tensor with a batch dimension; batches must be tensors, or"
+                         " tuples/lists/dicts of tensors, with the batch first.")
+    return leaves[0].shape[0]
+
+
+def batch_of_size(loader: Any, size: int) -> Any:
+    """A batch of ``size`` samples: the loader's batches concatenated along the first dimension, then cut.
+
+    Example::
+
+        >>> loader = [(torch.arange(4), torch.ones(4, 2)), (torch.arange(4, 8), torch.ones(4, 2))]
+        >>> idx, x = batch_of_size(loader, 6)
+        >>> idx.tolist(), tuple(x.shape)
+        ([0, 1, 2, 3, 4, 5], (6, 2))
+    """
+    batches, have = [], 0
+    for batch in _cycle(loader):
+        batches.append(batch)
+        have += batch_size_of(batch)
+        if have >= size:
+            break
+    flat = [tree_flatten(b) for b in batches]
+    spec = flat[0][1]
+    if any(s != spec for _, s in flat):
+        raise ValueError("plan: the loader's batches differ in structure; cannot make a batch of another size.")
+    # A copy of exactly `size` rows: a slice would keep (and count) the whole concatenated storage.
+    leaves = [torch.cat(parts)[:size].clone() if isinstance(parts[0], torch.Tensor) else parts[0]
+              for parts in zip(*(leaves for leaves, _ in flat))]
+    return tree_unflatten(leaves, spec)
+
+
+def _cycle(loader: Any) -> Iterator[Any]:
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("plan: the training dataloader is empty.")
+
+
+def _on_device(built: Built, batch: Any) -> Any:
+    if built.fake_mode is None:
+        return move_data_to_device(batch, built.device)
+    fake_mode = built.fake_mode
+    with fake_mode:
+        return tree_map(lambda t: fake_mode.from_tensor(t).to(built.device) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def _loss(output: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError("plan: `training_step` returned no loss (manual optimization?). `plan` measures models whose"
+                         " training_step returns the loss, or a dict with 'loss'.")
+    return loss
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+@dataclass
+class Measurement:
+    """Per-layer costs and the bytes outside the layers, at one batch size."""
+
+    batch_size: int
+    costs: list[LayerCost]
+    outside_bytes: int
+
+
+def measure(built: Built, batch_size: int) -> Measurement:
+    """One fully checkpointed training step at ``batch_size`` (see :func:`~lightning_ckpt.planner.measure_layer_costs`)."""
+    batch = _on_device(built, batch_of_size(built.loader, batch_size))
+    module = built.module
+
+    def step() -> torch.Tensor:
+        return _loss(module.training_step(batch, 0))
+
+    with built.mode(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_LOG_WARNING)
+        costs, outside = measure_layer_costs(module, step, built.layer_cls)
+    return Measurement(batch_size, costs, outside)
+
+
+@dataclass
+class StaticMemory:
+    """Bytes that checkpointing does not change: weights (and buffers), gradients, optimizer state."""
+
+    weights: int
+    gradients: int
+    optimizer_state: Optional[int]
+    optimizer: str
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + (self.optimizer_state or 0)
+
+
+def static_memory(built: Built) -> StaticMemory:
+    """Count weights and gradients, and the optimizer state after one step on zero gradients.
+
+    The optimizer comes from the module's ``configure_optimizers``; its step changes the weights (Adam's weight
+    decay), so this runs after everything else has been measured.
+    """
+    module = built.module
+    params = list(module.parameters())
+    weights = tensor_bytes([*params, *module.buffers()])
+    gradients = tensor_bytes(p for p in params if p.requires_grad)
+    try:
+        with built.mode():
+            optimizers = _optimizers(module.configure_optimizers())
+            for p in params:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            for optimizer in optimizers:
+                optimizer.step()
+    except Exception as err:  # noqa: BLE001 - a configure_optimizers that needs the Trainer, a closure, ...
+        return StaticMemory(weights, gradients, None, f"unknown: configure_optimizers or its step failed ({err})")
+    finally:
+        for p in params:
+            p.grad = None
+    state = [t for opt in optimizers for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    names = ", ".join(type(o).__name__ for o in optimizers) or "none"
+    return StaticMemory(weights, gradients, tensor_bytes(state), names)
+
+
+def _optimizers(configured: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in whatever ``configure_optimizers`` returned (one, a list, a tuple with schedulers, dicts)."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return [configured]
+    if isinstance(configured, Mapping):
+        return _optimizers(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)):
+        return [o for item in configured if isinstance(item, (torch.optim.Optimizer, Mapping, list, tuple))
+                for o in _optimizers(item)]
+    return []
+
+
+def _available_memory(device: torch.device) -> Optional[int]:
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return None
+
+
+def would_not_fit(built: Built) -> bool:
+    """Whether weights, gradients and two optimizer copies of the trainable weights exceed 80% of what is free."""
+    params = list(built.module.parameters())
+    trainable = tensor_bytes(p for p in params if p.requires_grad)
+    need = tensor_bytes(params) + 3 * trainable
+    available = _available_memory(built.device)
+    return available is not None and need > 0.8 * available
+
+
+# ------------------------------------------------------------------------------------------------ predicting
+
+
+def setting_choices(names: Sequence[str], plan: Optional[CheckpointPlan]) -> dict[str, dict[str, str]]:
+    """Layer modes of each standard setting (``"plan"`` only when there is one).
+
+    Example::
+
+        >>> setting_choices(["a", "b", "c"], None)["every_2nd"]
+        {'a': 'full', 'c': 'full'}
+    """
+    out: dict[str, dict[str, str]] = {
+        "none": {},
+        "every_4th": {n: "full" for i, n in enumerate(names) if i % 4 == 0},
+        "every_2nd": {n: "full" for i, n in enumerate(names) if i % 2 == 0},
+        "every_layer": dict.fromkeys(names, "full"),
+        "selective": dict.fromkeys(names, "selective"),
+    }
+    if plan is not None:
+        out["plan"] = dict(plan.layers)
+    return out
+
+
+@dataclass
+class SettingRow:
+    name: str
+    layers: int
+    activation_bytes: int
+    recompute_flops: int
+    fixed_bytes: Optional[float] = None  # activations = fixed_bytes + per_sample_bytes * batch
+    per_sample_bytes: Optional[float] = None
+    largest_batch: Optional[int] = None
+
+
+def fit_line(x1: int, y1: int, x2: int, y2: int) -> tuple[float, float]:
+    """``(intercept, slope)`` of the line through two points.
+
+    Example::
+
+        >>> fit_line(4, 140, 8, 260)
+        (20.0, 30.0)
+    """
+    slope = (y2 - y1) / (x2 - x1)
+    return y1 - slope * x1, slope
+
+
+def largest_batch(fixed: float, per_sample: float, room: float) -> Optional[int]:
+    """The largest batch ``b >= 0`` with ``fixed + per_sample * b <= room``; ``None`` when unbounded.
+
+    Example::
+
+        >>> largest_batch(20, 30, 1000), largest_batch(20, 30, 10), largest_batch(20, 0, 1000)
+        (32, 0, None)
+    """
+    if per_sample <= 0:
+        return None if fixed <= room else 0
+    return max(0, math.floor((room - fixed) / per_sample + 1e-9))
+
+
+def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], offload: bool,
+                 other: Optional[Measurement] = None, room: Optional[int] = None) -> list[SettingRow]:
+    """Predicted bytes and FLOPs of each setting at ``main``'s batch size; with ``other`` (a second batch size)
+    the linear fit, and with ``room`` (device memory minus static memory) the largest batch that fits."""
+    rows = []
+    for name, layers in choices.items():
+        act, flops = predict(main.costs, main.outside_bytes, layers, offload)
+        row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops)
+        if other is not None:
+            act2, _ = predict(other.costs, other.outside_bytes, layers, offload)
+            row.fixed_bytes, row.per_sample_bytes = fit_line(main.batch_size, act, other.batch_size, act2)
+            if room is not None:
+                row.largest_batch = largest_batch(row.fixed_bytes, row.per_sample_bytes, room)
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ reporting
+
+
+def _b(n: Optional[float]) -> str:
+    return "n/a" if n is None else f"{round(n):,}"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def render(title: str, built: Built, main: Measurement, plan: Optional[CheckpointPlan], plan_error: Optional[str],
+           budget: object, rows: Sequence[SettingRow], static: StaticMemory, device_memory: Optional[int],
+           batch_sizes: Sequence[int]) -> str:
+    """The report, as Markdown."""
+    how = ("fake tensors (FakeTensorMode: no memory allocated)" if built.fake_mode is not None else "real tensors")
+    lines = [
+        f"# Checkpointing plan: {title}",
+        "",
+        f"One training step of {type(built.module).__name__} at batch size {main.batch_size}, measured on"
+        f" {built.device} with {how}, every matched layer fully checkpointed. Bytes are activations held for"
+        " backward; FLOPs are recomputed in backward per step (matmul and attention as torch's FlopCounterMode"
+        " counts them, one per output element for other ops). Every figure below is predicted from this one"
+        " measurement; no setting was run."
+        + (" Offload is on: checkpointed layers' inputs count as host memory." if built.offload else ""),
+        "",
+        "## Layers",
+        "",
+        "| layer | class | none (B) | full (B) | selective (B) | recompute full (FLOP) | recompute selective (FLOP)"
+        " | plan |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for c in main.costs:
+        lines.append(f"| {c.name} | {c.cls} | {_b(c.none_bytes)} | {_b(c.device_bytes('full', built.offload))}"
+                     f" | {_b(c.device_bytes('selective', built.offload))} | {_b(c.full_flops)}"
+                     f" | {_b(c.selective_flops)} | {plan.layers[c.name] if plan else '-'} |")
+    lines += [f"| (outside the layers) | | {_b(main.outside_bytes)} | {_b(main.outside_bytes)} | {_b(main.outside_bytes)}"
+              " | 0 | 0 | |", "", f"## Plan for memory_budget={budget!r}", ""]
+    if plan is not None:
+        n = sum(m != "none" for m in plan.layers.values())
+        lines.append(f"{n} of {len(plan.layers)} layers checkpointed"
+                     f" ({', '.join(f'{k}: {v}' for k, v in plan.layers.items() if v != 'none') or 'none needed'}):"
+                     f" activations {_human(plan.planned_bytes)} ({100 * plan.planned_bytes / plan.baseline_bytes:.0f}%"
+                     f" of {_human(plan.baseline_bytes)} without checkpointing), budget {_human(plan.budget_bytes)};"
+                     f" recompute {_b(plan.recompute_flops)} FLOP per step.")
+    else:
+        lines.append(f"No plan: {plan_error}")
+    memory_head = f" | largest batch in {_human(device_memory)}" if device_memory is not None else ""
+    fit_head = " | fixed (B) | per sample (B)" if len(batch_sizes) > 1 else ""
+    none_bytes = rows[0].activation_bytes
+    lines += [
+        "",
+        "## Settings",
+        "",
+        f"| setting | checkpointed layers | activations (B) | activations | of none | recompute (FLOP)"
+        f" | static + activations{fit_head}{memory_head} |",
+        "|---|---:|---:|---:|---:|---:|---:" + "|---:" * ((len(batch_sizes) > 1) * 2 + (device_memory is not None)) + "|",
+    ]
+    for r in rows:
+        fit = f" | {_b(r.fixed_bytes)} | {_b(r.per_sample_bytes)}" if len(batch_sizes) > 1 else ""
+        fits = (f" | {'unbounded' if r.largest_batch is None else r.largest_batch}" if device_memory is not None else "")
+        lines.append(f"| {r.name} | {r.layers} | {_b(r.activation_bytes)} | {_human(r.activation_bytes)}"
+                     f" | {100 * r.activation_bytes / none_bytes:.0f}% | {_b(r.recompute_flops)}"
+                     f" | {_human(static.total + r.activation_bytes)}{fit}{fits} |")
+    lines += ["", "Settings: " + "; ".join(f"{k}: {v}" for k, v in SETTINGS.items() if k in {r.name for r in rows}) + "."]
+    if len(batch_sizes) > 1:
+        lines.append(f"Activations were measured at batch sizes {batch_sizes[0]} and {batch_sizes[1]} and fitted as"
+                     " fixed + per sample x batch.")
+    if device_memory is not None:
+        lines.append(f"Largest batch: static memory plus activations within {_human(device_memory)}"
+                     f" ({_b(device_memory)} B); the backward pass's transient memory (gradients being computed,"
+                     " recomputed layers, allocator slack) needs some headroom on top.")
+    state = "unknown" if static.optimizer_state is None else _b(static.optimizer_state)
+    lines += [
+        "",
+        "## Static memory (checkpointing does not change it)",
+        "",
+        "| weights and buffers (B) | gradients (B) | optimizer state (B) | optimizer | total |",
+        "|---:|---:|---:|---|---:|",
+        f"| {_b(static.weights)} | {_b(static.gradients)} | {state} | {static.optimizer} | {_human(static.total)} |",
+        "",
+        f"Optimizer state counted after one optimizer step. Without checkpointing, activations are"
+        f" {100 * none_bytes / (none_bytes + static.total):.0f}% of static memory plus activations"
+        + (": checkpointing cannot save much here; shard the weights and optimizer state (FSDP) or train fewer"
+           " parameters (PEFT)." if none_bytes < static.total else "."),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``lightning-ckpt plan --config X.yaml [--memory-budget 0.3] [--device-memory 80GiB] [--fake]``; the exit status."""
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    built = build(args.config, fake=True)
+    fake = args.fake
+    if not fake and would_not_fit(built):
+        print(f"plan: the weights, gradients and optimizer state would not fit this machine's {built.device} memory;"
+              " measuring with fake tensors (no memory allocated).", flush=True)
+        fake = True
+    if not fake:
+        built = build(args.config, fake=False)
+    config_budget = built.memory_budget if built.memory_budget not in (None, "auto") else None
+    budget = args.memory_budget if args.memory_budget is not None else config_budget or DEFAULT_BUDGET
+
+    size = batch_size_of(next(iter(built.loader)))
+    main_m = measure(built, size)
+    other = None
+    if args.device_memory is not None:
+        other = measure(built, size // 2 if size >= 2 else 2)
+    plan, plan_error = None, None
+    try:
+        plan = make_plan(main_m.costs, main_m.outside_bytes, budget, offload=built.offload)
+    except ValueError as err:
+        plan_error = str(err)
+    static = static_memory(built)
+    room = None if args.device_memory is None else args.device_memory - static.total
+    names = [c.name for c in main_m.costs]
+    rows = setting_rows(main_m, setting_choices(names, plan), built.offload, other, room)
+    batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
+    report = render(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
+                    batch_sizes)
+    out_dir = (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "plan.md").write_text(report)
+    print(report)
+    print(f"plan: wrote {out_dir / 'plan.md'}", flush=True)
+    if plan is None:
+        print(f"plan: memory_budget={budget!r} cannot be met; see 'No plan' above.", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""``lightning-ckpt plan``: the report's numbers add up, the batch-size prediction holds, fake equals real."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from lightning_ckpt import plan_command
+from lightning_ckpt.cli import main as cli_main
+from lightning_ckpt.plan_command import batch_of_size, build, would_not_fit
+from lightning_ckpt.profiling import SavedTensorCounter
+from lightning_ckpt.wrapping import apply_checkpointing
+
+TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+DEVICE_MEMORY = 8 * 2**20
+ARGS = ["--config", str(TINY), "--memory-budget", "0.5", "--device-memory", "8MiB"]
+LAYERS = [f"model.blocks.{i}" for i in range(4)]
+
+
+def run_plan(args, out_dir, capsys):
+    rc = plan_command.main([*args, "--output-dir", str(out_dir)])
+    return rc, capsys.readouterr()
+
+
+def table(report: str, section: str) -> list[list[str]]:
+    """The rows (cells stripped) of the Markdown table under ``## section``."""
+    body = report.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines() if line.startswith("|")]
+    return [r for r in rows[2:]]  # header and rule dropped
+
+
+def num(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+@pytest.fixture(scope="module")
+def real_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan_real")
+    rc = plan_command.main([*ARGS, "--output-dir", str(out)])
+    return rc, (out / "plan.md").read_text()
+
+
+def test_plan_on_tiny_config_adds_up(real_report, tmp_path, capsys):
+    rc, report = real_report
+    assert rc == 0
+    layers = table(report, "Layers")
+    assert [r[0] for r in layers] == [*LAYERS, "(outside the layers)"]
+    outside = num(layers[-1][2])
+    none, full, sel = ({r[0]: num(r[i]) for r in layers[:-1]} for i in (2, 3, 4))
+    flops_full, flops_sel = ({r[0]: num(r[i]) for r in layers[:-1]} for i in (5, 6))
+    chosen = {r[0]: r[7] for r in layers[:-1]}
+    bytes_of = {"none": none, "full": full, "selective": sel}
+    flops_of = {"none": dict.fromkeys(LAYERS, 0), "full": flops_full, "selective": flops_sel}
+    settings = {r[0]: r for r in table(report, "Settings")}
+    expected = {
+        "none": ["none"] * 4,
+        "every_4th": ["full", "none", "none", "none"],
+        "every_2nd": ["full", "none", "full", "none"],
+        "every_layer": ["full"] * 4,
+        "selective": ["selective"] * 4,
+        "plan": [chosen[n] for n in LAYERS],
+    }
+    assert list(settings) == list(expected)
+    for name, modes in expected.items():
+        row = settings[name]
+        assert num(row[1]) == sum(m != "none" for m in modes)
+        assert num(row[2]) == outside + sum(bytes_of[m][n] for n, m in zip(LAYERS, modes)), name
+        assert num(row[5]) == sum(flops_of[m][n] for n, m in zip(LAYERS, modes)), name
+    baseline = num(settings["none"][2])
+    assert num(settings["plan"][2]) <= 0.5 * baseline < num(settings["every_2nd"][2])
+    assert num(settings["plan"][5]) < num(settings["every_layer"][5])  # cheaper than the one full setting that fits
+    # Static memory: float32 weights of the tiny GPT, gradients alike, AdamW's two moments plus a 4-byte step each.
+    params = list(build(TINY, fake=False).module.parameters())
+    weights = 4 * sum(p.numel() for p in params)
+    [static] = table(report, "Static memory")
+    assert [num(c) for c in static[:3]] == [weights, weights, 2 * weights + 4 * len(params)]
+    assert static[3] == "AdamW"
+
+
+def test_report_printed_is_the_report_written(tmp_path, capsys):
+    rc, out = run_plan(["--config", str(TINY), "--memory-budget", "0.3"], tmp_path, capsys)
+    assert rc == 0
+    written = (tmp_path / "plan.md").read_text()
+    assert written in out.out and "## Plan for memory_budget=0.3" in written
+    assert "largest batch" not in written  # no --device-memory: one batch size, no fit
+
+
+def measured_bytes(batch_size: int, modes: dict[str, str]) -> int:
+    """Bytes held for backward by a real, un-planned training step of the tiny config at ``batch_size``."""
+    built = build(TINY, fake=False)
+    for name, mode in modes.items():
+        if mode != "none":
+            layer = built.module.get_submodule(name)
+            apply_checkpointing(layer, layer_cls=type(layer), mode=mode)
+    batch = batch_of_size(built.loader, batch_size)
+    assert batch[0].shape[0] == batch_size
+    with SavedTensorCounter(exclude=built.module.parameters()) as saved:
+        loss = built.module.training_step(batch, 0)
+    del loss
+    return saved.bytes
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to")
+@pytest.mark.parametrize("setting", ["none", "plan"])
+def test_largest_batch_prediction_holds_at_that_batch(real_report, setting):
+    _, report = real_report
+    row = {r[0]: r for r in table(report, "Settings")}[setting]
+    fixed, per_sample, batch = num(row[7]), num(row[8]), int(row[9])
+    assert batch > 8  # extrapolated beyond both measured batch sizes (4 and 8)
+    chosen = {r[0]: r[7] for r in table(report, "Layers")[:-1]} if setting == "plan" else {}
+    measured = measured_bytes(batch, chosen)
+    predicted = fixed + per_sample * batch
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+    static = sum(num(c) for c in table(report, "Static memory")[0][:3])
+    assert static + measured <= DEVICE_MEMORY < static + fixed + per_sample * (batch + 1)
+
+
+def test_fake_run_equals_real_run_in_bytes_and_flops(real_report, tmp_path, capsys):
+    _, real = real_report
+    rc, _ = run_plan([*ARGS, "--fake"], tmp_path, capsys)
+    fake = (tmp_path / "plan.md").read_text()
+    assert rc == 0
+    assert "with fake tensors (FakeTensorMode: no memory allocated)" in fake
+    assert fake.replace("with fake tensors (FakeTensorMode: no memory allocated)", "with real tensors") == real
+
+
+def test_fake_build_allocates_no_parameter_memory_and_is_chosen_when_the_model_would_not_fit(monkeypatch):
+    built = build(TINY, fake=True)
+    assert all(isinstance(p, FakeTensor) for p in built.module.parameters())
+    monkeypatch.setattr(plan_command, "_available_memory", lambda device: 10**12)
+    assert not would_not_fit(built)
+    monkeypatch.setattr(plan_command, "_available_memory", lambda device: 10**6)  # weights alone are 216 KB; x4 > 0.8 MB
+    assert would_not_fit(built)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--memory-budget", "1.5"], "--memory-budget 1.5: pass a fraction in (0, 1]"),
+    (["--memory-budget", "lots"], "--memory-budget lots: pass a fraction in (0, 1]"),
+    (["--device-memory", "0.5"], "--device-memory 0.5: pass the device's memory in bytes, such as 80GiB"),
+])
+def test_bad_arguments_exit_2_saying_what_to_pass(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["plan", "--config", str(TINY), *args])
+    assert exit_info.value.code == 2
+    assert f"lightning-ckpt plan: error: {message}" in capsys.readouterr().err
+
+
+def test_missing_config_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan_command.main(["--config", str(tmp_path / "missing.yaml")])
+    assert exit_info.value.code == 2
+    assert "missing.yaml: no such file" in capsys.readouterr().err
+
+
+def test_unreachable_budget_exits_1_with_the_minimum(tmp_path, capsys):
+    rc, out = run_plan(["--config", str(TINY), "--memory-budget", "0.01", "--fake"], tmp_path, capsys)
+    assert rc == 1
+    report = (tmp_path / "plan.md").read_text()
+    minimum = re.search(r"pass a budget of at least (0\.\d+) \(or (\d+) bytes\)", report)
+    every_layer = {r[0]: r for r in table(report, "Settings")}["every_layer"]
+    assert int(minimum.group(2)) == num(every_layer[2])  # the least reachable is every layer fully checkpointed
+    assert "cannot be met" in out.err
