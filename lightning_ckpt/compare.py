@@ -1,19 +1,30 @@
 """``lightning-ckpt compare``: the same run with and without checkpointing, side by side.
 
-Each variant runs the same model, data and seed from one LightningCLI config, in a fresh process, for a few
-steps: no checkpointing, every layer, every 2nd, every 4th, and every layer with offload. The config's own
-``GradientCheckpointing`` entry (if any) is replaced per variant, keeping its other settings (``layer_cls``,
-``mode``, ...). Memory and time come from :class:`~lightning_ckpt.monitor.MemoryMonitor` logging every step
-to a CSV file; loss and gradients after step 1 are compared with the run without checkpointing.
+Each variant runs the same model, data and seed from one LightningCLI config, in fresh processes: no
+checkpointing, every layer, every layer with selective checkpointing, every 2nd, every 4th, every layer with
+offload, and, when the config's ``GradientCheckpointing`` has a ``memory_budget``, that callback as configured
+(``planned``). The config's own ``GradientCheckpointing`` entry is replaced per variant, keeping its other
+settings (``layer_cls``, ``use_reentrant``, ...). Memory and time come from
+:class:`~lightning_ckpt.monitor.MemoryMonitor` logging every step to a CSV file; loss and gradients after step 1
+are compared with the run without checkpointing.
+
+Timing is made to be trusted, not glanced at: every variant runs in ``--rounds`` fresh processes, the rounds
+interleaved and alternately reversed (``none, every_layer, ..., offload``, then ``offload, ..., none``, ...) so
+that a machine getting slower or busier during the comparison falls on every variant alike. The first
+``--warmup`` steps of each process are not timed; ``--steps`` timed steps per variant are split over the rounds.
+Each variant's step time is the median with its interquartile range, and time lost is the ratio of medians to
+the run without checkpointing with a 95% bootstrap interval (:func:`time_difference`). A difference whose
+interval contains zero is reported as within noise, never as a gain.
 
 Example::
 
-    lightning-ckpt compare --config configs/every_4th_offload.yaml --steps 20
+    lightning-ckpt compare --config configs/every_4th_offload.yaml --steps 30 --rounds 3
 
-It prints a Markdown table and writes it, with a plot of memory against step time, to the output folder
-(``compare.md``, ``compare.png``; each variant's config, log and metrics in a subfolder). Exit status: 0 when
-every variant matches the loss and gradients of the run without checkpointing, 1 when one does not (flagged
-in the table), 2 when a variant failed to run.
+It prints a Markdown table and writes it (``compare.md``), every number with the step-time samples
+(``compare.json``), and a plot of memory against step time with interquartile error bars (``compare.png``) to
+the output folder; each process's config, log and metrics are in ``<variant>/round<k>/``. Exit status: 0 when
+every variant matches the loss and gradients of the run without checkpointing, 1 when one does not (flagged in
+the table), 2 for a usage error or when a variant failed to run.
 
 Test hook: when the environment variable ``LIGHTNING_CKPT_COMPARE_PERTURB_GRAD`` names a variant, that
 variant adds a visible error to one gradient after its first backward (see :class:`FirstStepRecorder`). It
@@ -29,7 +40,6 @@ import csv
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -37,8 +47,9 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+import numpy as np
 import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -54,25 +65,40 @@ from lightning_ckpt.monitor import (
     TOKENS_PER_SEC,
 )
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 PERTURB_ENV = "LIGHTNING_CKPT_COMPARE_PERTURB_GRAD"
 CALLBACK_PATH = "lightning_ckpt.GradientCheckpointing"
 
 #: Variant name -> ``GradientCheckpointing`` settings (``None``: no checkpointing), in the order they run.
 VARIANTS: dict[str, Optional[dict[str, Any]]] = {
     "none": None,
-    "every_layer": {"every_n_layers": 1, "offload": False},
-    "every_2nd": {"every_n_layers": 2, "offload": False},
-    "every_4th": {"every_n_layers": 4, "offload": False},
-    "offload": {"every_n_layers": 1, "offload": True},
+    "every_layer": {"every_n_layers": 1, "mode": "full", "offload": False},
+    "selective": {"every_n_layers": 1, "mode": "selective", "offload": False},
+    "every_2nd": {"every_n_layers": 2, "mode": "full", "offload": False},
+    "every_4th": {"every_n_layers": 4, "mode": "full", "offload": False},
+    "offload": {"every_n_layers": 1, "mode": "full", "offload": True},
 }
+#: The config's own ``GradientCheckpointing``, run as written, when it has a ``memory_budget``.
+PLANNED = "planned"
 DESCRIPTIONS = {
     "none": "no checkpointing",
     "every_layer": "every layer",
+    "selective": "every layer, selective",
     "every_2nd": "every 2nd layer",
     "every_4th": "every 4th layer",
     "offload": "every layer, inputs offloaded to host",
+    PLANNED: "the config's memory_budget plan",
 }
 BASELINE = "none"
+
+#: Defaults: 30 timed steps per variant in 3 rounds of 10, each after 2 untimed warm-up steps.
+DEFAULT_STEPS, DEFAULT_ROUNDS, DEFAULT_WARMUP = 30, 3, 2
+#: With fewer timed steps than this (either side), no verdict on time is given.
+MIN_TIMED_STEPS = 10
+CONFIDENCE = 0.95
+RESAMPLES = 2000
 
 
 # ---------------------------------------------------------------------------------------------------- configs
@@ -84,40 +110,85 @@ def _is_callback(entry: Any, name: str) -> bool:
     return path == name or path.endswith("." + name)
 
 
-def variant_config(base: Mapping[str, Any], variant: str, steps: int, out_dir: Path, seed: int,
-                   perturb_grad: bool = False) -> dict[str, Any]:
-    """The LightningCLI config of one variant: ``base`` with its checkpointing replaced and measurement added.
+def _checkpointing_args(base: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``init_args`` of the config's ``GradientCheckpointing`` entry (``{}`` when it has none)."""
+    callbacks = (base.get("trainer") or {}).get("callbacks") or []
+    callbacks = [callbacks] if isinstance(callbacks, Mapping) else list(callbacks)
+    for entry in callbacks:
+        if _is_callback(entry, "GradientCheckpointing"):
+            return dict(entry.get("init_args") or {}) if isinstance(entry, Mapping) else {}
+    return {}
+
+
+def planned_settings(base: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+    """The settings of the ``planned`` variant: the config's ``GradientCheckpointing`` as written, when it has a
+    ``memory_budget``; ``None`` otherwise (then there is no ``planned`` variant).
+
+    Example::
+
+        >>> cb = {"class_path": "lightning_ckpt.GradientCheckpointing", "init_args": {"memory_budget": 0.3}}
+        >>> planned_settings({"trainer": {"callbacks": [cb]}})
+        {'memory_budget': 0.3}
+        >>> planned_settings({"trainer": {"callbacks": []}}) is None
+        True
+    """
+    args = _checkpointing_args(base)
+    return args if args.get("memory_budget") is not None else None
+
+
+def available_variants(base: Mapping[str, Any]) -> list[str]:
+    """Every variant this config can run, in order: :data:`VARIANTS`, then ``planned`` if it has a budget.
+
+    Example::
+
+        >>> available_variants({})
+        ['none', 'every_layer', 'selective', 'every_2nd', 'every_4th', 'offload']
+    """
+    return list(VARIANTS) + ([PLANNED] if planned_settings(base) is not None else [])
+
+
+def variant_config(base: Mapping[str, Any], variant: str, steps: int, run_dir: Path, seed: int,
+                   perturb_grad: bool = False, record_first_step: bool = True) -> dict[str, Any]:
+    """The LightningCLI config of one process of one variant: ``base`` with its checkpointing replaced and
+    measurement added, training ``steps`` steps and writing its logs and metrics to ``run_dir``.
 
     Example::
 
         >>> cfg = variant_config({"trainer": {"callbacks": []}}, "every_2nd", 5, Path("out"), seed=0)
-        >>> cfg["trainer"]["callbacks"][0]
-        {'class_path': 'lightning_ckpt.GradientCheckpointing', 'init_args': {'every_n_layers': 2, 'offload': False}}
+        >>> cfg["trainer"]["callbacks"][1]["init_args"]
+        {'every_n_layers': 2, 'mode': 'full', 'offload': False}
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"Unknown variant {variant!r}; choose from {', '.join(VARIANTS)}.")
+    if variant == PLANNED:
+        settings = planned_settings(base)
+        if settings is None:
+            raise ValueError(f"The {PLANNED!r} variant needs a `memory_budget` in the config's GradientCheckpointing"
+                             f" init_args (e.g. `memory_budget: 0.5`); choose from {', '.join(VARIANTS)}.")
+    elif variant in VARIANTS:
+        settings = VARIANTS[variant]
+    else:
+        raise ValueError(f"Unknown variant {variant!r}; choose from {', '.join(available_variants(base))}.")
     config = copy.deepcopy(dict(base))
     for key in ("ckpt_path", "fit", "validate", "test", "predict", "subcommand"):
         config.pop(key, None)
     trainer = dict(config.get("trainer") or {})
     callbacks = trainer.get("callbacks") or []
     callbacks = [callbacks] if isinstance(callbacks, Mapping) else list(callbacks)
-    ckpt_args: dict[str, Any] = {}
-    kept = []
-    for entry in callbacks:
-        if _is_callback(entry, "GradientCheckpointing"):
-            ckpt_args = dict(entry.get("init_args") or {}) if isinstance(entry, Mapping) else {}
-        elif not _is_callback(entry, "MemoryMonitor"):
-            kept.append(entry)
-    ckpt_args.pop("memory_budget", None)  # the variant chooses the layers
-    settings = VARIANTS[variant]
-    if settings is not None:
-        kept.append({"class_path": CALLBACK_PATH, "init_args": {**ckpt_args, **settings}})
+    kept = [c for c in callbacks
+            if not _is_callback(c, "GradientCheckpointing") and not _is_callback(c, "MemoryMonitor")]
+    ckpt_args = _checkpointing_args(base)
+    ckpt_args.pop("memory_budget", None)  # the fixed variants choose the layers themselves
+    # The monitor before the checkpointing: saved-tensor hooks entered later are inner, and a budget's measuring
+    # step must see every saved tensor itself.
     kept.append({"class_path": "lightning_ckpt.monitor.MemoryMonitor", "init_args": {"log_every_n_steps": 1}})
-    recorder_args: dict[str, Any] = {"path": str(out_dir / variant / "first_step.pt")}
-    if perturb_grad:
-        recorder_args["perturb_grad"] = True
-    kept.append({"class_path": "lightning_ckpt.compare.FirstStepRecorder", "init_args": recorder_args})
+    if variant == PLANNED:
+        kept.append({"class_path": CALLBACK_PATH, "init_args": dict(settings)})
+    elif settings is not None:
+        kept.append({"class_path": CALLBACK_PATH, "init_args": {**ckpt_args, **settings}})
+    if record_first_step:
+        recorder_args: dict[str, Any] = {"path": str(run_dir / "first_step.pt")}
+        if perturb_grad:
+            recorder_args["perturb_grad"] = True
+        kept.append({"class_path": "lightning_ckpt.compare.FirstStepRecorder", "init_args": recorder_args})
     trainer.update(
         callbacks=kept,
         max_steps=steps,
@@ -127,9 +198,9 @@ def variant_config(base: Mapping[str, Any], variant: str, steps: int, out_dir: P
         num_sanity_val_steps=0,
         enable_checkpointing=False,
         enable_progress_bar=False,
-        default_root_dir=str(out_dir / variant),
+        default_root_dir=str(run_dir),
         logger={"class_path": "lightning.pytorch.loggers.CSVLogger",
-                "init_args": {"save_dir": str(out_dir), "name": variant, "version": ""}},
+                "init_args": {"save_dir": str(run_dir.parent), "name": run_dir.name, "version": ""}},
     )
     config["trainer"] = trainer
     config["seed_everything"] = seed
@@ -140,6 +211,33 @@ def config_seed(base: Mapping[str, Any], default: int = 1234) -> int:
     """The config's ``seed_everything`` if it is a number, else ``default`` (every variant must use the same)."""
     seed = base.get("seed_everything")
     return seed if isinstance(seed, int) and not isinstance(seed, bool) else default
+
+
+def steps_per_round(steps: int, rounds: int) -> list[int]:
+    """``steps`` timed steps split as evenly as possible over at most ``rounds`` rounds (none empty).
+
+    Example::
+
+        >>> steps_per_round(30, 3), steps_per_round(7, 3), steps_per_round(2, 3)
+        ([10, 10, 10], [3, 2, 2], [1, 1])
+    """
+    rounds = max(1, min(rounds, steps))
+    return [steps // rounds + (i < steps % rounds) for i in range(rounds)]
+
+
+def schedule(variants: Sequence[str], rounds: int) -> list[tuple[int, str]]:
+    """The order of the processes, ``(round, variant)``: rounds one after another, alternately forwards and
+    backwards, so that slow drift of the machine falls evenly on every variant (the baseline runs first).
+
+    Example::
+
+        >>> schedule(["none", "a", "b"], 3)
+        [(0, 'none'), (0, 'a'), (0, 'b'), (1, 'b'), (1, 'a'), (1, 'none'), (2, 'none'), (2, 'a'), (2, 'b')]
+    """
+    order = []
+    for r in range(rounds):
+        order += [(r, name) for name in (variants if r % 2 == 0 else list(variants)[::-1])]
+    return order
 
 
 # ---------------------------------------------------------------------------------------------------- worker
@@ -202,9 +300,138 @@ def run_worker(variant_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- results
 
 
+@dataclass(frozen=True)
+class Spread:
+    """Median and interquartile range (``q1``, ``q3``) of ``n`` samples."""
+
+    median: float
+    q1: float
+    q3: float
+    n: int
+
+
+def spread(samples: Sequence[float]) -> Spread:
+    """Median and quartiles of ``samples`` (linear interpolation, as ``numpy.percentile``).
+
+    Example::
+
+        >>> spread([1.0, 2.0, 3.0, 4.0, 100.0])
+        Spread(median=3.0, q1=2.0, q3=4.0, n=5)
+    """
+    if len(samples) == 0:
+        return Spread(math.nan, math.nan, math.nan, 0)
+    q1, median, q3 = (float(v) for v in np.percentile(np.asarray(samples, dtype=float), [25, 50, 75]))
+    return Spread(median, q1, q3, len(samples))
+
+
+@dataclass(frozen=True)
+class TimeDifference:
+    """Step time of a variant against the baseline: ``ratio`` of medians and its bootstrap interval."""
+
+    ratio: float
+    low: float
+    high: float
+    timed_steps: int  # the fewer of the two sides
+    confidence: float = CONFIDENCE
+
+    @property
+    def enough_steps(self) -> bool:
+        return self.timed_steps >= MIN_TIMED_STEPS
+
+    @property
+    def within_noise(self) -> bool:
+        """Whether no difference is one of the ratios the interval allows (then it is not a result)."""
+        return self.low <= 1.0 <= self.high
+
+    @property
+    def noise(self) -> float:
+        """Within noise, the largest difference (as a fraction) that the interval allows; otherwise ``nan``."""
+        return max(self.high - 1.0, 1.0 - self.low) if self.within_noise else math.nan
+
+    def describe(self) -> str:
+        """The table's words for it: ``≈0%, within noise ±6%``, a loss or gain with its interval, or why there is no
+        verdict.
+
+        Example::
+
+            >>> TimeDifference(1.02, 0.97, 1.06, 30).describe()
+            '≈0%, within noise ±6.0%'
+            >>> TimeDifference(1.31, 1.27, 1.35, 30).describe()
+            '+31% (+27% to +35%)'
+            >>> TimeDifference(0.80, 0.75, 0.90, 30).describe()
+            '-20% (-25% to -10%), faster'
+            >>> TimeDifference(0.78, 0.70, 0.90, 3).describe()
+            'n/a: 3 timed steps, too few to tell'
+        """
+        if not self.enough_steps:
+            return f"n/a: {self.timed_steps} timed steps, too few to tell"
+        if self.within_noise:
+            return f"≈0%, within noise ±{_percent(self.noise)}%"
+        text = f"{_signed(self.ratio - 1)} ({_signed(self.low - 1)} to {_signed(self.high - 1)})"
+        return text if self.ratio > 1 else text + ", faster"
+
+
+def _signed(fraction: float) -> str:
+    return ("+" if fraction >= 0 else "-") + _percent(abs(fraction)) + "%"
+
+
+def _percent(fraction: float) -> str:
+    value = 100 * fraction
+    return f"{value:.1f}" if value < 9.95 else f"{value:.0f}"
+
+
+def _pad(rounds: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.array([len(r) for r in rounds])
+    table = np.zeros((len(rounds), int(lengths.max())))
+    for i, r in enumerate(rounds):
+        table[i, : len(r)] = r
+    return table, lengths
+
+
+def _resampled_medians(rounds: Sequence[Sequence[float]], picks: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Medians of two-level bootstrap resamples: the rounds in ``picks`` (``[B, R]``), steps drawn within each."""
+    table, lengths = _pad(rounds)
+    n = lengths[picks]                                                     # [B, R] steps in each picked round
+    width = table.shape[1]
+    steps = np.floor(rng.random(picks.shape + (width,)) * n[..., None]).astype(int)
+    values = table[picks[..., None], steps]                                # [B, R, width]
+    values[np.arange(width) >= n[..., None]] = np.nan                      # a round contributes only its own size
+    return np.nanmedian(values.reshape(len(picks), -1), axis=1)
+
+
+def time_difference(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]],
+                    confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = 0) -> TimeDifference:
+    """Median step time of ``other`` over that of ``base``, with a percentile bootstrap interval.
+
+    Both are step-time samples in rounds (one list per process). A resample draws rounds with replacement (the
+    same round numbers for both sides when they have as many, since round ``k`` of each ran at about the same
+    time), then steps with replacement within each drawn round; so the interval counts the differences between
+    processes as well as between steps. Deterministic for a given ``seed``.
+
+    Example::
+
+        >>> d = time_difference([[1.0, 1.1, 0.9] * 5], [[1.3, 1.43, 1.17] * 5])
+        >>> round(d.ratio, 2), d.within_noise
+        (1.3, False)
+    """
+    base = [list(r) for r in base if len(r)]
+    other = [list(r) for r in other if len(r)]
+    timed = min(sum(map(len, base)), sum(map(len, other)))
+    if not base or not other:
+        return TimeDifference(math.nan, math.nan, math.nan, timed, confidence)
+    ratio = float(np.median(np.concatenate(other)) / np.median(np.concatenate(base)))
+    rng = np.random.default_rng(seed)
+    base_picks = rng.integers(0, len(base), (resamples, len(base)))
+    other_picks = base_picks if len(other) == len(base) else rng.integers(0, len(other), (resamples, len(other)))
+    ratios = _resampled_medians(other, other_picks, rng) / _resampled_medians(base, base_picks, rng)
+    tail = 100 * (1 - confidence) / 2
+    low, high = (float(v) for v in np.percentile(ratios, [tail, 100 - tail]))
+    return TimeDifference(ratio, min(low, ratio), max(high, ratio), timed, confidence)
+
+
 @dataclass
 class VariantResult:
-    """What one variant measured: memory in GiB, time in seconds, and its step-1 differences to the baseline."""
+    """What one variant measured: memory in GiB, step times in seconds (per round), its step-1 differences."""
 
     name: str
     checkpointed_layers: list[str] = field(default_factory=list)
@@ -214,18 +441,28 @@ class VariantResult:
     host_rss_gib: float = math.nan
     activations_gib: float = math.nan
     offloaded_gib: float = 0.0
-    step_sec: float = math.nan
+    step_times: list[list[float]] = field(default_factory=list)
     samples_per_sec: float = math.nan
     tokens_per_sec: Optional[float] = None
     loss_diff: Optional[float] = None
     grad_diff: Optional[float] = None
     mismatch: Optional[str] = None
     error: Optional[str] = None
+    timed_memory_gib: Optional[float] = None  # the memory of memory_gib over the timed steps only
 
     @property
     def memory_gib(self) -> float:
         """The memory that checkpointing is meant to cut: device peak on an accelerator, else activations."""
         return self.peak_allocated_gib if self.peak_allocated_gib is not None else self.activations_gib
+
+    @property
+    def step(self) -> Spread:
+        """Median and interquartile range of the timed step times, all rounds pooled."""
+        return spread([t for r in self.step_times for t in r])
+
+    @property
+    def step_sec(self) -> float:
+        return self.step.median
 
 
 def read_monitor_csv(path: Path) -> list[dict[str, float]]:
@@ -235,11 +472,16 @@ def read_monitor_csv(path: Path) -> list[dict[str, float]]:
     return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in rows if row.get(STEP_SEC)]
 
 
-def measurements(name: str, rows: Sequence[Mapping[str, float]], result: Mapping[str, Any]) -> VariantResult:
-    """Peaks over all steps; time and throughput as medians over the steps after the first (warm-up)."""
-    if not rows:
+
+def measurements(name: str, runs: Sequence[tuple[Sequence[Mapping[str, float]], Mapping[str, Any]]],
+                 warmup: int) -> VariantResult:
+    """One variant from its processes' ``(monitor rows, result.json)``: peaks over every step of every process;
+    step times per process after its first ``warmup`` steps; throughput as the median over those steps."""
+    if not runs or not all(rows for rows, _ in runs):
         raise ValueError(f"{name}: the monitor logged nothing")
-    timed = rows[1:] or rows
+    rows = [row for run_rows, _ in runs for row in run_rows]
+    timed = [row for run_rows, _ in runs for row in run_rows[warmup:]]
+    result = runs[0][1]
 
     def peak(key: str) -> Optional[float]:
         values = [r[key] for r in rows if key in r]
@@ -247,7 +489,10 @@ def measurements(name: str, rows: Sequence[Mapping[str, float]], result: Mapping
 
     def median(key: str) -> Optional[float]:
         values = [r[key] for r in timed if key in r]
-        return statistics.median(values) if values else None
+        return float(np.median(values)) if values else None
+
+    memory_key = PEAK_ALLOCATED if peak(PEAK_ALLOCATED) is not None else ACTIVATIONS
+    timed_memory = [r[memory_key] for r in timed if memory_key in r]
 
     return VariantResult(
         name=name,
@@ -258,9 +503,10 @@ def measurements(name: str, rows: Sequence[Mapping[str, float]], result: Mapping
         host_rss_gib=peak(HOST_RSS) or math.nan,
         activations_gib=peak(ACTIVATIONS) or 0.0,
         offloaded_gib=peak(ACTIVATIONS_OFFLOADED) or 0.0,
-        step_sec=median(STEP_SEC) or math.nan,
+        step_times=[[r[STEP_SEC] for r in run_rows[warmup:]] for run_rows, _ in runs],
         samples_per_sec=median(SAMPLES_PER_SEC) or math.nan,
         tokens_per_sec=median(TOKENS_PER_SEC),
+        timed_memory_gib=max(timed_memory) if timed_memory else None,
     )
 
 
@@ -301,8 +547,17 @@ def _num(value: Optional[float], digits: int = 4) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}g}"
 
 
-def render_markdown(results: Sequence[VariantResult], title: str, rtol: float, atol: float) -> str:
-    """The comparison as Markdown: a short header and one table row per variant, the baseline first."""
+def _ms(value: float) -> str:
+    return _num(1000 * value, 3)
+
+
+def render_markdown(results: Sequence[VariantResult], title: str, rtol: float, atol: float,
+                    timing: str = "") -> str:
+    """The comparison as Markdown: a short header and one table row per variant, the baseline first.
+
+    ``timing`` says how the steps were timed (rounds, warm-up). Time lost is :func:`time_difference` against the
+    baseline, in the words of :meth:`TimeDifference.describe`: never a gain when the difference is within noise.
+    """
     base = results[0]
     on_device = base.peak_allocated_gib is not None
     memory_what = ("peak allocated device memory" if on_device else
@@ -310,7 +565,10 @@ def render_markdown(results: Sequence[VariantResult], title: str, rtol: float, a
     lines = [
         f"# Checkpointing comparison: {title}",
         "",
-        f"Memory saved is measured on {memory_what}; time lost on the median step time after the first step."
+        f"Memory saved is measured on {memory_what}. {timing} Step time is the median over the timed steps, with"
+        f" its interquartile range (IQR). Time lost is the ratio of medians to `{BASELINE}` with a"
+        f" {100 * CONFIDENCE:.0f}% bootstrap interval (rounds, then steps, resampled); a difference whose interval"
+        f" contains 0% is within noise, and with fewer than {MIN_TIMED_STEPS} timed steps there is no verdict."
         f" Loss and gradients after step 1 are compared with `{BASELINE}` (tolerance: |diff| <= {atol:g} +"
         f" {rtol:g} x the largest |value| of each gradient).",
         "",
@@ -319,12 +577,13 @@ def render_markdown(results: Sequence[VariantResult], title: str, rtol: float, a
         lines += ["On a CPU run `offload` has no effect: the saved layer inputs are already in host memory.", ""]
     lines += [
         "| variant | checkpointed layers | peak device (GiB) | host RSS (GiB) | activations (GiB) | offloaded (GiB)"
-        " | step (s) | samples/s | memory saved | time lost | loss diff | grad diff | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | timed steps | step (ms) | step IQR (ms) | samples/s | memory saved | time lost | loss diff | grad diff"
+        " | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.error:
-            lines.append(f"| {r.name} | | | | | | | | | | | | FAILED: {r.error} |")
+            lines.append(f"| {r.name} | | | | | | | | | | | | | | FAILED: {r.error} |")
             continue
         if r is base:
             saved = lost = loss = grad = "-"
@@ -332,41 +591,77 @@ def render_markdown(results: Sequence[VariantResult], title: str, rtol: float, a
         else:
             delta = base.memory_gib - r.memory_gib
             saved = f"{_num(delta, 3)} GiB ({100 * delta / base.memory_gib:.0f}%)" if base.memory_gib else "n/a"
-            lost = f"{100 * (r.step_sec / base.step_sec - 1):+.0f}%" if base.step_sec > 0 else "n/a"
+            lost = time_difference(base.step_times, r.step_times).describe()
             loss, grad = _num(r.loss_diff, 2), _num(r.grad_diff, 2)
             check = f"**MISMATCH: {r.mismatch}**" if r.mismatch else "ok"
+        step = r.step
         lines.append(
             f"| {r.name} | {len(r.checkpointed_layers)} | {_num(r.peak_allocated_gib)} | {_num(r.host_rss_gib)}"
-            f" | {_num(r.activations_gib)} | {_num(r.offloaded_gib)} | {_num(r.step_sec)} | {_num(r.samples_per_sec)}"
-            f" | {saved} | {lost} | {loss} | {grad} | {check} |"
+            f" | {_num(r.activations_gib)} | {_num(r.offloaded_gib)} | {step.n} | {_ms(step.median)}"
+            f" | {_ms(step.q1)}–{_ms(step.q3)} | {_num(r.samples_per_sec)} | {saved} | {lost} | {loss} | {grad}"
+            f" | {check} |"
         )
+    for r in results:
+        if not r.error and r.timed_memory_gib is not None and r.memory_gib > 1.01 * r.timed_memory_gib:
+            lines += ["", f"`{r.name}`: the warm-up steps held the most ({_num(r.memory_gib)} GiB, in the table);"
+                          f" the timed steps at most {_num(r.timed_memory_gib)} GiB"
+                          + (" (the first step measures for the memory_budget plan)." if r.name == PLANNED else ".")]
     return "\n".join(lines) + "\n"
 
 
-def plot(results: Sequence[VariantResult], path: Path, title: str) -> Optional[Path]:
-    """Memory against step time, one labelled point per variant, as a PNG (``None`` without matplotlib)."""
+def to_json(results: Sequence[VariantResult], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Every number of the comparison, the raw step times included, for ``compare.json``."""
+    base = results[0]
+    variants = []
+    for r in results:
+        entry: dict[str, Any] = {"name": r.name, "description": DESCRIPTIONS.get(r.name, r.name), "error": r.error}
+        if not r.error:
+            step = r.step
+            entry.update(
+                checkpointed_layers=r.checkpointed_layers, device=r.device, peak_allocated_gib=r.peak_allocated_gib,
+                peak_reserved_gib=r.peak_reserved_gib, host_rss_gib=r.host_rss_gib,
+                activations_gib=r.activations_gib, offloaded_gib=r.offloaded_gib, timed_memory_gib=r.timed_memory_gib,
+                timed_steps=step.n,
+                step_sec_median=step.median, step_sec_q1=step.q1, step_sec_q3=step.q3,
+                samples_per_sec=r.samples_per_sec, tokens_per_sec=r.tokens_per_sec, step_times=r.step_times,
+                loss_diff=r.loss_diff, grad_diff=r.grad_diff, mismatch=r.mismatch)
+            if r is not base and not base.error:
+                d = time_difference(base.step_times, r.step_times)
+                entry["time_lost"] = {"ratio": d.ratio, "low": d.low, "high": d.high, "confidence": d.confidence,
+                                      "within_noise": d.within_noise, "enough_steps": d.enough_steps,
+                                      "text": d.describe()}
+        variants.append(entry)
+    return {**settings, "variants": variants}
+
+
+def plot(results: Sequence[VariantResult], path: Path, title: str) -> Optional[Figure]:
+    """Memory against median step time, one labelled point per variant with its step-time interquartile range as
+    horizontal error bars, saved as a PNG. Returns the figure (``None`` without matplotlib)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         print("compare: the plot needs matplotlib (`pip install matplotlib`); wrote the table only.", file=sys.stderr)
         return None
-    done = [r for r in results if not r.error]
-    fig = Figure(figsize=(6, 4.5), dpi=120)
+    done = [r for r in results if not r.error and r.step.n]
+    fig = Figure(figsize=(6.5, 4.5), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for r in done:
         colour = "tab:red" if r.mismatch else "tab:blue" if r.name != BASELINE else "black"
-        ax.scatter([r.step_sec], [r.memory_gib], color=colour)
-        ax.annotate(r.name, (r.step_sec, r.memory_gib), textcoords="offset points", xytext=(5, 5), fontsize=9)
+        step = r.step
+        x = 1000 * step.median
+        ax.errorbar([x], [r.memory_gib], xerr=[[1000 * (step.median - step.q1)], [1000 * (step.q3 - step.median)]],
+                    fmt="o", color=colour, capsize=4)
+        ax.annotate(r.name, (x, r.memory_gib), textcoords="offset points", xytext=(5, 5), fontsize=9)
     on_device = bool(done) and done[0].peak_allocated_gib is not None
-    ax.set_xlabel("median step time (s)")
+    ax.set_xlabel("median step time (ms); bars: interquartile range")
     ax.set_ylabel("peak allocated device memory (GiB)" if on_device else "activations held for backward (GiB)")
     ax.set_title(f"Checkpointing: memory vs step time\n{title}", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
-    return path
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------------- driver
@@ -375,31 +670,52 @@ def plot(results: Sequence[VariantResult], path: Path, title: str) -> Optional[P
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="lightning-ckpt compare",
-        description="Run one LightningCLI config with and without checkpointing, each variant in a fresh process,"
-                    " and compare memory, step time, and the loss and gradients after step 1.")
+        description="Run one LightningCLI config with and without checkpointing, each variant in fresh processes"
+                    " in interleaved rounds, and compare memory, step time (median, spread, and whether a difference"
+                    " is beyond noise), and the loss and gradients after step 1.")
     parser.add_argument("--config", type=Path, help="LightningCLI YAML config (model, data, trainer)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per variant (default: 20)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated subset of {','.join(VARIANTS)} ('{BASELINE}' always runs)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                        help=f"timed steps per variant, after warm-up, over all rounds (default: {DEFAULT_STEPS})")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                        help="fresh processes per variant, run in interleaved rounds that alternate direction"
+                             f" (default: {DEFAULT_ROUNDS})")
+    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                        help=f"untimed steps at the start of each process (default: {DEFAULT_WARMUP})")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated subset of {','.join(VARIANTS)},{PLANNED} ('{BASELINE}' always runs;"
+                             f" '{PLANNED}' needs a memory_budget in the config; default: all the config allows)")
     parser.add_argument("--output-dir", type=Path, default=None,
-                        help="where to write compare.md, compare.png and per-variant logs"
+                        help="where to write compare.md, compare.json, compare.png and per-process logs"
                              " (default: lightning_ckpt_compare/<config name>)")
     parser.add_argument("--rtol", type=float, default=1e-3, help="relative gradient/loss tolerance (default: 1e-3)")
     parser.add_argument("--atol", type=float, default=1e-6, help="absolute gradient/loss tolerance (default: 1e-6)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv))
-    if args.worker is None:
-        if args.config is None:
-            parser.error("--config is required")
-        if not args.config.is_file():
-            parser.error(f"--config {args.config}: no such file")
-        if args.steps < 1:
-            parser.error("--steps must be >= 1")
-        names = [n.strip() for n in args.variants.split(",") if n.strip()]
-        unknown = [n for n in names if n not in VARIANTS]
-        if unknown:
-            parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-        args.variants = [BASELINE] + [n for n in VARIANTS if n in names and n != BASELINE]
+    if args.worker is not None:
+        return args
+    if args.config is None:
+        parser.error("--config is required")
+    if not args.config.is_file():
+        parser.error(f"--config {args.config}: no such file")
+    for option, least in (("steps", 1), ("rounds", 1), ("warmup", 0)):
+        if getattr(args, option) < least:
+            parser.error(f"--{option} must be >= {least}")
+    try:
+        args.base = yaml.safe_load(args.config.read_text()) or {}
+    except yaml.YAMLError as err:
+        parser.error(f"--config {args.config}: not valid YAML ({err})")
+    if not isinstance(args.base, Mapping):
+        parser.error(f"--config {args.config}: expected a LightningCLI config (a mapping),"
+                     f" got {type(args.base).__name__}")
+    allowed = available_variants(args.base)
+    names = allowed if args.variants is None else [n.strip() for n in args.variants.split(",") if n.strip()]
+    if PLANNED in names and PLANNED not in allowed:
+        parser.error(f"the '{PLANNED}' variant needs a memory_budget in the config's GradientCheckpointing init_args"
+                     f" (e.g. `memory_budget: 0.5`); choose from {', '.join(allowed)}")
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(allowed)}")
+    args.variants = [BASELINE] + [n for n in allowed if n in names and n != BASELINE]
     return args
 
 
@@ -408,68 +724,99 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join("      " + line for line in text[-lines:])
 
 
-def _run_variant(name: str, out_dir: Path, env: Mapping[str, str]) -> tuple[Optional[VariantResult], float]:
-    variant_dir = out_dir / name
+def _run_process(run_dir: Path, env: Mapping[str, str]) -> tuple[Optional[tuple[list[dict[str, float]], Any]], float]:
     start = time.perf_counter()
-    with open(variant_dir / "worker.log", "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "lightning_ckpt.compare", "--worker", str(variant_dir)],
+    with open(run_dir / "worker.log", "w") as log:
+        proc = subprocess.run([sys.executable, "-m", "lightning_ckpt.compare", "--worker", str(run_dir)],
                               stdout=log, stderr=subprocess.STDOUT, env=dict(env))
     seconds = time.perf_counter() - start
-    result_path = variant_dir / "result.json"
+    result_path = run_dir / "result.json"
     if proc.returncode != 0 or not result_path.exists():
         return None, seconds
-    result = json.loads(result_path.read_text())
-    return measurements(name, read_monitor_csv(variant_dir / "metrics.csv"), result), seconds
+    return (read_monitor_csv(run_dir / "metrics.csv"), json.loads(result_path.read_text())), seconds
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``lightning-ckpt compare --config X.yaml [--steps N]``; returns the exit status (0, 1 mismatch, 2 failure)."""
+    """``lightning-ckpt compare --config X.yaml [--steps N] [--rounds R]``; returns the exit status (0, 1 for a
+    gradient mismatch, 2 for a usage error or a failed variant)."""
     args = _parse(sys.argv[1:] if argv is None else argv)
     if args.worker is not None:
         run_worker(args.worker)
         return 0
 
-    base = yaml.safe_load(args.config.read_text()) or {}
     out_dir = (args.output_dir or Path("lightning_ckpt_compare") / args.config.stem).resolve()
-    seed = config_seed(base)
+    seed = config_seed(args.base)
     perturbed = os.environ.get(PERTURB_ENV)
-    print(f"compare: {args.config}, {args.steps} steps per variant, seed {seed}, {len(args.variants)} variants"
-          f" in fresh processes -> {out_dir} (each variant's output in <variant>/worker.log)", flush=True)
+    per_round = steps_per_round(args.steps, args.rounds)
+    order = schedule(args.variants, len(per_round))
+    timing = (f"Timing: {args.steps} timed steps per variant in {len(per_round)} round(s) of fresh processes"
+              f" ({'/'.join(map(str, per_round))} steps, each after {args.warmup} untimed warm-up step(s)), the"
+              f" rounds interleaved and alternately reversed.")
+    print(f"compare: {args.config}, {len(args.variants)} variants x {len(per_round)} rounds = {len(order)} fresh"
+          f" processes, {args.warmup} warm-up + {'/'.join(map(str, per_round))} timed steps each, seed {seed}"
+          f" -> {out_dir} (each process's output in <variant>/round<k>/worker.log)", flush=True)
 
-    results: list[VariantResult] = []
-    firsts: dict[str, Any] = {}
-    for i, name in enumerate(args.variants, 1):
-        (out_dir / name).mkdir(parents=True, exist_ok=True)
-        config = variant_config(base, name, args.steps, out_dir, seed, perturb_grad=(name == perturbed))
-        (out_dir / name / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        print(f"[{i}/{len(args.variants)}] {name} ({DESCRIPTIONS[name]}) ...", end=" ", flush=True)
-        result, seconds = _run_variant(name, out_dir, os.environ)
-        if result is None:
-            print(f"FAILED after {seconds:.1f} s; last lines of {out_dir / name / 'worker.log'}:\n"
-                  f"{_tail(out_dir / name / 'worker.log')}", flush=True)
-            results.append(VariantResult(name=name, error=f"see {name}/worker.log"))
+    runs: dict[str, list[Any]] = {name: [] for name in args.variants}
+    failed: dict[str, str] = {}
+    checks: dict[str, tuple[float, float, Optional[str]]] = {}
+    baseline_first: Any = None
+    for i, (r, name) in enumerate(order, 1):
+        if name in failed:
+            continue
+        run_dir = out_dir / name / f"round{r + 1}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = variant_config(args.base, name, args.warmup + per_round[r], run_dir, seed,
+                                perturb_grad=(r == 0 and name == perturbed), record_first_step=(r == 0))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        print(f"[{i}/{len(order)}] round {r + 1}/{len(per_round)} {name} ({DESCRIPTIONS[name]}) ...", end=" ",
+              flush=True)
+        got, seconds = _run_process(run_dir, os.environ)
+        if got is None:
+            log = run_dir / "worker.log"
+            print(f"FAILED after {seconds:.1f} s; last lines of {log}:\n{_tail(log)}", flush=True)
+            failed[name] = f"see {log.relative_to(out_dir)}"
             if name == BASELINE:
                 print("compare: the run without checkpointing failed; nothing to compare against.", file=sys.stderr)
                 return 2
             continue
-        first_path = out_dir / name / "first_step.pt"
-        firsts[name] = torch.load(first_path, weights_only=True)
-        first_path.unlink()  # as large as the model; the differences are what is kept
-        if name != BASELINE:
-            result.loss_diff, result.grad_diff, result.mismatch = first_step_difference(
-                firsts[BASELINE], firsts.pop(name), args.rtol, args.atol)
-        print(f"done in {seconds:.1f} s: {len(result.checkpointed_layers)} layers checkpointed, activations"
-              f" {_num(result.activations_gib)} GiB, {_num(result.step_sec)} s/step"
-              + (f", MISMATCH: {result.mismatch}" if result.mismatch else ""), flush=True)
+        runs[name].append(got)
+        mismatch = None
+        if r == 0:
+            first_path = run_dir / "first_step.pt"
+            first = torch.load(first_path, weights_only=True)
+            first_path.unlink()  # as large as the model; the differences are what is kept
+            if name == BASELINE:
+                baseline_first = first
+            else:
+                checks[name] = first_step_difference(baseline_first, first, args.rtol, args.atol)
+                mismatch = checks[name][2]
+        rows, result = got
+        timed = [row[STEP_SEC] for row in rows[args.warmup:]]
+        print(f"done in {seconds:.1f} s: {len(result['checkpointed_layers'])} layers checkpointed, activations"
+              f" {_num(max(row.get(ACTIVATIONS, 0.0) for row in rows))} GiB, median"
+              f" {_ms(spread(timed).median)} ms/step" + (f", MISMATCH: {mismatch}" if mismatch else ""), flush=True)
+
+    results: list[VariantResult] = []
+    for name in args.variants:
+        if name in failed:
+            results.append(VariantResult(name=name, error=failed[name]))
+            continue
+        result = measurements(name, runs[name], args.warmup)
+        if name in checks:
+            result.loss_diff, result.grad_diff, result.mismatch = checks[name]
         results.append(result)
 
-    title = f"{args.config.name}, {args.steps} steps"
-    markdown = render_markdown(results, title, args.rtol, args.atol)
+    title = f"{args.config.name}, {args.steps} timed steps per variant"
+    markdown = render_markdown(results, title, args.rtol, args.atol, timing)
     (out_dir / "compare.md").write_text(markdown)
-    png = plot(results, out_dir / "compare.png", title)
+    settings = {"config": str(args.config), "steps": args.steps, "rounds": len(per_round),
+                "steps_per_round": per_round, "warmup": args.warmup, "seed": seed, "order": order,
+                "rtol": args.rtol, "atol": args.atol}
+    (out_dir / "compare.json").write_text(json.dumps(to_json(results, settings), indent=2))
+    fig = plot(results, out_dir / "compare.png", title)
     print()
     print(markdown)
-    print(f"compare: wrote {out_dir / 'compare.md'}" + (f" and {png}" if png else ""), flush=True)
+    print(f"compare: wrote {out_dir / 'compare.md'}, compare.json" + (" and compare.png" if fig else ""), flush=True)
     if any(r.error for r in results):
         return 2
     if any(r.mismatch for r in results):

@@ -1,19 +1,39 @@
-"""`lightning-ckpt compare`: variant configs, the gradient check, and real runs of the tiny config."""
+"""`lightning-ckpt compare`: variant configs, the timing statistics, the plot, and real runs of the tiny config."""
 
 from __future__ import annotations
 
+import csv
+import json
 import math
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import yaml
+from matplotlib.container import ErrorbarContainer
 
 from lightning_ckpt.cli import main as cli_main
-from lightning_ckpt.compare import PERTURB_ENV, first_step_difference, variant_config
+from lightning_ckpt.compare import (
+    DEFAULT_WARMUP,
+    MIN_TIMED_STEPS,
+    PERTURB_ENV,
+    VariantResult,
+    available_variants,
+    first_step_difference,
+    planned_settings,
+    plot,
+    render_markdown,
+    schedule,
+    time_difference,
+    variant_config,
+)
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
-COLUMNS = ["variant", "layers", "peak device", "host RSS", "activations", "offloaded", "step", "samples/s",
-           "memory saved", "time lost", "loss diff", "grad diff", "check"]
+COLUMNS = ["variant", "layers", "peak device", "host RSS", "activations", "offloaded", "timed steps", "step",
+           "step IQR", "samples/s", "memory saved", "time lost", "loss diff", "grad diff", "check"]
+FIXED = ["none", "every_layer", "selective", "every_2nd", "every_4th", "offload"]
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +50,20 @@ def table(markdown: str) -> dict[str, dict[str, str]]:
     return {row["variant"]: row for row in parsed}
 
 
+def step_samples(seed: int, scale: float = 1.0, sigma: float = 0.15, rounds: int = 3, per_round: int = 10):
+    """Synthetic step times in seconds, ``[rounds][per_round]``, log-normal around ``scale * 10 ms``."""
+    rng = np.random.default_rng(seed)
+    return (scale * 0.010 * rng.lognormal(0.0, sigma, (rounds, per_round))).tolist()
+
+
+def synthetic(name: str, step_times) -> VariantResult:
+    return VariantResult(name=name, activations_gib=1.0 if name == "none" else 0.5, step_times=step_times,
+                         samples_per_sec=100.0, loss_diff=0.0, grad_diff=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------- configs
+
+
 def test_variant_config_replaces_checkpointing_and_keeps_the_rest(tmp_path):
     base = {
         "seed_everything": True,
@@ -42,13 +76,23 @@ def test_variant_config_replaces_checkpointing_and_keeps_the_rest(tmp_path):
             {"class_path": "lightning_ckpt.MemoryMonitor", "init_args": {"log_every_n_steps": 50}},
         ]},
     }
-    none = variant_config(base, "none", 3, tmp_path, seed=7)
-    offload = variant_config(base, "offload", 3, tmp_path, seed=7)
+    none = variant_config(base, "none", 3, tmp_path / "none" / "round1", seed=7)
+    offload = variant_config(base, "offload", 3, tmp_path / "offload" / "round2", seed=7, record_first_step=False)
+    selective = variant_config(base, "selective", 3, tmp_path / "selective" / "round1", seed=7)
     paths = [c["class_path"] for c in offload["trainer"]["callbacks"]]
-    assert paths == ["lightning.pytorch.callbacks.LearningRateMonitor", "lightning_ckpt.GradientCheckpointing",
-                     "lightning_ckpt.monitor.MemoryMonitor", "lightning_ckpt.compare.FirstStepRecorder"]
-    assert offload["trainer"]["callbacks"][1]["init_args"] == {
-        "layer_cls": "lightning_ckpt.demos.Block", "every_n_layers": 1, "mode": "selective", "offload": True}
+    # the monitor's saved-tensor hooks outside the callback's; no first-step recorder after round 1
+    assert paths == ["lightning.pytorch.callbacks.LearningRateMonitor", "lightning_ckpt.monitor.MemoryMonitor",
+                     "lightning_ckpt.GradientCheckpointing"]
+    # each variant says its mode: `every_layer`/`offload` are full checkpointing even when the config is selective
+    assert offload["trainer"]["callbacks"][2]["init_args"] == {
+        "layer_cls": "lightning_ckpt.demos.Block", "every_n_layers": 1, "mode": "full", "offload": True}
+    assert selective["trainer"]["callbacks"][2]["init_args"] == {
+        "layer_cls": "lightning_ckpt.demos.Block", "every_n_layers": 1, "mode": "selective", "offload": False}
+    assert selective["trainer"]["callbacks"][-1] == {
+        "class_path": "lightning_ckpt.compare.FirstStepRecorder",
+        "init_args": {"path": str(tmp_path / "selective" / "round1" / "first_step.pt")}}
+    assert offload["trainer"]["logger"]["init_args"] == {"save_dir": str(tmp_path / "offload"), "name": "round2",
+                                                         "version": ""}  # -> offload/round2/metrics.csv
     assert "lightning_ckpt.GradientCheckpointing" not in [c["class_path"] for c in none["trainer"]["callbacks"]]
     for config in (none, offload):
         assert config["seed_everything"] == 7 and "ckpt_path" not in config
@@ -57,6 +101,36 @@ def test_variant_config_replaces_checkpointing_and_keeps_the_rest(tmp_path):
     assert base["trainer"]["callbacks"][1]["init_args"]["every_n_layers"] == 4  # the base is left alone
     with pytest.raises(ValueError, match="every_3rd"):
         variant_config(base, "every_3rd", 3, tmp_path, seed=7)
+
+
+def test_planned_variant_is_the_configs_budgeted_callback(tmp_path):
+    ckpt = {"layer_cls": "lightning_ckpt.demos.Block", "memory_budget": 0.5, "offload": False}
+    base = {"trainer": {"callbacks": [{"class_path": "lightning_ckpt.GradientCheckpointing", "init_args": ckpt}]}}
+    assert planned_settings(base) == ckpt
+    assert available_variants(base) == FIXED + ["planned"]
+    planned = variant_config(base, "planned", 4, tmp_path / "planned" / "round1", seed=0)
+    assert planned["trainer"]["callbacks"][1] == {"class_path": "lightning_ckpt.GradientCheckpointing",
+                                                  "init_args": ckpt}
+    # the fixed variants choose their layers themselves: the budget is not passed on
+    every_2nd = variant_config(base, "every_2nd", 4, tmp_path / "every_2nd" / "round1", seed=0)
+    assert every_2nd["trainer"]["callbacks"][1]["init_args"] == {
+        "layer_cls": "lightning_ckpt.demos.Block", "every_n_layers": 2, "mode": "full", "offload": False}
+
+    without = {"trainer": {"callbacks": [{"class_path": "lightning_ckpt.GradientCheckpointing",
+                                          "init_args": {"every_n_layers": 2, "memory_budget": None}}]}}
+    assert planned_settings(without) is None and available_variants(without) == FIXED
+    with pytest.raises(ValueError, match="memory_budget"):
+        variant_config(without, "planned", 4, tmp_path, seed=0)
+
+
+def test_schedule_interleaves_rounds_in_alternating_directions():
+    order = schedule(FIXED, 3)
+    assert len(order) == 18 and order[0] == (0, "none")
+    rounds = [[name for r, name in order if r == k] for k in range(3)]
+    assert rounds == [FIXED, FIXED[::-1], FIXED]
+
+
+# ---------------------------------------------------------------------------------------------------- statistics
 
 
 def test_a_wrong_small_gradient_is_not_hidden_by_a_large_one():
@@ -74,10 +148,81 @@ def test_a_wrong_small_gradient_is_not_hidden_by_a_large_one():
                                                            rtol=1e-3, atol=1e-6)[2]
 
 
+def test_a_planted_zero_difference_is_reported_within_noise_never_as_a_gain():
+    base, same = step_samples(seed=1), step_samples(seed=2)  # identical distributions
+    diff = time_difference(base, same)
+    assert diff.low < 1.0 < diff.high and diff.within_noise
+    row = table(render_markdown([synthetic("none", base), synthetic("every_4th", same)], "synthetic", 1e-3, 1e-6))
+    match = re.fullmatch(r"≈0%, within noise ±([\d.]+)%", row["every_4th"]["time lost"])
+    assert match, row["every_4th"]["time lost"]
+    assert float(match.group(1)) == pytest.approx(100 * max(diff.high - 1, 1 - diff.low), abs=0.5)
+    assert 0 < float(match.group(1)) < 20
+    assert row["every_4th"]["timed steps"] == "30"
+
+    # A median that came out 3% lower by chance, in noisy timings, is not a gain either.
+    lucky = [[0.97 * t for t in r] for r in step_samples(seed=1, sigma=0.3)]
+    noisy = time_difference(step_samples(seed=3, sigma=0.3), lucky)
+    assert noisy.within_noise and noisy.describe().startswith("≈0%, within noise ±")
+
+
+def test_a_planted_30_percent_loss_is_reported_with_its_number():
+    base, slower = step_samples(seed=1), step_samples(seed=2, scale=1.3)
+    diff = time_difference(base, slower)
+    assert not diff.within_noise and diff.ratio == pytest.approx(1.3, abs=0.06) and diff.low > 1.15
+    text = table(render_markdown([synthetic("none", base), synthetic("every_layer", slower)], "synthetic", 1e-3,
+                                 1e-6))["every_layer"]["time lost"]
+    match = re.fullmatch(r"\+(\d+)% \(\+(\d+)% to \+(\d+)%\)", text)
+    assert match, text
+    change, low, high = (int(g) for g in match.groups())
+    assert 24 <= change <= 36 and change == round(100 * (diff.ratio - 1))
+    assert 15 <= low < change < high == round(100 * (diff.high - 1))
+
+
+def test_rounds_are_paired_so_machine_drift_does_not_hide_a_difference():
+    # Every round ran at a different machine speed (x1, x1.5, x2); within a round the variant is 10% slower.
+    levels = [1.0, 1.5, 2.0]
+    base = [[0.010 * level * (1 + 0.01 * (i % 3)) for i in range(10)] for level in levels]
+    slower = [[1.1 * t for t in r] for r in base]
+    diff = time_difference(base, slower)
+    assert diff.ratio == pytest.approx(1.1, abs=1e-9)
+    assert not diff.within_noise and diff.low > 1.05
+    # Unpaired (the other side with one round fewer), the drift between rounds swamps it.
+    assert time_difference(base, slower[:2]).within_noise
+
+
+def test_three_steps_give_no_verdict():
+    # The reported case: 3 steps, one variant 22% "faster" by chance.
+    diff = time_difference([[0.010, 0.011, 0.012]], [[0.008, 0.0085, 0.009]])
+    assert diff.timed_steps == 3 < MIN_TIMED_STEPS
+    assert diff.describe() == "n/a: 3 timed steps, too few to tell"
+
+
+def test_plot_draws_interquartile_error_bars(tmp_path):
+    results = [synthetic("none", step_samples(seed=1)), synthetic("every_layer", step_samples(seed=2, scale=1.3))]
+    fig = plot(results, tmp_path / "compare.png", "synthetic")
+    png = (tmp_path / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    bars = [c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 2
+    for container, result in zip(bars, results):
+        (start, end), = [segment[:, 0] for segment in container.lines[2][0].get_segments()]
+        assert (start, end) == pytest.approx((1000 * result.step.q1, 1000 * result.step.q3))
+        assert end - start > 0
+
+
+# ---------------------------------------------------------------------------------------------------- runs
+
+
 def test_bad_arguments_exit_with_usage_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["compare", "--config", str(TINY), "--variants", "none,every_3rd"])
     assert exit_info.value.code == 2 and "every_3rd" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["compare", "--config", str(TINY), "--variants", "planned"])  # tiny.yaml has no memory_budget
+    assert exit_info.value.code == 2 and "needs a memory_budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["compare", "--config", str(TINY), "--rounds", "0"])
+    assert exit_info.value.code == 2 and "--rounds must be >= 1" in capsys.readouterr().err
     missing = tmp_path / "missing.yaml"
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["compare", "--config", str(missing)])
@@ -86,41 +231,67 @@ def test_bad_arguments_exit_with_usage_errors(tmp_path, capsys):
     assert err.startswith("usage: lightning-ckpt compare") and f"--config {missing}: no such file" in err
 
 
-def test_compare_tiny_config_writes_table_and_plot(tmp_path, capsys):
+def metrics_rows(path: Path) -> int:
+    with open(path, newline="") as f:
+        return sum(1 for row in csv.DictReader(f) if row.get("time/step_sec"))
+
+
+def test_default_times_at_least_20_steps_after_warmup_in_rounds(tmp_path):
     out = tmp_path / "out"
-    code = cli_main(["compare", "--config", str(TINY), "--steps", "2", "--output-dir", str(out)])
+    assert cli_main(["compare", "--config", str(TINY), "--variants", "none", "--output-dir", str(out)]) == 0
+    written = json.loads((out / "compare.json").read_text())
+    none = written["variants"][0]
+    assert written["steps"] >= 20 and none["timed_steps"] >= 20 and written["rounds"] >= 2
+    assert table((out / "compare.md").read_text())["none"]["timed steps"] == str(none["timed_steps"])
+    # each round is its own process, which ran its warm-up steps and then its share of the timed ones
+    logged = [metrics_rows(out / "none" / f"round{k + 1}" / "metrics.csv") for k in range(written["rounds"])]
+    assert [n - DEFAULT_WARMUP for n in logged] == written["steps_per_round"] == [len(r) for r in none["step_times"]]
+    assert sum(written["steps_per_round"]) == none["timed_steps"]
+    assert none["step_sec_q1"] <= none["step_sec_median"] <= none["step_sec_q3"]
+
+
+def test_compare_tiny_config_writes_table_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = cli_main(["compare", "--config", str(TINY), "--steps", "3", "--rounds", "1", "--warmup", "1",
+                     "--output-dir", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
-    for i, name in enumerate(["none", "every_layer", "every_2nd", "every_4th", "offload"], 1):
-        assert f"[{i}/5] {name}" in printed  # progress, one line per variant
+    for i, name in enumerate(FIXED, 1):
+        assert f"[{i}/6] round 1/1 {name}" in printed  # progress, one line per process
 
     markdown = (out / "compare.md").read_text()
     assert markdown in printed
     rows = table(markdown)
-    assert list(rows) == ["none", "every_layer", "every_2nd", "every_4th", "offload"]
-    assert [rows[n]["layers"] for n in rows] == ["0", "4", "2", "1", "4"]  # tiny.yaml: 4 blocks
+    assert list(rows) == FIXED
+    assert [rows[n]["layers"] for n in rows] == ["0", "4", "4", "2", "1", "4"]  # tiny.yaml: 4 blocks
     activations = {n: float(r["activations"]) for n, r in rows.items()}
     assert activations["none"] > activations["every_4th"] > activations["every_2nd"] > activations["every_layer"] > 0
-    for name in ["every_layer", "every_2nd", "every_4th", "offload"]:
+    assert activations["none"] > activations["selective"] > activations["every_layer"]
+    for name in FIXED[1:]:
         row = rows[name]
-        assert row["check"] == "ok"
+        assert row["check"] == "ok" and row["timed steps"] == "3"
         assert float(row["grad diff"]) <= 1e-6 and float(row["loss diff"]) <= 1e-6
-        assert row["memory saved"].endswith("%)") and row["time lost"].endswith("%")
-        assert math.isfinite(float(row["step"])) and float(row["samples/s"]) > 0
+        assert row["memory saved"].endswith("%)")
+        assert row["time lost"] == "n/a: 3 timed steps, too few to tell"  # 3 steps are not a result
+        assert float(row["step"]) > 0 and float(row["samples/s"]) > 0
     assert rows["none"]["check"] == "baseline" and rows["none"]["peak device"] == "n/a"  # CPU run
     saved = float(rows["every_layer"]["memory saved"].split()[0])
     assert saved == pytest.approx(activations["none"] - activations["every_layer"], rel=1e-2)
 
+    written = json.loads((out / "compare.json").read_text())
+    assert [v["name"] for v in written["variants"]] == FIXED
+    assert all(v["timed_steps"] == 3 for v in written["variants"])
+    assert metrics_rows(out / "every_2nd" / "round1" / "metrics.csv") == 4  # 1 warm-up + 3 timed
     png = (out / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    assert (out / "every_2nd" / "metrics.csv").exists() and not (out / "every_2nd" / "first_step.pt").exists()
+    assert not (out / "every_2nd" / "round1" / "first_step.pt").exists()
 
 
 def test_compare_flags_a_planted_wrong_gradient_and_exits_non_zero(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(PERTURB_ENV, "every_layer")  # test hook: this variant corrupts one gradient element
     out = tmp_path / "out"
-    code = cli_main(["compare", "--config", str(TINY), "--steps", "1", "--variants", "every_layer",
-                     "--output-dir", str(out)])
+    code = cli_main(["compare", "--config", str(TINY), "--steps", "1", "--rounds", "1", "--warmup", "0",
+                     "--variants", "every_layer", "--output-dir", str(out)])
     captured = capsys.readouterr()
     assert code == 1
     assert "beyond tolerance" in captured.err
@@ -129,3 +300,31 @@ def test_compare_flags_a_planted_wrong_gradient_and_exits_non_zero(tmp_path, cap
     assert rows["every_layer"]["check"] == "**MISMATCH: gradient of model.tok_emb.weight**"
     assert float(rows["every_layer"]["grad diff"]) > 1e-3
     assert float(rows["every_layer"]["loss diff"]) == 0  # the forward is right; only the gradient is wrong
+
+
+def test_compare_planned_variant_fits_the_budget(tmp_path, capsys):
+    from lightning_ckpt import GradientCheckpointing
+
+    try:
+        GradientCheckpointing(memory_budget=0.5)
+    except NotImplementedError:
+        pytest.skip("GradientCheckpointing(memory_budget=...) is not implemented yet")
+    config = yaml.safe_load(TINY.read_text())
+    config["trainer"]["callbacks"] = [{"class_path": "lightning_ckpt.GradientCheckpointing",
+                                       "init_args": {"layer_cls": "lightning_ckpt.demos.Block", "memory_budget": 0.5}}]
+    path = tmp_path / "budget.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    code = cli_main(["compare", "--config", str(path), "--steps", "2", "--rounds", "1", "--warmup", "1",
+                     "--variants", "every_layer,planned", "--output-dir", str(out)])
+    capsys.readouterr()
+    assert code == 0
+    rows = table((out / "compare.md").read_text())
+    assert list(rows) == ["none", "every_layer", "planned"]
+    assert rows["planned"]["check"] == "ok"  # step 1 (measured, fully checkpointed) has the gradients of none
+    activations = {n: float(r["activations"]) for n, r in rows.items()}
+    planned = json.loads((out / "compare.json").read_text())["variants"][2]
+    # the plan holds from step 2: the timed steps (after 1 warm-up step) are within the budget
+    assert activations["every_layer"] <= planned["timed_memory_gib"] <= 0.5 * activations["none"] * 1.02
+    assert planned["timed_memory_gib"] <= planned["activations_gib"] == pytest.approx(activations["planned"], rel=1e-3)
+    assert 1 <= int(rows["planned"]["layers"]) <= 4
