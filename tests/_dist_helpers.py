@@ -445,6 +445,20 @@ def ddp_memory_budget_ranks_differ() -> dict[str, Any]:
             + callback.local_outside_bytes, "weights": full_weights(model)}
 
 
+def fsdp_memory_budget_refused() -> dict[str, Any]:
+    """FSDP2-sharded layers cannot be measured yet: a clear error at the first batch, no weight changed."""
+    seed_everything(0)
+    model = SeededGPT(**GPT_ARGS)
+    before = full_weights(model)
+    try:
+        _trainer(CheckpointingFSDPStrategy(), [GradientCheckpointing(memory_budget=0.5)], max_steps=2).fit(
+            model, CountingDataModule(**DATA_ARGS))
+    except NotImplementedError as err:
+        return {"error_text": str(err), "unchanged": all(torch.equal(before[k], v) for k, v in full_weights(model).items()),
+                "checkpointed_after": checkpointed_names(model)}
+    return {"error_text": None}
+
+
 def placement_checks() -> dict[str, Any]:
     """The placement check on real FSDP2 units: no warning for blocks as units, one for units inside a block."""
     import warnings
@@ -483,7 +497,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
               gpt_fsdp_plain, gpt_fsdp_checkpointed, gpt_fsdp_checkpointed_configure_model,
               gpt_model_parallel_with_callback, gpt_fsdp_bf16, gpt_fsdp_two_epochs_saving, gpt_fsdp_resumed,
               gpt_fsdp_sharded_saving, gpt_fsdp_sharded_resumed, ddp_two_heads_two_nodes, gpt_fsdp_two_nodes,
-              placement_checks, ddp_memory_budget_ranks_differ)
+              placement_checks, ddp_memory_budget_ranks_differ, fsdp_memory_budget_refused)
 }
 
 

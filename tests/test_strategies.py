@@ -437,7 +437,8 @@ def test_spawn_fsdp_hands_back_the_unsharded_weights(runs):
 
 @pytest.fixture(scope="module")
 def budget_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    return run_scenarios([("ddp_memory_budget_ranks_differ", {})], tmp_path_factory.mktemp("budget_runs"))
+    return run_scenarios([("ddp_memory_budget_ranks_differ", {}), ("fsdp_memory_budget_refused", {})],
+                         tmp_path_factory.mktemp("budget_runs"))
 
 
 def test_memory_budget_gives_every_rank_the_same_plan_when_their_batches_differ(budget_runs):
@@ -454,3 +455,9 @@ def test_memory_budget_gives_every_rank_the_same_plan_when_their_batches_differ(
     every = [f"model.blocks.{i}" for i in range(4)]
     assert rank0["seen"] == rank1["seen"] == [every, chosen, chosen]  # measured in step 1, planned from step 2
     assert_same_weights(rank0["weights"], rank1["weights"], rtol=0, atol=0)
+
+
+def test_memory_budget_under_fsdp_is_refused_with_what_to_use(budget_runs):
+    for result in ok(budget_runs, "fsdp_memory_budget_refused"):
+        assert "sharded (FSDP2 DTensors)" in result["error_text"] and "ddp_ckpt" in result["error_text"]
+        assert result["unchanged"] and result["checkpointed_after"] == []
