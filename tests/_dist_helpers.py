@@ -454,7 +454,8 @@ def fsdp_memory_budget_refused() -> dict[str, Any]:
         _trainer(CheckpointingFSDPStrategy(), [GradientCheckpointing(memory_budget=0.5)], max_steps=2).fit(
             model, CountingDataModule(**DATA_ARGS))
     except NotImplementedError as err:
-        return {"error_text": str(err), "unchanged": all(torch.equal(before[k], v) for k, v in full_weights(model).items()),
+        after = full_weights(model)
+        return {"error_text": str(err), "unchanged": all(torch.equal(before[k], v) for k, v in after.items()),
                 "checkpointed_after": checkpointed_names(model)}
     return {"error_text": None}
 
