@@ -105,6 +105,7 @@ class SavedTensorCounter(saved_tensors_hooks):
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.bytes += self._count(tensor, self._seen)
+        report_held(tensor, "kept")  # saved-tensor hooks do not nest: counters entered before this one see it here
         # Not `tensor` itself: a saved output would then hold its own grad_fn, a cycle that is never freed.
         return tensor.detach()
 

@@ -195,7 +195,7 @@ def test_setting_an_option_during_fit_changes_the_checkpointed_layers_from_the_n
     ({}, "offload", "yes"),
     ({}, "layer_cls", "no.such.Block"),
     ({}, "layer_cls", 3),
-    ({}, "memory_budget", 0.25),  # not supported until the planner lands
+    ({}, "memory_budget", "lots"),
     ({"mode": "selective"}, "use_reentrant", True),  # valid alone, not with the other options
     ({"mode": "selective"}, "checkpoint_kwargs", {"use_reentrant": True}),
 ])

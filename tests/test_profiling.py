@@ -22,3 +22,15 @@ def test_counting_keeps_no_saved_output_alive():
     del y
     gc.collect()
     assert alive() is None
+
+
+def test_an_outer_counter_still_sees_what_an_inner_one_counts():
+    """Saved-tensor hooks do not nest (the innermost pair wins); the inner counter reports what it saw."""
+    x = torch.randn(1000, requires_grad=True)
+    with SavedTensorCounter() as outer:
+        with SavedTensorCounter() as inner:
+            y = torch.tanh(x)
+        z = torch.tanh(y)
+    assert inner.bytes == 4000
+    assert outer.bytes == 8000  # y (saved by tanh inside) and z, once each
+    assert z.requires_grad

@@ -98,6 +98,10 @@ def test_memory_budget_not_understood(budget):
         GradientCheckpointing(memory_budget=budget)
 
 
-def test_memory_budget_is_not_yet_supported_and_says_what_to_use():
-    with pytest.raises(NotImplementedError, match="every_n_layers"):
-        GradientCheckpointing(memory_budget="2GiB")
+def test_auto_budget_is_the_callbacks_alone():
+    """'auto' needs a trainer's device and optimizer: the callback takes it, the plain parser says what to pass."""
+    with pytest.raises(ValueError, match=r"only understood by the GradientCheckpointing callback.*Pass None"):
+        parse_memory_budget("auto")
+    assert parse_memory_budget("auto", allow_auto=True) == "auto"
+    assert GradientCheckpointing(memory_budget="auto").memory_budget == "auto"
+    assert GradientCheckpointing(memory_budget="2GiB").memory_budget == "2GiB"
