@@ -13,11 +13,19 @@ plus activations; the transient memory of the backward pass is not included).
 
 With ``--fake``, or by default when the static memory would not fit this machine, the model is built and
 the step run under ``torch._subclasses.FakeTensorMode``: shapes, dtypes and bytes without any storage, as
-torch's own AutoSAC estimator measures. A 7B-parameter config can be planned on a laptop.
+torch's own AutoSAC estimator measures. A 7B-parameter config can be planned on a laptop. When the config's
+accelerator is not available here (a ``cuda`` config on a laptop), ``--fake`` is implied and the trainer is built
+with ``accelerator="cpu", devices=1`` for planning, the precision kept (``bf16-mixed`` runs under CPU autocast
+to bfloat16): PyTorch built without CUDA cannot run autograd on fake CUDA tensors, so the step runs CPU kernels'
+shape and dtype rules, and the report says which attention kernel ran and how the target's may differ.
+
+LightningCLI arguments after the options override the config, as for ``lightning-ckpt fit``.
 
 Example::
 
     lightning-ckpt plan --config configs/tiny.yaml --memory-budget 0.3 --device-memory 80GiB
+    lightning-ckpt plan --config configs/tiny.yaml --trainer.accelerator=cuda --trainer.precision=bf16-mixed \
+        --model.init_args.n_embd=4096 --model.init_args.n_layer=32 --device-memory 80GiB
 
 It prints a Markdown report and writes it to ``plan.md`` in ``--output-dir`` (default
 ``lightning_ckpt_plan/<config name>``). Exit status: 0, 1 when the budget cannot be met (the report says
@@ -34,14 +42,18 @@ import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import yaml
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
+from lightning.pytorch.accelerators import AcceleratorRegistry, CUDAAccelerator, MPSAccelerator
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch._subclasses import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_ckpt.callback import GradientCheckpointing
@@ -60,6 +72,10 @@ SETTINGS = {
     "selective": "every layer, selective",
     "plan": "the plan for the budget",
 }
+#: What the trainer is built with when the configured accelerator is missing here (planning only, under --fake).
+PLANNING_TRAINER = ("--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto")
+#: Arguments after the options that go to LightningCLI (config overrides).
+_CLI_PREFIXES = ("--trainer.", "--model", "--data", "--seed_everything", "--optimizer", "--lr_scheduler")
 _LOG_WARNING = r"You are trying to `self.log\(\)` but the `self.trainer` reference is not registered"
 
 
@@ -119,7 +135,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                              " this machine)")
     parser.add_argument("--output-dir", type=Path, default=None,
                         help="where to write plan.md (default: lightning_ckpt_plan/<config name>)")
-    args = parser.parse_args(list(argv))
+    args, extra = parser.parse_known_args(list(argv))
+    bad = [a for a in extra if a.startswith("-") and not a.startswith(_CLI_PREFIXES)]
+    if bad or (extra and not extra[0].startswith("-")):
+        parser.error(f"unrecognized arguments: {' '.join(bad or extra[:1])} (LightningCLI overrides start with"
+                     " --trainer., --model., --data., such as --model.init_args.n_layer=32)")
+    args.cli_args = extra
     if args.config is None:
         parser.error("--config is required: pass the LightningCLI YAML of the run to plan, e.g. --config configs/tiny.yaml")
     if not args.config.is_file():
@@ -142,6 +163,79 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------------- building
 
 
+def configured_accelerator(config: Path, cli_args: Sequence[str] = ()) -> str:
+    """The ``trainer.accelerator`` the config asks for (a ``--trainer.accelerator`` argument wins); ``"auto"`` if none.
+
+    Example::
+
+        >>> configured_accelerator(Path("configs/tiny.yaml")), configured_accelerator(Path("configs/tiny.yaml"),
+        ...     ["--trainer.accelerator", "cuda"])
+        ('cpu', 'cuda')
+    """
+    value: Any = "auto"
+    try:
+        trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {}
+        value = trainer.get("accelerator", "auto") if isinstance(trainer, Mapping) else "auto"
+    except (OSError, yaml.YAMLError, AttributeError):
+        pass  # LightningCLI reports a config it cannot read
+    for i, arg in enumerate(cli_args):
+        if arg.startswith("--trainer.accelerator="):
+            value = arg.split("=", 1)[1]
+        elif arg == "--trainer.accelerator" and i + 1 < len(cli_args):
+            value = cli_args[i + 1]
+    if isinstance(value, Mapping):  # a class_path
+        value = value.get("class_path", "auto")
+    return str(value)
+
+
+def accelerator_available(accelerator: str) -> bool:
+    """Whether Lightning can build a trainer for ``accelerator`` (a name or an Accelerator class path) here.
+
+    Unknown names count as available: LightningCLI reports them as it does for ``fit``.
+
+    Example::
+
+        >>> accelerator_available("cpu"), accelerator_available("auto")
+        (True, True)
+    """
+    name = accelerator.lower()
+    if name in ("auto", "cpu"):
+        return True
+    if name == "gpu":
+        return CUDAAccelerator.is_available() or MPSAccelerator.is_available()
+    if name in AcceleratorRegistry:
+        return bool(AcceleratorRegistry[name]["accelerator"].is_available())
+    module_name, _, cls_name = accelerator.rpartition(".")
+    try:
+        cls = getattr(__import__(module_name, fromlist=[cls_name]), cls_name)
+        return bool(cls.is_available())
+    except Exception:  # noqa: BLE001 - not importable here: LightningCLI says so
+        return True
+
+
+class AttentionKernels(TorchDispatchMode):
+    """Records the names of the attention kernels that run (``aten._scaled_dot_product_flash_attention_for_cpu``, ...).
+
+    Example::
+
+        >>> q = torch.randn(1, 2, 8, 16)
+        >>> with AttentionKernels() as seen:
+        ...     _ = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        >>> sorted(seen.names)
+        ['aten._scaled_dot_product_flash_attention_for_cpu']
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict] = None) -> Any:
+        name = str(func.overloadpacket)
+        if "attention" in name and "backward" not in name:
+            self.names.add(f"aten.{name.split('.')[-1]}")
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass
 class Built:
     """A config's model, its training data and where (and how) to run its step."""
@@ -153,27 +247,45 @@ class Built:
     offload: bool
     memory_budget: Any
     fake_mode: Optional[FakeTensorMode]
+    precision: Precision = field(default_factory=Precision)
+    #: The configured accelerator when it is missing here and the trainer was built for the CPU instead.
+    planned_for: Optional[str] = None
+    #: Attention kernels that ran during measuring.
+    attention_kernels: set[str] = field(default_factory=set)
 
     def mode(self) -> AbstractContextManager[Any]:
         """The context in which tensors are made: the fake mode, or nothing."""
         return self.fake_mode if self.fake_mode is not None else nullcontext()
 
 
-def build(config: Path, fake: bool) -> Built:
-    """Build the config's model (with ``configure_model`` run), data and checkpointing settings; under
-    ``FakeTensorMode`` when ``fake`` (no memory is allocated for weights or activations)."""
+def build(config: Path, fake: bool, cli_args: Sequence[str] = ()) -> Built:
+    """Build the config's model (with ``configure_model`` run and the trainer's precision applied), data and
+    checkpointing settings; under ``FakeTensorMode`` when ``fake`` (no memory is allocated for weights or
+    activations). ``cli_args`` are LightningCLI overrides.
+
+    When the configured accelerator is not available here, ``fake`` must be on: the trainer is then built with
+    ``accelerator="cpu", devices=1`` (:data:`PLANNING_TRAINER`), its precision kept, and ``planned_for`` says so.
+    """
+    target = configured_accelerator(config, cli_args)
+    planned_for = None if accelerator_available(target) else target
+    if planned_for is not None and not fake:
+        raise ValueError(f"plan: the config asks for accelerator={target!r}, which this machine does not have; plan"
+                         " for it with --fake (nothing is allocated) or run on a machine that has it.")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else None
     context = fake_mode if fake_mode is not None else nullcontext()
+    args = ["--config", str(config), *cli_args, *(PLANNING_TRAINER if planned_for else ())]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
         with context:
-            cli = run_cli(["--config", str(config)], run=False, save_config_callback=None)
+            cli = run_cli(args, run=False, save_config_callback=None)
     module = cli.model
     device = cli.trainer.strategy.root_device
+    precision = cli.trainer.precision_plugin
     with context, (nullcontext() if fake else torch.device(device)):
         module.configure_model()
         if any(t.device != device for t in (*module.parameters(), *module.buffers())):
             module.to(device)
+        precision.convert_module(module)  # "bf16-true" and the like: weights in that dtype, as Lightning does
     module.train()
     callbacks = [c for c in cli.trainer.callbacks if isinstance(c, GradientCheckpointing)]
     settings = callbacks[0].settings if callbacks else {}
@@ -182,7 +294,7 @@ def build(config: Path, fake: bool) -> Built:
         data.prepare_data()
         data.setup("fit")
     return Built(module, data.train_dataloader(), device, settings.get("layer_cls"), bool(settings.get("offload")),
-                 settings.get("memory_budget"), fake_mode)
+                 settings.get("memory_budget"), fake_mode, precision, planned_for)
 
 
 def batch_size_of(batch: Any) -> int:
@@ -261,10 +373,16 @@ class Measurement:
 def measure(built: Built, batch_size: int) -> Measurement:
     """One fully checkpointed training step at ``batch_size`` (see :func:`~lightning_ckpt.planner.measure_layer_costs`)."""
     batch = _on_device(built, batch_of_size(built.loader, batch_size))
+    with built.mode():
+        batch = built.precision.convert_input(batch)
     module = built.module
 
     def step() -> torch.Tensor:
-        return _loss(module.training_step(batch, 0))
+        # The trainer's precision (autocast for "bf16-mixed"), as Lightning runs training_step.
+        with built.precision.train_step_context(), AttentionKernels() as kernels:
+            loss = _loss(module.training_step(batch, 0))
+        built.attention_kernels |= kernels.names
+        return loss
 
     with built.mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_LOG_WARNING)
@@ -435,6 +553,46 @@ def _human(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+_CPU_FLASH = "aten._scaled_dot_product_flash_attention_for_cpu"
+
+
+def where_measured(built: Built) -> list[str]:
+    """Report paragraphs: the precision and attention kernels the step ran with and, when the configured accelerator
+    is missing here, what the measurement stands in for and how the target's kernels may differ."""
+    name = str(getattr(built.precision, "precision", "32-true"))
+    dtype = "torch.bfloat16" if name.startswith("bf16") else "torch.float16"
+    autocast = (f" (the step under torch.autocast({built.precision.device!r}, {dtype}))"
+                if isinstance(built.precision, MixedPrecision) else "")
+    kernels = ", ".join(f"`{k}`" for k in sorted(built.attention_kernels)) or "none (no fused attention ran)"
+    lines = [f"Precision: {name}{autocast}. Attention kernels: {kernels}.", ""]
+    if built.planned_for is None:
+        return lines
+    lines += [
+        f"**Planned for accelerator={built.planned_for!r} on this machine's CPU.** The config asks for"
+        f" {built.planned_for!r}, which is not available here, so the trainer was built with"
+        f" {', '.join(a.split('.', 1)[1] for a in PLANNING_TRAINER)} for planning, precision kept ({name})."
+        " PyTorch without CUDA cannot run autograd on fake CUDA tensors, so the step ran on fake CPU tensors with"
+        " CPU kernels' shapes and dtypes; static memory is one device's, unsharded.",
+        "",
+    ]
+    if _CPU_FLASH in built.attention_kernels:
+        lines += [
+            "How the target may differ: CPU flash attention saves query, key, value, output and a float32"
+            " log-sum-exp per row, as CUDA's flash and memory-efficient kernels do (plus a few bytes of RNG state;"
+            " the memory-efficient kernel pads the log-sum-exp to a multiple of 32 rows). Where the target falls back"
+            " to the math kernel (a head size, dtype or mask its fused kernels do not support), attention saves its"
+            " batch x heads x seq x seq weights and holds far more than planned. CUDA and CPU autocast cast a few ops"
+            " differently; matmuls and linears run in the autocast dtype on both.",
+            "",
+        ]
+    else:
+        lines += ["How the target may differ: no fused attention kernel ran here. CPU runs attention with dropout (and"
+                  " some masks) as the math implementation, which saves the batch x heads x seq x seq weights; CUDA's"
+                  " flash kernel supports dropout and saves only a log-sum-exp per row, so the target may hold less"
+                  " than planned. A model that picks its attention implementation by device may differ too.", ""]
+    return lines
+
+
 def render(title: str, built: Built, main: Measurement, plan: Optional[CheckpointPlan], plan_error: Optional[str],
            budget: object, rows: Sequence[SettingRow], static: StaticMemory, device_memory: Optional[int],
            batch_sizes: Sequence[int]) -> str:
@@ -450,6 +608,7 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
         " measurement; no setting was run."
         + (" Offload is on: checkpointed layers' inputs count as host memory." if built.offload else ""),
         "",
+        *where_measured(built),
         "## Layers",
         "",
         "| layer | class | none (B) | full (B) | selective (B) | recompute full (FLOP) | recompute selective (FLOP)"
@@ -519,14 +678,20 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``lightning-ckpt plan --config X.yaml [--memory-budget 0.3] [--device-memory 80GiB] [--fake]``; the exit status."""
     args = _parse(sys.argv[1:] if argv is None else argv)
-    built = build(args.config, fake=True)
     fake = args.fake
+    target = configured_accelerator(args.config, args.cli_args)
+    if not accelerator_available(target):
+        if not fake:
+            print(f"plan: the config's accelerator {target!r} is not available here; planning for it with fake tensors"
+                  " on the CPU (no memory allocated).", flush=True)
+        fake = True
+    built = build(args.config, fake=True, cli_args=args.cli_args)
     if not fake and would_not_fit(built):
         print(f"plan: the weights, gradients and optimizer state would not fit this machine's {built.device} memory;"
               " measuring with fake tensors (no memory allocated).", flush=True)
         fake = True
     if not fake:
-        built = build(args.config, fake=False)
+        built = build(args.config, fake=False, cli_args=args.cli_args)
     config_budget = built.memory_budget if built.memory_budget not in (None, "auto") else None
     budget = args.memory_budget if args.memory_budget is not None else config_budget or DEFAULT_BUDGET
 

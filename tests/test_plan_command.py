@@ -164,3 +164,109 @@ def test_unreachable_budget_exits_1_with_the_minimum(tmp_path, capsys):
     every_layer = {r[0]: r for r in table(report, "Settings")}["every_layer"]
     assert int(minimum.group(2)) == num(every_layer[2])  # the least reachable is every layer fully checkpointed
     assert "cannot be met" in out.err
+
+
+# ------------------------------------------------------------------------------ planning for hardware you do not have
+
+CPU_FLASH = "`aten._scaled_dot_product_flash_attention_for_cpu`"
+
+
+def gpt_args(vocab: int, seq: int, layers: int, embd: int, heads: int, batch: int) -> list[str]:
+    """LightningCLI overrides that turn tiny.yaml's GPT (dropout off) and data into these sizes."""
+    return [f"--model.init_args.vocab_size={vocab}", f"--model.init_args.block_size={seq}",
+            f"--model.init_args.n_layer={layers}", f"--model.init_args.n_embd={embd}", f"--model.init_args.n_head={heads}",
+            "--model.init_args.dropout=0.0", f"--data.init_args.vocab_size={vocab}", f"--data.init_args.block_size={seq}",
+            f"--data.init_args.batch_size={batch}", f"--data.init_args.num_samples={2 * batch}"]
+
+
+def gpt_params(vocab: int, seq: int, layers: int, embd: int) -> tuple[int, int]:
+    """``(parameters, parameter tensors)`` of the demo GPT: per block two LayerNorms and four Linears (12 d^2 + 13 d,
+    12 tensors); token and position embeddings, the final LayerNorm and the head."""
+    d = embd
+    return layers * (12 * d * d + 13 * d) + vocab * d + seq * d + 2 * d + d * vocab + vocab, 12 * layers + 6
+
+
+def block_bytes(n: int, d: int, lse: int, bf16: bool) -> int:
+    """Bytes one demo Block (dropout off, CPU flash attention) holds for backward, ``n`` = batch x seq tokens.
+
+    float32: the inputs of both LayerNorms and their mean and rstd, the inputs of the four Linears, q/k/v (one
+    qkv storage), attention's output (the proj input is a view of it) and float32 log-sum-exp, GELU's input.
+    bf16-mixed: the LayerNorms stay float32 (residual stream); everything a matmul touches is bfloat16, plus the
+    bfloat16 copies of the four weight matrices (12 d^2) that autocast makes and the Linears save.
+    """
+    stats = 2 * 2 * 4 * n + 4 * lse  # two LayerNorms' mean and rstd; the log-sum-exp per head and row
+    if not bf16:
+        return 4 * 16 * n * d + stats
+    return 4 * 2 * n * d + 2 * 14 * n * d + 2 * 12 * d * d + stats
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_7b_cuda_bf16_config_plans_on_this_cpu_exactly_without_allocating(tmp_path, capsys):
+    import psutil
+
+    vocab, seq, layers, embd, heads, batch = 32000, 2048, 32, 4096, 32, 4
+    args = ["--config", str(TINY), "--trainer.accelerator=cuda", "--trainer.precision=bf16-mixed",
+            *gpt_args(vocab, seq, layers, embd, heads, batch), "--device-memory", "80GiB", "--memory-budget", "0.3"]
+    rss = psutil.Process().memory_info().rss
+    rc, out = run_plan(args, tmp_path, capsys)  # no --fake: the missing accelerator implies it
+    grown = psutil.Process().memory_info().rss - rss
+    report = (tmp_path / "plan.md").read_text()
+    assert rc == 0
+    assert "accelerator 'cuda' is not available here; planning for it with fake tensors" in out.out
+    assert "**Planned for accelerator='cuda' on this machine's CPU.**" in report
+    assert "accelerator=cpu, devices=1, num_nodes=1, strategy=auto for planning, precision kept (bf16-mixed)" in report
+    assert f"Precision: bf16-mixed (the step under torch.autocast('cpu', torch.bfloat16)). Attention kernels: {CPU_FLASH}." in report
+    assert "CPU flash attention saves query, key, value, output and a float32 log-sum-exp" in report
+
+    params, tensors = gpt_params(vocab, seq, layers, embd)
+    assert 6.5e9 < params < 7e9
+    weights = 4 * params  # bf16-mixed keeps float32 weights; AdamW: two float32 moments and a 4-byte step per tensor
+    [static] = table(report, "Static memory")
+    assert [num(c) for c in static[:3]] == [weights, weights, 2 * weights + 4 * tensors]
+    assert grown < weights / 50, f"RSS grew {grown:,} B: something real was allocated"  # 26.9 GB of weights
+
+    n = batch * seq
+    for row in table(report, "Layers")[:-1]:
+        assert num(row[2]) == block_bytes(n, embd, batch * heads * seq, bf16=True), row[0]
+        assert num(row[3]) == 4 * n * embd  # a checkpointed block keeps its float32 input (the residual stream)
+    # 107 GB of static memory: no batch fits an unsharded 80 GiB device, and the report says what to do instead.
+    assert weights + weights + 2 * weights > 80 * 2**30
+    assert {r[9] for r in table(report, "Settings")} == {"0"}
+    assert "shard the weights and optimizer state (FSDP)" in report
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_bf16_mixed_holds_bfloat16_activations_and_float32_weights(tmp_path, capsys):
+    vocab, seq, layers, embd, heads, batch = 32, 32, 4, 32, 2, 8
+    reports = {}
+    for precision in ("32-true", "bf16-mixed"):
+        args = ["--config", str(TINY), "--trainer.accelerator=gpu", f"--trainer.precision={precision}", "--fake",
+                *gpt_args(vocab, seq, layers, embd, heads, batch)]
+        rc, _ = run_plan(args, tmp_path / precision, capsys)
+        assert rc == 0
+        reports[precision] = (tmp_path / precision / "plan.md").read_text()
+        assert "**Planned for accelerator='gpu' on this machine's CPU.**" in reports[precision]
+    n, lse = batch * seq, batch * heads * seq
+    fp32, bf16 = (table(reports[p], "Layers") for p in ("32-true", "bf16-mixed"))
+    for row32, row16 in zip(fp32[:-1], bf16[:-1]):
+        assert num(row32[2]) == block_bytes(n, embd, lse, bf16=False)
+        assert num(row16[2]) == block_bytes(n, embd, lse, bf16=True)
+        assert num(row32[3]) == num(row16[3]) == 4 * n * embd  # the same float32 layer input
+        # The same matmul FLOPs; recomputing under autocast adds its casts (one op per element): the four
+        # weights and biases (12 d^2 + 9 d) and the two LayerNorm outputs that feed Linears (2 n d).
+        assert num(row16[5]) == num(row32[5]) + 12 * embd * embd + 9 * embd + 2 * n * embd
+    assert num(bf16[-1][2]) < num(fp32[-1][2])  # head input and logits in bfloat16 (the loss stays float32)
+    assert table(reports["bf16-mixed"], "Static memory") == table(reports["32-true"], "Static memory")
+    assert "torch.autocast" not in reports["32-true"] and "Precision: 32-true." in reports["32-true"]
+
+
+def test_missing_accelerator_without_fake_is_refused_by_build_with_what_to_pass():
+    with pytest.raises(ValueError, match=r"accelerator='cuda', which this machine does not have; plan for it with --fake"):
+        build(TINY, fake=False, cli_args=["--trainer.accelerator", "cuda"])
+
+
+def test_arguments_that_are_not_lightningcli_overrides_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan_command.main(["--config", str(TINY), "--fakes"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --fakes (LightningCLI overrides start with --trainer." in capsys.readouterr().err
