@@ -37,10 +37,10 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 from torch import nn
@@ -48,7 +48,16 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_ckpt.layer_state import buffers_restored
 from lightning_ckpt.policies import COMPUTE_HEAVY_OPS
-from lightning_ckpt.profiling import OpCostMode, SavedTensorCounter, count_cost, report_held, storage_key, tensor_bytes
+from lightning_ckpt.placement import _fsdp2
+from lightning_ckpt.profiling import (
+    OpCostMode,
+    SavedTensorCounter,
+    count_cost,
+    hidden_from_counters,
+    report_held,
+    storage_key,
+    tensor_bytes,
+)
 from lightning_ckpt.selection import LayerClassArg, is_inside, layer_classes, parse_memory_budget, select_layers
 from lightning_ckpt.wrapping import (
     MODES,
@@ -95,13 +104,23 @@ class LayerCost:
 
 
 class _StepCounter(SavedTensorCounter):
-    """A saved-tensor counter that can be paused, and that reports what it sees to counters outside it.
+    """A saved-tensor counter that reports what it sees to counters outside it.
 
     Saved-tensor hooks do not stack (the innermost pair wins), so like offload's hooks these report every
     tensor through :func:`report_held`: an outer counter still sees what the planner holds.
+
+    ``resident``, when set, gives the parameters as they are now: FSDP2 gathers a unit's parameters into new
+    storages at each forward, so the storages to leave out are looked up again before counting a new one.
     """
 
-    paused = False
+    resident: Optional[Callable[[], Iterable[torch.Tensor]]] = None
+
+    def _count(self, tensor: torch.Tensor, seen: set[tuple[Any, int]]) -> int:
+        key = storage_key(tensor)
+        if self.resident is not None and key not in self._excluded and key not in seen:
+            # Replaced, not extended: a freed gathered storage's address may now hold an activation.
+            self._excluded = {storage_key(t) for t in self.resident()}
+        return super()._count(tensor, seen)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.bytes += self._count(tensor, self._seen)
@@ -110,10 +129,6 @@ class _StepCounter(SavedTensorCounter):
         held = tensor.detach()
         report_held(held, "kept")
         return held
-
-    def _held(self, tensor: torch.Tensor, kind: Any) -> None:
-        if not self.paused:
-            super()._held(tensor, kind)
 
 
 class _LayerRunCounter(_StepCounter):
@@ -138,6 +153,42 @@ def _plain_forward(layer: nn.Module) -> Callable[..., Any]:
     return forward
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2), the tensor itself otherwise."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _own_parameters(layer: nn.Module) -> list[torch.Tensor]:
+    """The layer's parameters, less those of FSDP units nested inside it (their own hooks gather those)."""
+    nested = [name for name, sub in layer.named_modules() if name and isinstance(sub, _fsdp2().FSDPModule)]
+    return [p for name, p in layer.named_parameters() if not any(is_inside(name, unit) for unit in nested)]
+
+
+@contextmanager
+def _gathered(layer: nn.Module) -> Iterator[None]:
+    """The layer's FSDP2-sharded parameters gathered for a re-run of its forward, sharded again after.
+
+    FSDP2's post-forward hook, which runs before the recorder's, has resharded them already. Only the
+    measured step pays for this all-gather. A layer whose parameters are gathered (no FSDP, or
+    ``reshard_after_forward=False``) is left as it is.
+    """
+    sharded = any(hasattr(p, "to_local") for p in _own_parameters(layer))
+    if not sharded:
+        yield
+        return
+    layer.unshard()  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        layer.reshard()  # type: ignore[operator]
+
+
+def _class_name(layer: nn.Module) -> str:
+    """The layer's own class name (``Block``, not the ``FSDPBlock`` that ``fully_shard`` makes of it)."""
+    fsdp_module = _fsdp2().FSDPModule
+    return next(c for c in type(layer).__mro__ if not issubclass(c, fsdp_module)).__qualname__
+
+
 def _fork_rng(tensors: Sequence[torch.Tensor]) -> Any:
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     return torch.random.fork_rng(devices=devices)
@@ -149,7 +200,13 @@ class LayerCostRecorder:
     After each layer's (checkpointed) forward, a hook runs the same layer again with the same inputs:
     once plainly and, if asked, once selectively checkpointed, each under a saved-tensor counter and
     :class:`OpCostMode`, with the RNG forked and the layer's buffers restored; each result is dropped at
-    once. ``held_bytes`` is what the fully checkpointed step itself held for backward.
+    once. ``held_bytes`` is what the fully checkpointed step itself held for backward. The re-runs are hidden
+    from counters outside (:func:`~lightning_ckpt.profiling.hidden_from_counters`): a monitor counting the step
+    sees the step's bytes only.
+
+    Under FSDP2 each layer must be its own unit (as ``fully_shard`` per layer, or the ``fsdp_ckpt`` strategy,
+    shards it): the re-run gathers the layer's parameters again (``unshard``) and reshards them after. Each
+    rank measures its own batch; parameters count as the storages they have on this rank.
 
     Example::
 
@@ -167,8 +224,19 @@ class LayerCostRecorder:
         self.module = module
         self.layers = list(layers)
         self.selective = selective
+        fsdp_module = _fsdp2().FSDPModule
+        for name, layer in self.layers:
+            if not isinstance(layer, fsdp_module) and any(hasattr(p, "to_local") for p in _own_parameters(layer)):
+                raise ValueError(
+                    f"`{name}` has sharded (DTensor) parameters but is not an FSDP unit itself, so its forward cannot"
+                    " be re-run to measure it. Shard each layer as its own unit (`strategy='fsdp_ckpt'` does, or call"
+                    " `fully_shard` on every layer before the rest of the model), or pass `every_n_layers` instead."
+                )
         self._params = list(module.parameters())
-        self._step = _StepCounter(exclude=self._params)
+        self._sharded = any(hasattr(p, "to_local") for p in self._params)
+        self._step = _StepCounter(exclude=self._resident())
+        if self._sharded:
+            self._step.resident = self._resident
         self._totals = {name: dict.fromkeys(("none", "full", "sel", "off", "fflops", "sflops", "calls"), 0)
                         for name, _ in self.layers}
         self._handles: list[Any] = []
@@ -176,6 +244,12 @@ class LayerCostRecorder:
     @property
     def held_bytes(self) -> int:
         return self._step.bytes
+
+    def _resident(self) -> list[torch.Tensor]:
+        """The parameters' storages on this rank now: shards, and whatever FSDP2 has gathered at the moment."""
+        if not self._sharded:
+            return self._params
+        return [_local(p) for p in self.module.parameters()]
 
     def __enter__(self) -> LayerCostRecorder:
         for name, layer in self.layers:
@@ -199,14 +273,14 @@ class LayerCostRecorder:
     def _measure(self, name: str, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         totals = self._totals[name]
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        excluded = {storage_key(p) for p in self._params}
-        inputs_held = [t for t in inputs if storage_key(t) not in excluded]
-        totals["full"] += tensor_bytes(inputs_held)
-        totals["off"] += tensor_bytes(t for t in inputs_held if t.device.type != "cpu")
+        excluded = {storage_key(p) for p in self._resident()}
+        inputs_held = [t for t in inputs if storage_key(_local(t)) not in excluded]
+        totals["full"] += tensor_bytes(_local(t) for t in inputs_held)
+        totals["off"] += tensor_bytes(_local(t) for t in inputs_held if t.device.type != "cpu")
         totals["calls"] += 1
         forward = _plain_forward(layer)
-        self._step.paused = True
-        try:
+        # What the re-runs save is not the step's: outer counters (a MemoryMonitor's) must not hear of it.
+        with _gathered(layer), hidden_from_counters():
             with OpCostMode() as cost:
                 saved = self._run(layer, inputs, cost, lambda: forward(*args, **kwargs))
             totals["none"] += saved.bytes
@@ -216,12 +290,10 @@ class LayerCostRecorder:
             if self.selective:
                 selective = CheckpointedForward(layer, CheckpointOptions(mode="selective"), forward)
                 totals["sel"] += self._run(layer, inputs, OpCostMode(), lambda: selective(*args, **kwargs)).bytes
-        finally:
-            self._step.paused = False
 
     def _run(self, layer: nn.Module, inputs: list[torch.Tensor], cost: OpCostMode, fn: Callable[[], Any]) -> _LayerRunCounter:
         with _fork_rng(inputs), buffers_restored(layer), torch.enable_grad():
-            with _LayerRunCounter(cost, self._params) as saved:
+            with _LayerRunCounter(cost, self._resident()) as saved:
                 fn()  # the result, and with it everything it saved, is dropped here
         return saved
 
@@ -230,7 +302,7 @@ class LayerCostRecorder:
         out = []
         for name, layer in self.layers:
             t = self._totals[name]
-            out.append(LayerCost(name, type(layer).__qualname__, t["none"], t["full"],
+            out.append(LayerCost(name, _class_name(layer), t["none"], t["full"],
                                  t["sel"] if self.selective else t["none"], t["off"], t["fflops"], t["sflops"],
                                  t["calls"]))
         return out

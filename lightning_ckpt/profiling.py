@@ -18,7 +18,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal, Optional
 
 import torch
@@ -41,6 +42,29 @@ def report_held(tensor: torch.Tensor, kind: HeldKind) -> None:
     """
     for observer in _held_observers:
         observer(tensor, kind)
+
+
+@contextmanager
+def hidden_from_counters() -> Iterator[None]:
+    """Counters active outside this block do not hear :func:`report_held` inside it; those entered inside do.
+
+    For work whose saved tensors are not the step's (the planner's measuring re-runs): the innermost
+    saved-tensor hooks already hide them from outer counters, and this hides what those hooks report.
+
+    Example::
+
+        >>> with SavedTensorCounter() as outer:
+        ...     with hidden_from_counters(), SavedTensorCounter() as inner:
+        ...         y = torch.randn(4, requires_grad=True).exp()
+        >>> inner.bytes, outer.bytes  # exp saves its output, 4 float32
+        (16, 0)
+    """
+    outer = list(_held_observers)
+    _held_observers.clear()
+    try:
+        yield
+    finally:
+        _held_observers[:0] = outer  # before any counter entered inside and still active
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[Any, int]:

@@ -414,3 +414,25 @@ def test_plan_round_trips_and_prints_its_table() -> None:
     assert len(rows) == 6 and all(" Block " in row for row in rows)
     assert [row.split()[-1] for row in rows] == list(plan.layers.values())
     assert f"{sum(m != 'none' for m in plan.layers.values())} of 6 layers checkpointed" in text
+
+
+@pytest.mark.parametrize("outer_first", [True, False], ids=["outer-entered-first", "outer-entered-last"])
+def test_measuring_reruns_are_hidden_from_an_outer_counter(outer_first: bool) -> None:
+    """A MemoryMonitor-style counter around the measured step counts what the step holds, not the re-runs."""
+    from lightning_ckpt.planner import LayerCostRecorder
+
+    model, classes = heterogeneous_model()
+    layers = [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)]
+    for _, block in layers:
+        apply_checkpointing(block, layer_cls=type(block))
+    with SavedTensorCounter(exclude=model.parameters()) as alone:
+        loss_of(model)
+    recorder = LayerCostRecorder(model, layers, selective=True)
+    outer = SavedTensorCounter(exclude=model.parameters())
+    first, second = (outer, recorder) if outer_first else (recorder, outer)
+    with first, second:
+        loss_of(model)
+    costs = recorder.costs()
+    # The re-runs did run and saw far more than the step holds: each layer un-checkpointed, and selectively.
+    assert sum(c.none_bytes for c in costs) + sum(c.selective_bytes for c in costs) > 2 * alone.bytes
+    assert outer.bytes == alone.bytes == recorder.held_bytes
