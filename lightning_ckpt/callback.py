@@ -101,9 +101,10 @@ class GradientCheckpointing(Callback):
 
     With ``memory_budget``, ``callback.plan`` holds the :class:`~lightning_ckpt.planner.CheckpointPlan` once made
     (and ``checkpointed_layers`` its choice). The plan is saved in Lightning checkpoints: a resumed run applies it
-    from its first step without measuring again. Under DDP every rank measures, the per-layer costs are combined
-    with their maximum over ranks, and every rank solves the same plan. Layers sharded by FSDP2 cannot be measured
-    yet (an error says so).
+    from its first step without measuring again. Under DDP and FSDP2 every rank measures its own batch, the per-layer
+    costs are combined with their maximum over ranks, and every rank solves the same plan. Under FSDP2 each layer
+    must be its own unit (``strategy='fsdp_ckpt'`` shards it so): measuring gathers each layer's parameters once
+    more, in the first step only.
 
     Example::
 
@@ -228,12 +229,6 @@ class GradientCheckpointing(Callback):
         if self._settings["memory_budget"] is None or self.plan is not None or self._measured is not None:
             return
         if self._recorder is None:
-            if any(hasattr(p, "to_local") for p in pl_module.parameters()):
-                raise NotImplementedError(
-                    f"`memory_budget={self._settings['memory_budget']!r}` cannot measure layers whose parameters are"
-                    " sharded (FSDP2 DTensors) yet. Use `strategy='ddp_ckpt'` (or one device), or pass `every_n_layers` and"
-                    " `mode` instead of `memory_budget`."
-                )
             # The first batch: every matched layer is fully checkpointed; measure it during this ordinary step.
             layers = [(name, pl_module.get_submodule(name)) for name in self.checkpointed_layers]
             if self._settings["memory_budget"] == "auto":

@@ -430,33 +430,55 @@ class RecordCheckpointedPerBatch(Callback):
         self.seen.append(checkpointed_names(pl_module))
 
 
-def ddp_memory_budget_ranks_differ() -> dict[str, Any]:
-    """A budget in bytes that rank 0's batch (2 samples) meets un-checkpointed and rank 1's (4 samples) does not."""
+def _fit_budget(strategy: Any, memory_budget: Optional[int]) -> dict[str, Any]:
+    """A budget in bytes that rank 0's batch (2 samples) meets un-checkpointed and rank 1's (4 samples) does not.
+
+    ``memory_budget=None``: the same run without the callback (the reference weights).
+    """
     seed_everything(0)
     rank = int(os.environ["LOCAL_RANK"])
-    callback = _RecordingBudgetCallback(memory_budget=300_000)
+    callback = _RecordingBudgetCallback(memory_budget=memory_budget) if memory_budget is not None else None
     record = RecordCheckpointedPerBatch()
     model = SeededGPT(**{**GPT_ARGS, "n_layer": 4})
     data = CountingDataModule(**{**DATA_ARGS, "batch_size": 2 if rank == 0 else 4, "num_samples": 64})
-    trainer = _trainer(CheckpointingDDPStrategy(), [callback, record], max_steps=3)
+    trainer = _trainer(strategy, [callback, record] if callback is not None else [record], max_steps=3)
     trainer.fit(model, data)
-    return {"checkpointed": callback.checkpointed_layers, "plan": callback.plan.state_dict(), "seen": record.seen,
-            "local_none_bytes": callback.local_none_bytes, "local_baseline_bytes": sum(callback.local_none_bytes)
-            + callback.local_outside_bytes, "weights": full_weights(model)}
+    result = {"seen": record.seen, "weights": full_weights(model), "units": fsdp_units(model)}
+    if callback is not None:
+        result.update(checkpointed=callback.checkpointed_layers, plan=callback.plan.state_dict(),
+                      local_none_bytes=callback.local_none_bytes, local_outside_bytes=callback.local_outside_bytes,
+                      local_baseline_bytes=sum(callback.local_none_bytes) + callback.local_outside_bytes)
+    return result
 
 
-def fsdp_memory_budget_refused() -> dict[str, Any]:
-    """FSDP2-sharded layers cannot be measured yet: a clear error at the first batch, no weight changed."""
-    seed_everything(0)
-    model = SeededGPT(**GPT_ARGS)
-    before = full_weights(model)
+def ddp_memory_budget_ranks_differ() -> dict[str, Any]:
+    return _fit_budget(CheckpointingDDPStrategy(), 300_000)
+
+
+def fsdp_memory_budget_ranks_differ() -> dict[str, Any]:
+    """The same under FSDP2: each layer is its own unit, measured with its parameters gathered again."""
+    return _fit_budget(CheckpointingFSDPStrategy(), 300_000)
+
+
+def fsdp_memory_budget_reference() -> dict[str, Any]:
+    return _fit_budget(CheckpointingFSDPStrategy(), None)
+
+
+def fsdp_recorder_layer_not_a_unit() -> dict[str, Any]:
+    """The whole model one FSDP unit: its layers' parameters are sharded, but no layer can be gathered alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_ckpt.demos import Transformer
+    from lightning_ckpt.planner import LayerCostRecorder
+
+    model = Transformer(32, 16, 2, 32, 2, 0.0)
+    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD_SIZE,)))
+    hooks_before = len(model.blocks[0]._forward_hooks)
     try:
-        _trainer(CheckpointingFSDPStrategy(), [GradientCheckpointing(memory_budget=0.5)], max_steps=2).fit(
-            model, CountingDataModule(**DATA_ARGS))
-    except NotImplementedError as err:
-        after = full_weights(model)
-        return {"error_text": str(err), "unchanged": all(torch.equal(before[k], v) for k, v in after.items()),
-                "checkpointed_after": checkpointed_names(model)}
+        LayerCostRecorder(model, [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)])
+    except ValueError as err:
+        return {"error_text": str(err), "hooks_added": len(model.blocks[0]._forward_hooks) - hooks_before}
     return {"error_text": None}
 
 
@@ -498,7 +520,8 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
               gpt_fsdp_plain, gpt_fsdp_checkpointed, gpt_fsdp_checkpointed_configure_model,
               gpt_model_parallel_with_callback, gpt_fsdp_bf16, gpt_fsdp_two_epochs_saving, gpt_fsdp_resumed,
               gpt_fsdp_sharded_saving, gpt_fsdp_sharded_resumed, ddp_two_heads_two_nodes, gpt_fsdp_two_nodes,
-              placement_checks, ddp_memory_budget_ranks_differ, fsdp_memory_budget_refused)
+              placement_checks, ddp_memory_budget_ranks_differ, fsdp_memory_budget_ranks_differ,
+              fsdp_memory_budget_reference, fsdp_recorder_layer_not_a_unit)
 }
 
 

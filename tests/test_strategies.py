@@ -437,13 +437,15 @@ def test_spawn_fsdp_hands_back_the_unsharded_weights(runs):
 
 @pytest.fixture(scope="module")
 def budget_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    return run_scenarios([("ddp_memory_budget_ranks_differ", {}), ("fsdp_memory_budget_refused", {})],
+    return run_scenarios([("ddp_memory_budget_ranks_differ", {}), ("fsdp_memory_budget_ranks_differ", {}),
+                          ("fsdp_memory_budget_reference", {}), ("fsdp_recorder_layer_not_a_unit", {})],
                          tmp_path_factory.mktemp("budget_runs"))
 
 
-def test_memory_budget_gives_every_rank_the_same_plan_when_their_batches_differ(budget_runs):
-    rank0, rank1 = ok(budget_runs, "ddp_memory_budget_ranks_differ")
-    # Each rank measured its own batch: rank 1's is twice as large, and alone rank 0 would need no checkpointing.
+def assert_one_plan_for_ranks_that_differ(result: list[dict]) -> None:
+    """Each rank measured its own batch (rank 1's twice rank 0's); both solved one plan from the maximum."""
+    rank0, rank1 = result
+    # Alone, rank 0 would need no checkpointing.
     assert all(b > a for a, b in zip(rank0["local_none_bytes"], rank1["local_none_bytes"]))
     assert rank0["local_baseline_bytes"] <= 300_000 < rank1["local_baseline_bytes"]
     plan = rank0["plan"]
@@ -457,7 +459,30 @@ def test_memory_budget_gives_every_rank_the_same_plan_when_their_batches_differ(
     assert_same_weights(rank0["weights"], rank1["weights"], rtol=0, atol=0)
 
 
-def test_memory_budget_under_fsdp_is_refused_with_what_to_use(budget_runs):
-    for result in ok(budget_runs, "fsdp_memory_budget_refused"):
-        assert "sharded (FSDP2 DTensors)" in result["error_text"] and "ddp_ckpt" in result["error_text"]
-        assert result["unchanged"] and result["checkpointed_after"] == []
+def test_memory_budget_gives_every_rank_the_same_plan_when_their_batches_differ(budget_runs):
+    assert_one_plan_for_ranks_that_differ(ok(budget_runs, "ddp_memory_budget_ranks_differ"))
+
+
+def test_memory_budget_under_fsdp_measures_sharded_layers_like_ddp(budget_runs):
+    fsdp = ok(budget_runs, "fsdp_memory_budget_ranks_differ")
+    assert_one_plan_for_ranks_that_differ(fsdp)
+    every = [f"model.blocks.{i}" for i in range(4)]
+    for rank in (0, 1):
+        assert set(every) <= set(fsdp[rank]["units"])  # each layer its own FSDP unit, sharded
+    # Gathered again for the re-runs and left out of the counts: each rank measures what DDP's rank measures for
+    # the same batch, byte for byte, so both strategies plan the same.
+    for fsdp_rank, ddp_rank in zip(fsdp, ok(budget_runs, "ddp_memory_budget_ranks_differ")):
+        assert fsdp_rank["local_none_bytes"] == ddp_rank["local_none_bytes"]
+        assert fsdp_rank["local_outside_bytes"] == ddp_rank["local_outside_bytes"]
+        assert fsdp_rank["plan"] == ddp_rank["plan"]
+    # And it trains as FSDP without the callback.
+    reference = ok(budget_runs, "fsdp_memory_budget_reference")
+    assert reference[0]["seen"] == [[], [], []]
+    for rank in (0, 1):
+        assert_same_weights(fsdp[rank]["weights"], reference[rank]["weights"], rtol=0, atol=1e-5)
+
+
+def test_measuring_layers_that_are_not_their_own_fsdp_unit_is_refused_with_what_to_do(budget_runs):
+    for result in ok(budget_runs, "fsdp_recorder_layer_not_a_unit"):
+        assert "`blocks.0` has sharded (DTensor) parameters but is not an FSDP unit" in result["error_text"]
+        assert "strategy='fsdp_ckpt'" in result["error_text"] and result["hooks_added"] == 0
