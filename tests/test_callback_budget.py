@@ -267,3 +267,28 @@ def test_auto_on_an_accelerator_plans_for_the_device(caplog):
     assert 0 < callback.plan.budget_bytes < AUTO_MEMORY_FRACTION * total
     assert planned(callback) == [] and model.seen == [BLOCKS, [], []]
     assert "auto: 0.9 x" in caplog.text and "weights, gradients and optimizer state" in caplog.text
+
+
+def test_the_monitor_sees_the_measuring_step_as_a_fully_checkpointed_one(tmp_path):
+    """The first step's extra per-layer runs are hidden from MemoryMonitor: its activations figure for step 1 equals
+    that of a run with every layer fully checkpointed, and later steps hold the plan's bytes."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_ckpt import MemoryMonitor
+    from lightning_ckpt.monitor import ACTIVATIONS
+
+    def activations(callback, name):
+        logger = CSVLogger(tmp_path, name=name)
+        run(callbacks=[callback, MemoryMonitor(log_every_n_steps=1)], logger=logger, log_every_n_steps=1)
+        with open(f"{logger.log_dir}/metrics.csv") as f:
+            return [float(row[ACTIVATIONS]) for row in csv.DictReader(f) if row.get(ACTIVATIONS)]
+
+    full = activations(GradientCheckpointing(), "full")
+    budget = GradientCheckpointing(memory_budget=0.5)
+    planned = activations(budget, "budget")
+    assert len(planned) == len(full) == 3
+    assert planned[0] == full[0]
+    assert planned[1] == planned[2] > full[1]
+    assert planned[1] * 2**30 == pytest.approx(budget.plan.planned_bytes, rel=0.05)
