@@ -64,7 +64,7 @@ from lightning_ckpt.wrapping import (
     CheckpointedForward,
     CheckpointOptions,
     apply_checkpointing,
-    checkpointed_names,
+    check_no_nesting,
     is_checkpointed,
     remove_checkpointing,
 )
@@ -423,7 +423,7 @@ class CheckpointPlan:
             except AttributeError as err:
                 raise ValueError(f"The plan names layer `{name}`, which {type(module).__name__} does not have: apply"
                                  " a plan to the module it was made for (names are relative to it).") from err
-        _check_no_nesting(module, list(self.layers))
+        check_no_nesting(module, list(self.layers))
         for name, mode in self.layers.items():
             remove_checkpointing(layers[name])
             if mode != "none":
@@ -561,7 +561,7 @@ def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: L
     if not selected:
         raise ValueError(f"No submodule of {type(module).__name__} matches `layer_cls={layer_cls!r}`:"
                          " pass the class of the model's repeated block.")
-    _check_no_nesting(module, [name for name, _ in selected])
+    check_no_nesting(module, [name for name, _ in selected])
 
     with _fully_checkpointed(selected), torch.random.fork_rng(devices=_cuda_devices(module)), buffers_restored(module):
         with LayerCostRecorder(module, selected, selective="selective" in modes) as recorder:
@@ -606,16 +606,6 @@ def _validate_modes(modes: Sequence[str]) -> tuple[str, ...]:
 
 def _cuda_devices(module: nn.Module) -> list[int]:
     return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
-
-
-def _check_no_nesting(module: nn.Module, names: Sequence[str]) -> None:
-    for wrapped in checkpointed_names(module):
-        for name in names:
-            if name != wrapped and (is_inside(name, wrapped) or is_inside(wrapped, name)):
-                raise ValueError(
-                    f"`{wrapped}` is checkpointed and lies inside or around the planned layer `{name}`: nested"
-                    " checkpoints recompute twice. Call `remove_checkpointing` first."
-                )
 
 
 @contextmanager

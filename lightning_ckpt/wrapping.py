@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -241,7 +241,7 @@ def apply_checkpointing(
     if not selected:
         raise ValueError(_no_match_message(module, classes))
     selected = _without_layers_checkpointed_elsewhere(module, selected)
-    _check_no_nesting(module, [name for name, _ in selected])
+    check_no_nesting(module, [name for name, _ in selected])
     for _, layer in selected:
         if is_checkpointed(layer):
             layer.forward.options = options
@@ -327,9 +327,11 @@ def _without_layers_checkpointed_elsewhere(
     return [(name, layer) for name, layer in selected if reasons[name] is None]
 
 
-def _check_no_nesting(module: nn.Module, selected: list[str]) -> None:
+def check_no_nesting(module: nn.Module, names: Sequence[str]) -> None:
+    """Refuse to checkpoint ``names`` inside or around a layer of ``module`` that already is: nested checkpoints
+    recompute twice. The same layers again are fine (applying is idempotent)."""
     for wrapped in checkpointed_names(module):
-        for name in selected:
+        for name in names:
             if name != wrapped and (is_inside(name, wrapped) or is_inside(wrapped, name)):
                 raise ValueError(
                     f"`{name}` would be checkpointed inside or around `{wrapped}`, which already is: nested"
