@@ -21,8 +21,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_ckpt.offload import release_all
 from lightning_ckpt.placement import check_checkpointing_placement
-from lightning_ckpt.planner import CheckpointPlan, LayerCost, LayerCostRecorder, _fmt_bytes, _fmt_flops, make_plan
-from lightning_ckpt.profiling import tensor_bytes
+from lightning_ckpt.planner import CheckpointPlan, LayerCost, LayerCostRecorder, make_plan
+from lightning_ckpt.profiling import format_bytes, format_flops, tensor_bytes
 from lightning_ckpt.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
 from lightning_ckpt.wrapping import (
     CheckpointOptions,
@@ -455,9 +455,9 @@ class AutoBudget:
         return auto_memory_budget(self.device_bytes, self.static_bytes, self.other_peak_bytes, self.fraction)
 
     def __str__(self) -> str:
-        return (f"auto: {self.fraction:g} x {_fmt_bytes(self.device_bytes)} device memory - {_fmt_bytes(self.static_bytes)}"
-                f" weights, gradients and optimizer state - {_fmt_bytes(self.other_peak_bytes)} other peak of the step"
-                f" = {_fmt_bytes(self.budget_bytes)} for activations")
+        return (f"auto: {self.fraction:g} x {format_bytes(self.device_bytes)} device memory - {format_bytes(self.static_bytes)}"
+                f" weights, gradients and optimizer state - {format_bytes(self.other_peak_bytes)} other peak of the step"
+                f" = {format_bytes(self.budget_bytes)} for activations")
 
 
 def auto_memory_budget(device_bytes: int, static_bytes: int, other_peak_bytes: int,
@@ -475,9 +475,9 @@ def auto_memory_budget(device_bytes: int, static_bytes: int, other_peak_bytes: i
     budget = int(device_bytes * fraction) - static_bytes - other_peak_bytes
     if budget <= 0:
         raise ValueError(
-            f"`memory_budget='auto'`: {fraction:g} x {_fmt_bytes(device_bytes)} of device memory leaves nothing for"
-            f" activations after {_fmt_bytes(static_bytes)} of weights, gradients and optimizer state and"
-            f" {_fmt_bytes(other_peak_bytes)} of other peak memory in the step. Checkpointing only saves activations:"
+            f"`memory_budget='auto'`: {fraction:g} x {format_bytes(device_bytes)} of device memory leaves nothing for"
+            f" activations after {format_bytes(static_bytes)} of weights, gradients and optimizer state and"
+            f" {format_bytes(other_peak_bytes)} of other peak memory in the step. Checkpointing only saves activations:"
             " shard the weights and optimizer state (`strategy='fsdp_ckpt'`), train fewer parameters (PEFT), or use a"
             " smaller model."
         )
@@ -532,8 +532,8 @@ def _report_plan(trainer: pl.Trainer, plan: CheckpointPlan, memory_budget: objec
     pct = 100 * plan.planned_bytes / plan.baseline_bytes if plan.baseline_bytes else 0.0
     rank_zero_info(
         f"GradientCheckpointing: memory_budget={memory_budget!r}: checkpointing {n} of {len(plan.layers)} layers;"
-        f" activations {_fmt_bytes(plan.planned_bytes)} predicted against a budget of {_fmt_bytes(plan.budget_bytes)}"
-        f" ({pct:.0f}% of {_fmt_bytes(plan.baseline_bytes)} without checkpointing); {_fmt_flops(plan.recompute_flops)}"
+        f" activations {format_bytes(plan.planned_bytes)} predicted against a budget of {format_bytes(plan.budget_bytes)}"
+        f" ({pct:.0f}% of {format_bytes(plan.baseline_bytes)} without checkpointing); {format_flops(plan.recompute_flops)}"
         " recomputed per step" + (f" ({auto})" if auto is not None else "")
     )
     table = str(plan) + (f"\n{auto}" if auto is not None else "")

@@ -59,7 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from lightning_ckpt.callback import GradientCheckpointing
 from lightning_ckpt.cli_builder import run_cli
 from lightning_ckpt.planner import CheckpointPlan, LayerCost, make_plan, measure_layer_costs, predict
-from lightning_ckpt.profiling import tensor_bytes
+from lightning_ckpt.profiling import format_bytes, tensor_bytes
 from lightning_ckpt.selection import parse_memory_budget
 
 DEFAULT_BUDGET = 0.5
@@ -545,14 +545,6 @@ def _b(n: Optional[float]) -> str:
     return "n/a" if n is None else f"{round(n):,}"
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
 _CPU_FLASH = "aten._scaled_dot_product_flash_attention_for_cpu"
 
 
@@ -625,12 +617,12 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
         n = sum(m != "none" for m in plan.layers.values())
         lines.append(f"{n} of {len(plan.layers)} layers checkpointed"
                      f" ({', '.join(f'{k}: {v}' for k, v in plan.layers.items() if v != 'none') or 'none needed'}):"
-                     f" activations {_human(plan.planned_bytes)} ({100 * plan.planned_bytes / plan.baseline_bytes:.0f}%"
-                     f" of {_human(plan.baseline_bytes)} without checkpointing), budget {_human(plan.budget_bytes)};"
+                     f" activations {format_bytes(plan.planned_bytes)} ({100 * plan.planned_bytes / plan.baseline_bytes:.0f}%"
+                     f" of {format_bytes(plan.baseline_bytes)} without checkpointing), budget {format_bytes(plan.budget_bytes)};"
                      f" recompute {_b(plan.recompute_flops)} FLOP per step.")
     else:
         lines.append(f"No plan: {plan_error}")
-    memory_head = f" | largest batch in {_human(device_memory)}" if device_memory is not None else ""
+    memory_head = f" | largest batch in {format_bytes(device_memory)}" if device_memory is not None else ""
     fit_head = " | fixed (B) | per sample (B)" if len(batch_sizes) > 1 else ""
     none_bytes = rows[0].activation_bytes
     lines += [
@@ -644,15 +636,15 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
     for r in rows:
         fit = f" | {_b(r.fixed_bytes)} | {_b(r.per_sample_bytes)}" if len(batch_sizes) > 1 else ""
         fits = (f" | {'unbounded' if r.largest_batch is None else r.largest_batch}" if device_memory is not None else "")
-        lines.append(f"| {r.name} | {r.layers} | {_b(r.activation_bytes)} | {_human(r.activation_bytes)}"
+        lines.append(f"| {r.name} | {r.layers} | {_b(r.activation_bytes)} | {format_bytes(r.activation_bytes)}"
                      f" | {100 * r.activation_bytes / none_bytes:.0f}% | {_b(r.recompute_flops)}"
-                     f" | {_human(static.total + r.activation_bytes)}{fit}{fits} |")
+                     f" | {format_bytes(static.total + r.activation_bytes)}{fit}{fits} |")
     lines += ["", "Settings: " + "; ".join(f"{k}: {v}" for k, v in SETTINGS.items() if k in {r.name for r in rows}) + "."]
     if len(batch_sizes) > 1:
         lines.append(f"Activations were measured at batch sizes {batch_sizes[0]} and {batch_sizes[1]} and fitted as"
                      " fixed + per sample x batch.")
     if device_memory is not None:
-        lines.append(f"Largest batch: static memory plus activations within {_human(device_memory)}"
+        lines.append(f"Largest batch: static memory plus activations within {format_bytes(device_memory)}"
                      f" ({_b(device_memory)} B); the backward pass's transient memory (gradients being computed,"
                      " recomputed layers, allocator slack) needs some headroom on top.")
     state = "unknown" if static.optimizer_state is None else _b(static.optimizer_state)
@@ -662,7 +654,7 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
         "",
         "| weights and buffers (B) | gradients (B) | optimizer state (B) | optimizer | total |",
         "|---:|---:|---:|---|---:|",
-        f"| {_b(static.weights)} | {_b(static.gradients)} | {state} | {static.optimizer} | {_human(static.total)} |",
+        f"| {_b(static.weights)} | {_b(static.gradients)} | {state} | {static.optimizer} | {format_bytes(static.total)} |",
         "",
         f"Optimizer state counted after one optimizer step. Without checkpointing, activations are"
         f" {100 * none_bytes / (none_bytes + static.total):.0f}% of static memory plus activations"

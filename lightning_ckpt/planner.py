@@ -53,6 +53,8 @@ from lightning_ckpt.profiling import (
     OpCostMode,
     SavedTensorCounter,
     count_cost,
+    format_bytes,
+    format_flops,
     hidden_from_counters,
     report_held,
     storage_key,
@@ -443,20 +445,20 @@ class CheckpointPlan:
         head = ("layer", "class", "none", "full", "selective", "FLOPs full", "FLOPs selective", "choice")
         rows = [head]
         for cost in self.costs:
-            rows.append((cost.name, cost.cls, _fmt_bytes(cost.none_bytes), _fmt_bytes(cost.device_bytes("full", self.offload)),
-                         _fmt_bytes(cost.device_bytes("selective", self.offload)), _fmt_flops(cost.full_flops),
-                         _fmt_flops(cost.selective_flops), self.layers.get(cost.name, "?")))
+            rows.append((cost.name, cost.cls, format_bytes(cost.none_bytes), format_bytes(cost.device_bytes("full", self.offload)),
+                         format_bytes(cost.device_bytes("selective", self.offload)), format_flops(cost.full_flops),
+                         format_flops(cost.selective_flops), self.layers.get(cost.name, "?")))
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
                  for row in rows]
         n = sum(mode != "none" for mode in self.layers.values())
         pct = 100 * self.planned_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
         lines += [
-            f"outside the layers: {_fmt_bytes(self.outside_bytes)} (in every figure below)",
-            f"plan: {n} of {len(self.layers)} layers checkpointed; activations {_fmt_bytes(self.planned_bytes)}"
-            f" ({pct:.0f}% of {_fmt_bytes(self.baseline_bytes)} without checkpointing), budget"
-            f" {_fmt_bytes(self.budget_bytes)}; recompute {_fmt_flops(self.recompute_flops)} per step"
-            + (f"; {_fmt_bytes(self.planned_host_bytes)} offloaded to host" if self.offload else ""),
+            f"outside the layers: {format_bytes(self.outside_bytes)} (in every figure below)",
+            f"plan: {n} of {len(self.layers)} layers checkpointed; activations {format_bytes(self.planned_bytes)}"
+            f" ({pct:.0f}% of {format_bytes(self.baseline_bytes)} without checkpointing), budget"
+            f" {format_bytes(self.budget_bytes)}; recompute {format_flops(self.recompute_flops)} per step"
+            + (f"; {format_bytes(self.planned_host_bytes)} offloaded to host" if self.offload else ""),
         ]
         return "\n".join(lines)
 
@@ -630,15 +632,15 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
         return outside + sum(min(c.device_bytes(m, off) for m in ("none", *modes)) for c in costs)  # type: ignore[misc]
 
     minimum = least(offload)
-    text = (f"`memory_budget={memory_budget!r}` asks for at most {_fmt_bytes(budget_bytes)} of activations"
-            f" ({_pct(budget_bytes, baseline)} of the {_fmt_bytes(baseline)} held without checkpointing), but the least"
-            f" reachable is {_fmt_bytes(minimum)} ({_pct(minimum, baseline)}), with every matched layer checkpointed;"
-            f" {_fmt_bytes(outside)} of it is outside the matched layers (embeddings, head, loss). Nothing was applied."
+    text = (f"`memory_budget={memory_budget!r}` asks for at most {format_bytes(budget_bytes)} of activations"
+            f" ({_pct(budget_bytes, baseline)} of the {format_bytes(baseline)} held without checkpointing), but the least"
+            f" reachable is {format_bytes(minimum)} ({_pct(minimum, baseline)}), with every matched layer checkpointed;"
+            f" {format_bytes(outside)} of it is outside the matched layers (embeddings, head, loss). Nothing was applied."
             f" To fit: pass a budget of at least {minimum / baseline:.3f} (or {minimum} bytes)")
     if not offload:
         with_offload = least(True)
         if with_offload < minimum:
-            text += f"; or offload=True, which reaches {_fmt_bytes(with_offload)} ({_pct(with_offload, baseline)})"
+            text += f"; or offload=True, which reaches {format_bytes(with_offload)} ({_pct(with_offload, baseline)})"
         else:
             text += "; offload=True would not help here (the layer inputs are in host memory already)"
     if "full" not in modes:
@@ -651,22 +653,6 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
 
 def _pct(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "n/a"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def _fmt_flops(n: float) -> str:
-    for unit in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000 or unit == "T":
-            return f"{n:.0f} FLOP" if unit == "" else f"{n:.1f} {unit}FLOP"
-        n /= 1000
-    return f"{n:.1f} TFLOP"
 
 
 __all__ = ["CheckpointPlan", "LayerCost", "LayerCostRecorder", "OpCostMode", "cheapest_choices", "count_cost",

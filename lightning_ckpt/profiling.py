@@ -225,3 +225,21 @@ def count_cost(fn: Callable[[], Any]) -> int:
     with OpCostMode() as cost:
         fn()
     return cost.total
+
+
+def format_bytes(n: float) -> str:
+    """Bytes for people: ``format_bytes(3 * 2**20)`` is ``'3.0 MiB'``; whole bytes below 1 KiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_flops(n: float) -> str:
+    """FLOPs for people: ``format_flops(2.5e9)`` is ``'2.5 GFLOP'``."""
+    for unit in ("", "K", "M", "G"):
+        if abs(n) < 1000:
+            return f"{n:.0f} FLOP" if unit == "" else f"{n:.1f} {unit}FLOP"
+        n /= 1000
+    return f"{n:.1f} TFLOP"
