@@ -24,33 +24,16 @@ from typing import Any
 
 import numpy
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from _results import machine, write_section
-from lightning_ckpt.demos import Block, Transformer
-import lightning_ckpt.planner as _planner
-import lightning_ckpt.profiling as _profiling
+from lightning_ckpt.demos import Block, BlockStack, MatmulHeavy, Transformer, WideElementwise, heterogeneous_blocks
 from lightning_ckpt.planner import LayerCost, make_plan, plan_checkpointing
-from lightning_ckpt.profiling import SavedTensorCounter
-
-# The cost model (FLOPs per op) may live in either module.
-count_cost = getattr(_profiling, "count_cost", None) or _planner.count_cost
-op_cost = getattr(_profiling, "op_cost", None) or _planner.op_cost
+from lightning_ckpt.profiling import SavedTensorCounter, count_cost, op_cost
 from lightning_ckpt.wrapping import apply_checkpointing, remove_checkpointing
 
 VOCAB, SEQ, BATCH, WIDTH = 256, 64, 8, 128
-
-
-class WideElementwise(nn.Module):
-    """Element-wise only, on a 4x wider tensor: many bytes held, few FLOPs to recompute."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.repeat(1, 1, 4)
-        h = torch.tanh(h) * torch.sigmoid(h * 1.5)
-        h = torch.exp(-h * h) * h
-        return x + h.view(*x.shape[:-1], 4, x.shape[-1]).mean(-2)
 
 
 class VisibleWideElementwise(WideElementwise):
@@ -64,33 +47,9 @@ class VisibleWideElementwise(WideElementwise):
         return super().forward(self.tag(x))
 
 
-class MatmulHeavy(nn.Module):
-    """Four square matmuls: few bytes held, many FLOPs to recompute."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fcs = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x
-        for fc in self.fcs:
-            h = F.relu(fc(h))
-        return x + h
-
-
-class Hetero(nn.Module):
-    def __init__(self, n_layers: int = 9, elementwise: type[nn.Module] = WideElementwise) -> None:
-        super().__init__()
-        kinds = [elementwise, lambda: MatmulHeavy(WIDTH), lambda: Block(WIDTH, 4)]
-        self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(kinds[i % 3]() for i in range(n_layers))
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def hetero_model(n_layers: int = 9, elementwise: type[nn.Module] = WideElementwise) -> BlockStack:
+    """The heterogeneous model: element-wise, matmul-heavy and attention blocks interleaved."""
+    return BlockStack(VOCAB, WIDTH, heterogeneous_blocks(WIDTH, n_layers, elementwise=elementwise))
 
 
 CLASSES = (WideElementwise, MatmulHeavy, Block)
@@ -166,7 +125,7 @@ def measure(model: nn.Module, idx: torch.Tensor, base_cost: int) -> tuple[int, i
 
 def against_every_n() -> tuple[list[str], dict[float, tuple[int, int, str]], int, int]:
     torch.manual_seed(0)
-    model = Hetero()
+    model = hetero_model()
     idx = torch.randint(0, VOCAB, (BATCH, SEQ))
     step = lambda: model(idx).logsumexp(-1).mean()  # noqa: E731
     model.zero_grad(set_to_none=True)
@@ -237,7 +196,7 @@ def autosac_stats(elementwise: type[nn.Module]) -> tuple[Any, dict[str, Any]]:
 
     with FakeTensorMode():
         torch.manual_seed(0)
-        model = Hetero(elementwise=elementwise)
+        model = hetero_model(elementwise=elementwise)
         idx = torch.randint(0, VOCAB, (BATCH, SEQ))
         step = lambda: model(idx).logsumexp(-1).mean()  # noqa: E731
         mem_tracker = MemTracker()
@@ -324,7 +283,7 @@ def against_autosac(planned: dict[float, tuple[int, int, str]], base_bytes: int,
     ]
     notes = []
     torch.manual_seed(0)
-    plain = Hetero()
+    plain = hetero_model()
     plain_idx = torch.randint(0, VOCAB, (BATCH, SEQ))
 
     def plan_at(fraction: float) -> str:
@@ -347,7 +306,7 @@ def against_autosac(planned: dict[float, tuple[int, int, str]], base_bytes: int,
         activations = graph.nodes[0]["act_total"]  # at the end of the root's forward: every activation of the step
         units = [node["fqn"] for node in graph.nodes if "." in node["fqn"]]  # any submodule, not the whole model
         torch.manual_seed(0)
-        model = Hetero(elementwise=elementwise)
+        model = hetero_model(elementwise=elementwise)
         idx = torch.randint(0, VOCAB, (BATCH, SEQ))
         for budget in BUDGETS:
             decisions, _, predicted = sac_milp(graph, (peak - (1 - budget) * activations) / 2**30, 1, ac_units=units)

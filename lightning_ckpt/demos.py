@@ -75,6 +75,62 @@ class Transformer(nn.Module):
         return self.head(self.ln_f(x))
 
 
+
+class WideElementwise(nn.Module):
+    """Element-wise only, on a 4x wider tensor: many bytes held for backward, few FLOPs to recompute."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.repeat(1, 1, 4)
+        h = torch.tanh(h) * torch.sigmoid(h * 1.5)
+        h = torch.exp(-h * h) * h
+        return x + h.view(*x.shape[:-1], 4, x.shape[-1]).mean(-2)
+
+
+class MatmulHeavy(nn.Module):
+    """Four square matmuls: few bytes held for backward, many FLOPs to recompute."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fcs = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for fc in self.fcs:
+            h = F.relu(fc(h))
+        return x + h
+
+
+class BlockStack(nn.Module):
+    """Embeddings, a list of blocks of any kinds, a head: the bytes outside the blocks (logits) count too.
+
+    Example::
+
+        >>> model = BlockStack(16, 8, heterogeneous_blocks(8, 3))
+        >>> [type(b).__name__ for b in model.blocks]
+        ['WideElementwise', 'MatmulHeavy', 'Block']
+    """
+
+    def __init__(self, vocab_size: int, width: int, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, width)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def heterogeneous_blocks(width: int, n_layers: int, dropout: float = 0.0,
+                         elementwise: type[nn.Module] = WideElementwise) -> list[nn.Module]:
+    """Wide element-wise, matmul-heavy and attention blocks, interleaved: each holds a different number of bytes
+    per recomputed FLOP, which is what a memory-budget plan has to weigh."""
+    kinds = [elementwise, lambda: MatmulHeavy(width), lambda: Block(width, 4, dropout)]
+    return [kinds[i % 3]() for i in range(n_layers)]
+
+
 class GPT(pl.LightningModule):
     """A GPT-style language model on ``(tokens, targets)`` batches of shape ``[batch, seq]``.
 

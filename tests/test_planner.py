@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ckpt.demos import Block
+from lightning_ckpt.demos import Block, BlockStack, MatmulHeavy, WideElementwise, heterogeneous_blocks
 from lightning_ckpt.planner import CheckpointPlan, LayerCost, cheapest_choices, count_cost, make_plan, plan_checkpointing
 from lightning_ckpt.profiling import SavedTensorCounter
 from lightning_ckpt.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
@@ -20,55 +20,14 @@ from lightning_ckpt.wrapping import apply_checkpointing, checkpointed_names, rem
 VOCAB, SEQ, BATCH, WIDTH = 32, 16, 4, 32
 
 
-class WideElementwise(nn.Module):
-    """Element-wise only, on a 4x wider tensor: many bytes held, few FLOPs to recompute."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.repeat(1, 1, 4)
-        h = torch.tanh(h) * torch.sigmoid(h * 1.5)
-        h = torch.exp(-h * h) * h
-        return x + h.view(*x.shape[:-1], 4, x.shape[-1]).mean(-2)
-
-
-class MatmulHeavy(nn.Module):
-    """Four square matmuls: few bytes held, many FLOPs to recompute."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fcs = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x
-        for fc in self.fcs:
-            h = F.relu(fc(h))
-        return x + h
-
-
-class LM(nn.Module):
-    """Embeddings, a list of blocks, a head: the bytes outside the blocks (logits) are part of every figure."""
-
-    def __init__(self, blocks: list[nn.Module]) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(blocks)
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def uniform_model() -> tuple[LM, tuple[type, ...]]:
+def uniform_model() -> tuple[BlockStack, tuple[type, ...]]:
     torch.manual_seed(0)
-    return LM([Block(WIDTH, 4, dropout=0.1) for _ in range(6)]), (Block,)
+    return BlockStack(VOCAB, WIDTH, [Block(WIDTH, 4, dropout=0.1) for _ in range(6)]), (Block,)
 
 
-def heterogeneous_model() -> tuple[LM, tuple[type, ...]]:
+def heterogeneous_model() -> tuple[BlockStack, tuple[type, ...]]:
     torch.manual_seed(0)
-    kinds = [lambda: WideElementwise(), lambda: MatmulHeavy(WIDTH), lambda: Block(WIDTH, 4, dropout=0.1)]
-    return LM([kinds[i % 3]() for i in range(8)]), (WideElementwise, MatmulHeavy, Block)
+    return BlockStack(VOCAB, WIDTH, heterogeneous_blocks(WIDTH, 8, dropout=0.1)), (WideElementwise, MatmulHeavy, Block)
 
 
 MODELS = {"uniform": uniform_model, "heterogeneous": heterogeneous_model}
@@ -217,7 +176,7 @@ class AliveBytes(SavedTensorCounter):
         self._track(tensor)
 
 
-def largest_layer_bytes(model: LM) -> int:
+def largest_layer_bytes(model: BlockStack) -> int:
     """Bytes one block holds un-checkpointed, the largest over blocks, each run alone on its real input."""
     inputs = []
     hooks = [b.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach())) for b in model.blocks]
