@@ -69,6 +69,8 @@ from lightning_ckpt.wrapping import (
     check_no_nesting,
     is_checkpointed,
     remove_checkpointing,
+    restore_caches,
+    turn_off_caches,
 )
 
 Choice = Literal["none", "full", "selective"]
@@ -431,7 +433,9 @@ class CheckpointPlan:
             if mode != "none":
                 apply_checkpointing(layers[name], layer_cls=type(layers[name]), mode=mode, offload=self.offload,
                                     **checkpoint_options)
-        return [name for name, mode in self.layers.items() if mode != "none"]
+        names = [name for name, mode in self.layers.items() if mode != "none"]
+        turn_off_caches(module, names)
+        return names
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (for a Lightning checkpoint); :meth:`from_state_dict` rebuilds the plan."""
@@ -565,7 +569,7 @@ def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: L
                          " pass the class of the model's repeated block.")
     check_no_nesting(module, [name for name, _ in selected])
 
-    with _fully_checkpointed(selected), torch.random.fork_rng(devices=_cuda_devices(module)), buffers_restored(module):
+    with _fully_checkpointed(module, selected), torch.random.fork_rng(devices=_cuda_devices(module)), buffers_restored(module):
         with LayerCostRecorder(module, selected, selective="selective" in modes) as recorder:
             loss = step()
             del loss  # frees the step's graph
@@ -611,15 +615,19 @@ def _cuda_devices(module: nn.Module) -> list[int]:
 
 
 @contextmanager
-def _fully_checkpointed(selected: Sequence[tuple[str, nn.Module]]) -> Iterator[None]:
-    """Every selected layer fully checkpointed (no offload) inside the block; each forward as it was after."""
+def _fully_checkpointed(module: nn.Module, selected: Sequence[tuple[str, nn.Module]]) -> Iterator[None]:
+    """Every selected layer fully checkpointed (no offload), model caches off, inside the block; each forward and
+    cache as it was after."""
     before = [(layer, layer.__dict__.get("forward")) for _, layer in selected]
+    caches: list[nn.Module] = []
     try:
         for _, layer in selected:
             remove_checkpointing(layer)
             apply_checkpointing(layer, layer_cls=type(layer))
+        caches = turn_off_caches(module, [name for name, _ in selected])
         yield
     finally:
+        restore_caches(caches)
         for layer, forward in before:
             remove_checkpointing(layer)
             if forward is not None:

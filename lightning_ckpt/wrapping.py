@@ -249,7 +249,7 @@ def apply_checkpointing(
             original = layer.__dict__.get("forward")
             layer.forward = CheckpointedForward(layer, options, original)
     names = [name for name, _ in selected]
-    _turn_off_caches(module, names)
+    turn_off_caches(module, names)
     return names
 
 
@@ -263,25 +263,35 @@ def remove_checkpointing(module: nn.Module) -> list[str]:
             if original is not None:
                 sub.forward = original
             names.append(name)
-        if _CACHE_FLAG in sub.__dict__:
-            sub.config.use_cache = sub.__dict__.pop(_CACHE_FLAG)
+    restore_caches([sub for sub in module.modules() if _CACHE_FLAG in sub.__dict__])
     return names
 
 
 _CACHE_FLAG = "_lightning_ckpt_use_cache"  # on a model whose `config.use_cache` we turned off: the value to restore
 
 
-def _turn_off_caches(module: nn.Module, names: list[str]) -> None:
+def turn_off_caches(module: nn.Module, names: Sequence[str]) -> list[nn.Module]:
     """Turn off the cache of every model (a ``config.use_cache`` found by duck typing, as in Transformers) that
-    holds a checkpointed layer: a cache filled in forward would be seen again by the recompute."""
+    holds one of the checkpointed layers ``names``: a cache filled in forward would be seen again by the recompute.
+    Returns the models changed, for :func:`restore_caches`; :func:`remove_checkpointing` restores them too."""
+    changed = []
     for owner_name, owner in module.named_modules():
         config = getattr(owner, "config", None)
         if getattr(config, "use_cache", None) is True and any(is_inside(name, owner_name) for name in names):
             owner.__dict__[_CACHE_FLAG] = True
             config.use_cache = False
+            changed.append(owner)
             log.info("lightning_ckpt: turned off `config.use_cache` of %s while its layers are checkpointed (the"
                      " recompute must not see a cache that forward filled); removing checkpointing turns it back on.",
                      type(owner).__name__)
+    return changed
+
+
+def restore_caches(owners: Sequence[nn.Module]) -> None:
+    """Turn the caches that :func:`turn_off_caches` turned off on ``owners`` back on."""
+    for owner in owners:
+        if _CACHE_FLAG in owner.__dict__:
+            owner.config.use_cache = owner.__dict__.pop(_CACHE_FLAG)
 
 
 def checkpointed_elsewhere(module: nn.Module, name: str) -> str | None:

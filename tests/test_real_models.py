@@ -190,3 +190,63 @@ def test_layers_the_model_leaves_alone_are_checkpointed_by_us():
     apply_checkpointing(ours)
     flops = [count_flops(lambda m=m: hf_loss(m).backward()) for m in (own, ours)]
     assert flops[0] == flops[1]
+
+
+def _cnn_case():
+    from test_layer_state import ConvBlock, _batches, _cnn
+
+    x, y = _batches(1)[0]
+    return _cnn(), lambda m: nn.functional.cross_entropy(m(x), y), ConvBlock
+
+
+PLAN_CASES = {
+    "llama": lambda: (llama(), hf_loss, None),
+    "peft lora": lambda: (lora(llama()), hf_loss, None),
+    "litgpt": lambda: (litgpt_model(), litgpt_loss, None),
+    "batchnorm cnn": _cnn_case,
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLAN_CASES))
+def test_the_planner_on_real_models(case):
+    """plan_checkpointing on models nobody here wrote: predictions hold, planning leaves buffers and the model's
+    cache setting as they were, and the applied plan turns the cache off like apply_checkpointing."""
+    from lightning_ckpt import plan_checkpointing
+
+    model, loss, layer_cls = PLAN_CASES[case]()
+
+    def held() -> int:
+        torch.manual_seed(0)
+        with SavedTensorCounter(exclude=model.parameters()) as saved:
+            loss(model)
+        return saved.bytes
+
+    baseline = held()
+    buffers = {name: buf.clone() for name, buf in model.named_buffers()}
+    config = getattr(model, "config", None)
+    plan = plan_checkpointing(model, lambda: loss(model), 0.4, layer_cls=layer_cls)
+    assert all(torch.equal(buffers[name], buf) for name, buf in model.named_buffers())
+    assert getattr(config, "use_cache", None) is not False  # planning turned the cache off only while it ran
+    assert plan.baseline_bytes == pytest.approx(baseline, rel=0.05)
+    names = plan.apply(model)
+    assert names and set(plan.layers.values()) - {"none"}
+    measured = held()
+    assert plan.planned_bytes == pytest.approx(measured, rel=0.05)
+    assert measured <= 0.4 * baseline * 1.02
+    if hasattr(config, "use_cache"):
+        assert config.use_cache is False
+        remove_checkpointing(model)
+        assert config.use_cache is True
+
+
+def test_offload_copies_of_a_transformers_model_keep_its_gradients():
+    """The offload engine's real copy path (fake streams: late, out of order) on Llama with its default cache."""
+    from lightning_ckpt.offload import FakeStreams, OffloadEngine, use_engine
+
+    ref = loss_and_grads(llama())
+    model = llama()
+    apply_checkpointing(model, offload=True)
+    with use_engine(OffloadEngine(FakeStreams(seed=3), min_bytes=0)) as engine:
+        result = loss_and_grads(model)
+    assert engine.stats.to_host_copies >= 4
+    assert_same(result, ref, atol=0)
