@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Generic, Optional, TypeVar, Union, overload
@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_ckpt.offload import release_all
 from lightning_ckpt.placement import check_checkpointing_placement
 from lightning_ckpt.planner import CheckpointPlan, LayerCost, LayerCostRecorder, make_plan
-from lightning_ckpt.profiling import format_bytes, format_flops, tensor_bytes
+from lightning_ckpt.profiling import format_bytes, format_flops, optimizer_state_bytes, tensor_bytes
 from lightning_ckpt.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
 from lightning_ckpt.wrapping import (
     CheckpointOptions,
@@ -491,19 +491,11 @@ def _device_call(device: torch.device, name: str) -> Any:
     return fn(device) if fn is not None else None
 
 
-def _local_tensors(tensors: Iterable[Any]) -> Iterable[torch.Tensor]:
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            yield t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-
-
 def _static_bytes(pl_module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
     """Weights, gradients (as large as the trainable weights, whether allocated yet or not) and optimizer state."""
     params = list(pl_module.parameters())
-    weights = tensor_bytes(_local_tensors(params))
-    grads = tensor_bytes(_local_tensors(p for p in params if p.requires_grad))
-    state = tensor_bytes(_local_tensors(v for opt in optimizers for s in opt.state.values() for v in s.values()))
-    return weights + grads + state
+    return (tensor_bytes(params) + tensor_bytes(p for p in params if p.requires_grad)
+            + optimizer_state_bytes(optimizers))
 
 
 _COST_FIELDS = [f.name for f in fields(LayerCost) if f.name not in ("name", "cls")]

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lightning_ckpt.profiling import SavedTensorCounter, tensor_bytes
+from lightning_ckpt.profiling import SavedTensorCounter, optimizer_state_bytes, tensor_bytes
 
 GIB = 2**30
 
@@ -86,15 +86,6 @@ def tokens_in_batch(batch: Any) -> Optional[int]:
     if tensor is None or tensor.dim() != 2 or tensor.is_floating_point() or tensor.is_complex():
         return None
     return tensor.numel()
-
-
-def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
-    """Bytes of all tensors in the optimizers' state (e.g. Adam's two moments per parameter)."""
-    tensors = []
-    for optimizer in optimizers:
-        for state in optimizer.state.values():
-            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-    return tensor_bytes(tensors)
 
 
 def host_rss_bytes() -> int:

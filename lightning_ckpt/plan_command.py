@@ -59,7 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from lightning_ckpt.callback import GradientCheckpointing
 from lightning_ckpt.cli_builder import run_cli
 from lightning_ckpt.planner import CheckpointPlan, LayerCost, make_plan, measure_layer_costs, predict
-from lightning_ckpt.profiling import format_bytes, tensor_bytes
+from lightning_ckpt.profiling import format_bytes, optimizer_state_bytes, tensor_bytes
 from lightning_ckpt.selection import parse_memory_budget
 
 DEFAULT_BUDGET = 0.5
@@ -427,9 +427,8 @@ def static_memory(built: Built) -> StaticMemory:
     finally:
         for p in params:
             p.grad = None
-    state = [t for opt in optimizers for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     names = ", ".join(type(o).__name__ for o in optimizers) or "none"
-    return StaticMemory(weights, gradients, tensor_bytes(state), names)
+    return StaticMemory(weights, gradients, optimizer_state_bytes(optimizers), names)
 
 
 def _optimizers(configured: Any) -> list[torch.optim.Optimizer]:

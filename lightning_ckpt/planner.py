@@ -56,6 +56,7 @@ from lightning_ckpt.profiling import (
     format_bytes,
     format_flops,
     hidden_from_counters,
+    local_shard,
     report_held,
     storage_key,
     tensor_bytes,
@@ -157,11 +158,6 @@ def _plain_forward(layer: nn.Module) -> Callable[..., Any]:
     return forward
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP2), the tensor itself otherwise."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def _own_parameters(layer: nn.Module) -> list[torch.Tensor]:
     """The layer's parameters, less those of FSDP units nested inside it (their own hooks gather those)."""
     nested = [name for name, sub in layer.named_modules() if name and isinstance(sub, _fsdp2().FSDPModule)]
@@ -253,7 +249,7 @@ class LayerCostRecorder:
         """The parameters' storages on this rank now: shards, and whatever FSDP2 has gathered at the moment."""
         if not self._sharded:
             return self._params
-        return [_local(p) for p in self.module.parameters()]
+        return [local_shard(p) for p in self.module.parameters()]
 
     def __enter__(self) -> LayerCostRecorder:
         for name, layer in self.layers:
@@ -278,9 +274,9 @@ class LayerCostRecorder:
         totals = self._totals[name]
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         excluded = {storage_key(p) for p in self._resident()}
-        inputs_held = [t for t in inputs if storage_key(_local(t)) not in excluded]
-        totals["full"] += tensor_bytes(_local(t) for t in inputs_held)
-        totals["off"] += tensor_bytes(_local(t) for t in inputs_held if t.device.type != "cpu")
+        inputs_held = [t for t in inputs if storage_key(local_shard(t)) not in excluded]
+        totals["full"] += tensor_bytes(inputs_held)
+        totals["off"] += tensor_bytes(t for t in inputs_held if t.device.type != "cpu")
         totals["calls"] += 1
         forward = _plain_forward(layer)
         # What the re-runs save is not the step's: outer counters (a MemoryMonitor's) must not hear of it.

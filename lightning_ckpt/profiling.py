@@ -82,10 +82,16 @@ def storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
     return tensor.device, storage.data_ptr()
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameters and their optimizer state), the tensor itself otherwise."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def tensor_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     """Bytes of the storages behind ``tensors``, each storage once (views and shared buffers count once).
 
-    Fake tensors count what their real counterparts would hold; meta tensors count nothing.
+    A DTensor counts this rank's shard; fake tensors count what their real counterparts would hold; meta
+    tensors count nothing.
 
     Example::
 
@@ -96,11 +102,20 @@ def tensor_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     seen: set[tuple[Any, int]] = set()
     total = 0
     for tensor in tensors:
-        if tensor is None or tensor.device.type == "meta" or storage_key(tensor) in seen:
+        if tensor is None:
+            continue
+        tensor = local_shard(tensor)
+        if tensor.device.type == "meta" or storage_key(tensor) in seen:
             continue
         seen.add(storage_key(tensor))
         total += tensor.untyped_storage().nbytes()
     return total
+
+
+def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes of all tensors in the optimizers' state (e.g. Adam's two moments per parameter)."""
+    return tensor_bytes(t for optimizer in optimizers for state in optimizer.state.values() for t in state.values()
+                        if isinstance(t, torch.Tensor))
 
 
 class SavedTensorCounter(saved_tensors_hooks):
