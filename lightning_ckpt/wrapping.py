@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ckpt.layer_state import CallState, LayerState
@@ -102,14 +102,15 @@ class CheckpointedForward:
         forward = self.original if self.original is not None else type(module).forward.__get__(module)
         if not (module.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
-        run, flat = _tensors_as_args(forward, args, kwargs)
+        leaves, spec = tree_flatten((args, kwargs), is_leaf=lambda node: not _is_container(node))
+        run, flat = _tensors_as_args(forward, leaves, spec)
         torch_kwargs = self.options.torch_kwargs()
         if torch_kwargs["use_reentrant"]:
             run, flat = _with_grad_anchor(run, flat, module)
         if torch.compiler.is_compiling():
             # A compiled graph functionalises buffer updates: its recompute does not apply them a second time.
             return checkpoint(run, *flat, **torch_kwargs)
-        _refuse_caches(module, args, kwargs)
+        _refuse_caches(module, leaves)
         call = self.state.begin()
         with OffloadToHost() if self.options.offload else nullcontext():
             out = checkpoint(_replaying(run, call) if call.needs_replay else run, *flat, **torch_kwargs)
@@ -137,11 +138,11 @@ def _is_container(node: Any) -> bool:
 
 
 def _tensors_as_args(
-    forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    forward: Callable[..., Any], leaves: list[Any], spec: TreeSpec
 ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """Pass every tensor in ``args``/``kwargs`` positionally (also inside plain tuples, lists and dicts, such as
-    Transformers' ``position_embeddings``), so that checkpoint saves and offloads them like the others."""
-    leaves, spec = tree_flatten((args, kwargs), is_leaf=lambda node: not _is_container(node))
+    """Pass every tensor among the flattened ``(args, kwargs)`` positionally (also those inside plain tuples, lists
+    and dicts, such as Transformers' ``position_embeddings``), so that checkpoint saves and offloads them like the
+    others."""
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
     def run(*tensors: Any) -> Any:
@@ -160,9 +161,8 @@ def _is_cache(value: Any) -> bool:
         getattr(value, "get_seq_length", None))
 
 
-def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _refuse_caches(module: nn.Module, leaves: list[Any]) -> None:
     """A cache that reaches a checkpointed layer would show its recompute what the forward appended to it."""
-    leaves = tree_leaves((args, kwargs), is_leaf=lambda node: not _is_container(node))
     caches = [type(leaf).__name__ for leaf in leaves if _is_cache(leaf)]
     if caches:
         raise ValueError(
