@@ -6,16 +6,22 @@ checkpoint saves them through the active saved-tensor hooks), so wrapping the ch
 device in backward. The copies run on a side stream so that they overlap compute:
 
 - forward: the device->host copy starts on the side stream after an event on the compute stream; the
-  engine holds the device tensor until that copy is known to be done (see :meth:`OffloadEngine._retire`);
-- backward: layers run in reverse, so unpacking layer ``i``'s inputs starts the host->device copy of
-  layer ``i-1``'s; the compute stream waits on that copy's event only when it needs the tensor;
-- host buffers come from a :class:`HostPool` that is reused across steps and grows to the largest step;
+  engine holds the device tensor until that copy is known to be done (see :meth:`OffloadEngine._retire`),
+  and holds the newest layer's past it, since a backward that follows at once needs it first;
+- backward: layers run in reverse, so unpacking layer ``i``'s inputs starts the host->device copy of the
+  inputs of the checkpointed layer before it in the same graph; the compute stream waits on that copy's
+  event only when it needs the tensor, and the engine holds the copy's destination until the copy is done,
+  even when backward stops early (an exception, ``autograd.grad`` over part of the graph);
+- a storage that several layers save (a mask, Transformers' ``position_embeddings``) is copied once each way;
+- tensors come back with their own strides (channels-last stays channels-last);
+- host buffers come from a :class:`HostPool` that is reused across steps and grows to the largest step; what it
+  drops, and what :func:`release_all` frees, is unpinned (not left in torch's caching host allocator);
 - tensors under ``min_bytes`` (default 1 MiB), parameters and tensors on other devices stay where they are.
 
 Scheduling talks to a small stream/event interface (:class:`Streams`): :class:`DeviceStreams` for CUDA
 (or any device module with streams and events) and :class:`FakeStreams`, which runs copies on the CPU
 late and in a shuffled order, so the same logic is tested on machines without an accelerator.
-One engine is shared per device and thread (:func:`default_engine`); :func:`use_engine` puts another in
+One engine is shared per device (:func:`default_engine`); :func:`use_engine` puts another in
 charge, and :func:`release_all` drops every pooled host buffer (call it at teardown). Plain PyTorch;
 nothing here imports Lightning.
 
@@ -42,13 +48,14 @@ import random
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_ckpt.profiling import report_held
 
@@ -81,11 +88,17 @@ class Streams(Protocol):
 
     ``after`` lists events the side stream must reach before it starts a copy; the returned event marks the copy's
     end. ``wait`` makes the compute stream wait for an event (the host does not block); ``done`` asks without waiting.
+    ``host_size`` is what pinning ``nbytes`` really takes (the allocator's rounding), and ``empty_host_cache`` gives
+    pinned memory that nothing uses back to the system.
     """
 
     def offloadable(self, tensor: torch.Tensor) -> bool: ...
 
+    def host_size(self, nbytes: int) -> int: ...
+
     def host_buffer(self, nbytes: int) -> torch.Tensor: ...
+
+    def empty_host_cache(self) -> None: ...
 
     def empty_device(self, like: torch.Tensor, device: torch.device) -> torch.Tensor: ...
 
@@ -100,6 +113,25 @@ class Streams(Protocol):
     def done(self, event: Any) -> bool: ...
 
     def synchronize(self) -> None: ...
+
+
+def pinned_size(nbytes: int) -> int:
+    """Bytes that torch's caching host allocator pins for ``nbytes``: it rounds every request up to a power of two.
+
+    Example::
+
+        >>> pinned_size(1000), pinned_size(1024), pinned_size(1025)
+        (1024, 1024, 2048)
+    """
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+def _empty_host_cache() -> None:
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is not None:
+        empty()
+    elif hasattr(torch._C, "_host_emptyCache"):  # torch < 2.8
+        torch._C._host_emptyCache()
 
 
 class DeviceStreams:
@@ -121,14 +153,23 @@ class DeviceStreams:
     def offloadable(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device
 
+    def host_size(self, nbytes: int) -> int:
+        return pinned_size(nbytes)
+
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def empty_host_cache(self) -> None:
+        # A pinned tensor that dies goes back to torch's caching host allocator and stays pinned until this call
+        # (blocks whose copies are still running are kept by the allocator until their events complete).
+        _empty_host_cache()
 
     def empty_device(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
         # Allocated on the compute stream: the tensor is the compute stream's once the copy is done, so autograd may
         # free it there without `record_stream`. The side stream waits for an event recorded after this allocation
         # (see `OffloadEngine._start_to_device`), so kernels still using the recycled block finish before the copy.
-        return torch.empty(like.shape, dtype=like.dtype, device=device)
+        # The engine holds it until the copy's event is done, even if its handle dies first (`_landing`).
+        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
 
     def record(self) -> Any:
         if self._side is None:
@@ -172,7 +213,7 @@ class FakeStreamError(RuntimeError):
 @dataclass(eq=False)
 class _FakeCopy:
     source: Any  # () -> Tensor | None: weak for a device->host copy (the engine must keep the tensor alive)
-    dst: torch.Tensor
+    dst: Any  # () -> Tensor | None: weak for a host->device copy (the engine must keep its destination alive)
     after: tuple[Any, ...]
     kind: str
     order: int
@@ -187,10 +228,15 @@ class FakeStreams:
     A copy is queued and performed only when something forces it: a ``wait`` on its event (which also performs a
     random, shuffled subset of the other queued copies), a ``done`` query that decides, at random, that it has finished,
     or a later copy that lists it in ``after``. So copies run out of order wherever the rules allow. Breaking a rule is
-    visible: fresh host buffers and device tensors are filled with NaN bytes (a missing ``wait`` hands out NaN),
-    a device->host copy only holds a weak reference to its source (freeing it before the copy ran raises
-    :class:`FakeStreamError`), and queuing a copy that touches memory a queued copy still uses, without waiting for
-    it, raises :class:`FakeStreamError`.
+    visible:
+
+    - fresh host buffers and device tensors are filled with NaN bytes (a missing ``wait`` hands out NaN);
+    - a device->host copy only holds a weak reference to its source, a host->device copy to its destination: freeing
+      either before the copy ran (on a device the caching allocator would hand that block to other kernels) raises
+      :class:`FakeStreamError`, at the copy or at the next call into the fake;
+    - queuing a copy that touches memory a queued copy still uses, without waiting for it, raises it too;
+    - host buffers model torch's caching host allocator: a dropped buffer stays pinned (``pinned_bytes``) until
+      ``empty_host_cache``, and sizes are rounded up as :func:`pinned_size` says.
 
     Example::
 
@@ -209,31 +255,67 @@ class FakeStreams:
         self.complete_probability = complete_probability
         self._pending: list[_FakeCopy] = []
         self._orders = itertools.count()
+        self._broken: list[str] = []
         self.performed = 0
         self.out_of_order = 0  # copies performed before one queued earlier
         self._last_order = -1
+        self.live_host_bytes = 0  # pinned buffers alive
+        self.cached_host_bytes = 0  # pinned buffers dropped, still held by the (modelled) caching allocator
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory pinned by this fake device: live buffers and the allocator's cache."""
+        return self.live_host_bytes + self.cached_host_bytes
 
     def offloadable(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu"
 
+    def host_size(self, nbytes: int) -> int:
+        return pinned_size(nbytes)
+
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.full((nbytes,), 0xFF, dtype=torch.uint8)
+        self._check()
+        buffer = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
+        size = self.host_size(nbytes)
+        self.live_host_bytes += size
+        weakref.finalize(buffer, self._host_buffer_dropped, size)
+        return buffer
+
+    def _host_buffer_dropped(self, size: int) -> None:
+        self.live_host_bytes -= size
+        self.cached_host_bytes += size
+
+    def empty_host_cache(self) -> None:
+        self.cached_host_bytes = 0
 
     def empty_device(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
-        out = torch.empty(like.shape, dtype=like.dtype, device=device)
+        out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
         out.untyped_storage().fill_(0xFF)
         return out
 
     def record(self) -> Any:
+        self._check()
         return None  # compute "runs" eagerly here: whatever it issued is already done
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Any]) -> _FakeCopy:
-        return self._queue(weakref.ref(src), src, dst, after, "to_host")
+        return self._queue(weakref.ref(src), lambda: dst, src, dst, after, "to_host")
 
     def to_device(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Any]) -> _FakeCopy:
-        return self._queue(lambda: src, src, dst, after, "to_device")
+        copy = self._queue(lambda: src, weakref.ref(dst), src, dst, after, "to_device")
+        weakref.finalize(dst, self._destination_dropped, copy)
+        return copy
+
+    def _destination_dropped(self, copy: _FakeCopy) -> None:
+        if not copy.performed:
+            self._broken.append("the destination of a to_device copy was freed before the copy landed: on a device"
+                                " its block would be reused while the copy still writes into it")
+
+    def _check(self) -> None:
+        if self._broken:
+            raise FakeStreamError(self._broken[0])
 
     def wait(self, event: Any) -> None:
+        self._check()
         if event is None or event.performed:
             return
         others = [c for c in self._pending if c is not event and self._rng.random() < 0.5]
@@ -243,6 +325,7 @@ class FakeStreams:
             self._perform(copy)
 
     def done(self, event: Any) -> bool:
+        self._check()
         if event is None or event.performed:
             return True
         if self._rng.random() < self.complete_probability:
@@ -251,11 +334,14 @@ class FakeStreams:
         return False
 
     def synchronize(self) -> None:
+        self._check()
         for copy in list(self._pending):
             self._perform(copy)
 
-    def _queue(self, source: Any, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Any], kind: str) -> _FakeCopy:
-        copy = _FakeCopy(source, dst, tuple(e for e in after if e is not None), kind, next(self._orders),
+    def _queue(self, source: Any, dst_ref: Any, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Any],
+               kind: str) -> _FakeCopy:
+        self._check()
+        copy = _FakeCopy(source, dst_ref, tuple(e for e in after if e is not None), kind, next(self._orders),
                          src.untyped_storage().data_ptr(), dst.untyped_storage().data_ptr())
         covered = self._closure(copy.after)
         for other in self._pending:
@@ -281,11 +367,14 @@ class FakeStreams:
             return
         for dep in copy.after:
             self._perform(dep)
-        src = copy.source()
+        src, dst = copy.source(), copy.dst()
         if src is None:
             raise FakeStreamError(f"the source of a {copy.kind} copy was freed before the copy ran: hold it until the"
                                   " copy's event is done")
-        copy.dst.copy_(src)
+        if dst is None:
+            raise FakeStreamError(f"the destination of a {copy.kind} copy was freed before the copy landed: hold it"
+                                  " until the copy's event is done")
+        dst.copy_(src)
         copy.performed = True
         self._pending.remove(copy)
         self.performed += 1
@@ -300,8 +389,8 @@ class FakeStreams:
 
 @dataclass(eq=False)
 class _Buffer:
-    data: torch.Tensor  # uint8, `size` bytes
-    size: int
+    data: torch.Tensor  # uint8, at least the requested bytes
+    size: int  # what it really pins (the allocator's rounding)
     last_event: Any = None  # the end of the last copy that touched it
 
 
@@ -309,7 +398,9 @@ class HostPool:
     """Reusable host buffers: a buffer freed in one step serves the same-sized tensor in the next.
 
     The pool never holds more bytes than the most it ever had in use at once (the largest step): when a request fits
-    no free buffer, free buffers are dropped, oldest first, until the new one fits under that bound.
+    no free buffer, free buffers are dropped, oldest first, until the new one fits under that bound. Sizes are counted
+    as ``round_size`` says the allocator really pins them; after dropping buffers the pool calls ``empty_cache`` so
+    that the dropped memory is unpinned, not kept by the allocator's cache.
 
     Example::
 
@@ -321,8 +412,11 @@ class HostPool:
 
     GRANULE = 512
 
-    def __init__(self, allocate: Any) -> None:
+    def __init__(self, allocate: Callable[[int], torch.Tensor], round_size: Optional[Callable[[int], int]] = None,
+                 empty_cache: Optional[Callable[[], None]] = None) -> None:
         self._allocate = allocate
+        self._round = round_size or (lambda n: -(-n // self.GRANULE) * self.GRANULE)
+        self._empty_cache = empty_cache or (lambda: None)
         self._free: list[_Buffer] = []
         self.allocated_bytes = 0
         self.in_use_bytes = 0
@@ -331,15 +425,19 @@ class HostPool:
         self._all: list[weakref.ref[torch.Tensor]] = []
 
     def take(self, nbytes: int) -> _Buffer:
-        size = -(-max(nbytes, 1) // self.GRANULE) * self.GRANULE
+        size = self._round(max(nbytes, 1))
         fits = [b for b in self._free if size <= b.size <= 2 * size]
         if fits:
             buffer = min(fits, key=lambda b: b.size)
             self._free.remove(buffer)
         else:
             bound = max(self.peak_in_use_bytes, self.in_use_bytes + size)
+            dropped = False
             while self._free and self.allocated_bytes + size > bound:
                 self.allocated_bytes -= self._free.pop(0).size
+                dropped = True
+            if dropped:
+                self._empty_cache()
             buffer = _Buffer(self._allocate(size), size)
             self._all.append(weakref.ref(buffer.data))
             self.allocated_bytes += size
@@ -353,10 +451,11 @@ class HostPool:
         self._free.append(buffer)
 
     def clear(self) -> None:
-        """Drop the free buffers (buffers still held for a backward return here when it is done with them)."""
+        """Drop and unpin the free buffers (buffers still held for a backward return here when it is done with them)."""
         self.allocated_bytes -= sum(b.size for b in self._free)
         self._free.clear()
         self.peak_in_use_bytes = self.in_use_bytes
+        self._empty_cache()
 
     def live_buffers(self) -> int:
         """How many buffers this pool ever allocated are still alive anywhere."""
@@ -369,14 +468,22 @@ class HostPool:
 
 @dataclass
 class OffloadStats:
-    """What an engine did, cumulatively: bytes moved or kept, copies issued, and how backward found its inputs."""
+    """What an engine did, cumulatively: bytes moved or kept, copies issued, and how backward found its inputs.
 
-    offloaded_bytes: int = 0
+    Bytes moved in one step are the difference of ``offloaded_bytes`` (device->host) and ``to_device_bytes``
+    (host->device) across it.
+    """
+
+    offloaded_bytes: int = 0  # copied to host memory (a storage saved by several layers: once)
     kept_bytes: int = 0
     to_host_copies: int = 0
     to_device_copies: int = 0
+    to_device_bytes: int = 0
     prefetched: int = 0  # inputs whose device copy was started (or found) before their own unpack
-    reused_sources: int = 0  # inputs whose device tensor was still held (forward copy in flight): no copy back needed
+    reused_sources: int = 0  # inputs whose device tensor was still held (copy in flight, or the newest layer's)
+    reused_bytes: int = 0  # the bytes of those: they needed no copy back
+    shared: int = 0  # saved tensors whose storage another layer had already offloaded: no second copy either way
+    shared_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -384,19 +491,28 @@ class _InFlight:
     source: Optional[torch.Tensor]
     event: Any
     group: int
+    keep: bool = True  # the newest layer's: held after its copy for a backward that follows at once
+
+
+_GROUP_TAG = "lightning_ckpt.offload_group"
+_WALK_LIMIT = 10_000
 
 
 class _Handle:
-    """What autograd holds instead of an offloaded tensor."""
+    """What autograd holds instead of an offloaded tensor (one per storage; layers that save the same one share it)."""
 
     def __init__(self, engine: OffloadEngine, group: int, like: torch.Tensor, buffer: _Buffer, flight: _InFlight):
         self.engine = engine
-        self.group = group
-        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
+        self.groups = [group]
+        self.device = like.device
         self.buffer = buffer
-        self.host = buffer.data[: like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+        # The source's own layout (channels-last, transposed): the recompute then runs the same kernels.
+        stride = torch.empty_like(like, device="meta").stride()
+        nbytes = like.numel() * like.element_size()
+        self.host = buffer.data[:nbytes].view(like.dtype).as_strided(like.shape, stride)
         self.flight = flight
         self.ready: Optional[tuple[torch.Tensor, Any]] = None  # the device tensor and the event to wait on
+        self.users = 1  # saved slots that have not unpacked it yet
 
     def __del__(self) -> None:
         try:
@@ -407,6 +523,11 @@ class _Handle:
 
 class OffloadEngine:
     """Offloads the tensors saved inside :class:`OffloadToHost` to host memory and brings them back, overlapped.
+
+    Backward brings back the inputs of the checkpointed layer that ran before the current one in the same graph (found
+    by walking the autograd graph from each layer's inputs to the previous layer's), never another graph's. A device
+    tensor that a copy still writes into is held until that copy's event is done, whatever happens to its handle
+    (an exception in backward, a partial ``autograd.grad``, a graph dropped after its prefetch started).
 
     Args:
         streams: the device's streams (:class:`DeviceStreams`) or the CPU fake (:class:`FakeStreams`).
@@ -432,11 +553,15 @@ class OffloadEngine:
         self.streams = streams
         self.min_bytes = min_bytes
         self.lag = lag
-        self.pool = HostPool(streams.host_buffer)
+        self.pool = HostPool(streams.host_buffer, streams.host_size, streams.empty_host_cache)
         self.stats = OffloadStats()
         self._lock = threading.RLock()  # backward (and so unpack and handle deaths) may run on autograd's threads
         self._in_flight: list[_InFlight] = []
+        self._landing: list[tuple[torch.Tensor, Any]] = []  # device tensors a copy may still write into
         self._groups: dict[int, list[weakref.ref[_Handle]]] = {}
+        self._previous: dict[int, int] = {}  # group -> the checkpointed layer before it in the same graph
+        self._shared: dict[tuple[Any, ...], tuple[StorageWeakRef, int, weakref.ref[_Handle]]] = {}
+        self._newest = -1
 
     def pack(self, tensor: torch.Tensor, group: int) -> Union[torch.Tensor, _Handle]:
         """Start copying ``tensor`` to host memory and return a handle, or return ``tensor`` if it stays put."""
@@ -448,6 +573,16 @@ class OffloadEngine:
             return tensor
         report_held(tensor, "offloaded")
         with self._lock:
+            self._link(tensor, group)
+            shared = self._shared_handle(tensor)
+            if shared is not None:
+                shared.users += 1
+                if group not in shared.groups:
+                    shared.groups.append(group)
+                    self._groups.setdefault(group, []).append(weakref.ref(shared))
+                self.stats.shared += 1
+                self.stats.shared_bytes += nbytes
+                return shared
             self._retire(force_before=group - self.lag)
             buffer = self.pool.take(nbytes)
             # The data without the autograd graph: holding `tensor` itself would keep every earlier layer's graph alive.
@@ -463,6 +598,8 @@ class OffloadEngine:
             # holding it makes the lifetime explicit, bounded by `lag`, and checkable on the fake backend.
             self._in_flight.append(flight)
             self._groups.setdefault(group, []).append(weakref.ref(handle))
+            self._shared[_storage_key(tensor)] = (StorageWeakRef(tensor.untyped_storage()), tensor._version,
+                                                  weakref.ref(handle))
             self.stats.offloaded_bytes += nbytes
             self.stats.to_host_copies += 1
         return handle
@@ -471,33 +608,46 @@ class OffloadEngine:
         """The device tensor for ``handle``; starts bringing back the inputs of the layer backward needs next."""
         with self._lock:
             self._retire(force_before=None)
+            shared = len(handle.groups) > 1
             if handle.ready is not None:
                 self.stats.prefetched += 1
+            elif shared:  # which layer asks is unknown: bring back this tensor alone
+                self._start_to_device(handle)
             else:
-                self._prepare_group(handle.group)
+                self._prepare_group(handle.groups[0])
             tensor, event = handle.ready
-            handle.ready = None  # a second backward through the graph (retain_graph) copies again
-            self._prefetch_before(handle.group)
+            handle.flight.keep = False
+            handle.users -= 1
+            # Layers that saved the same storage get this device tensor too; a second backward through the graph
+            # (retain_graph) copies again.
+            handle.ready = (tensor, None) if handle.users > 0 else None
+            if not shared:
+                self._prefetch_before(handle.groups[0])
             if event is not None:
                 self.streams.wait(event)
             return tensor
 
     def release(self) -> None:
-        """Finish every copy, drop held device tensors and free the pooled host buffers (e.g. at teardown)."""
+        """Finish every copy, drop held device tensors and free and unpin the pooled host buffers (e.g. at teardown)."""
         with self._lock:
             self.streams.synchronize()
             for flight in self._in_flight:
                 flight.source = None
             self._in_flight.clear()
+            self._landing.clear()
             self.pool.clear()
 
     def _retire(self, force_before: Optional[int]) -> None:
-        """Let go of device tensors whose copy to host is done; make the compute stream wait for those of layers
+        """Let go of device tensors whose copy is done; make the compute stream wait for the forward copies of layers
         before ``force_before`` first (no host sync: the block is then reused only after the copy)."""
         keep = []
         for flight in self._in_flight:
+            if flight.source is None:
+                continue
             if self.streams.done(flight.event):
-                pass
+                if flight.keep:
+                    keep.append(flight)
+                    continue
             elif force_before is not None and flight.group < force_before:
                 self.streams.wait(flight.event)
             else:
@@ -505,6 +655,32 @@ class OffloadEngine:
                 continue
             flight.source = None
         self._in_flight = keep
+        self._landing = [(t, e) for t, e in self._landing if not self.streams.done(e)]
+
+    def _link(self, tensor: torch.Tensor, group: int) -> None:
+        """Note which earlier checkpointed layer of this graph ``tensor`` (an input of ``group``) comes from, and keep
+        ``group``'s device tensors as the newest layer's."""
+        if group > self._newest:
+            self._newest = group
+            for flight in self._in_flight:
+                flight.keep = False
+        node = tensor.grad_fn
+        if node is None:
+            return
+        found = _latest_tagged(node, group)
+        if found is not None:
+            self._previous[group] = max(found, self._previous.get(group, found))
+        node.metadata[_GROUP_TAG] = group
+
+    def _shared_handle(self, tensor: torch.Tensor) -> Optional[_Handle]:
+        entry = self._shared.get(_storage_key(tensor))
+        if entry is None:
+            return None
+        storage, version, ref = entry
+        handle = ref()
+        if handle is None or storage.expired() or version != tensor._version:
+            return None
+        return handle
 
     def _prepare_group(self, group: int) -> None:
         for ref in self._groups.get(group, []):
@@ -513,31 +689,65 @@ class OffloadEngine:
                 self._start_to_device(handle)
 
     def _start_to_device(self, handle: _Handle) -> None:
+        nbytes = handle.host.numel() * handle.host.element_size()
         source = handle.flight.source
-        if source is not None:  # its copy to host is still in flight: the device tensor is right here
+        if source is not None:  # its copy to host is in flight, or it is the newest layer's: it is right here
             handle.ready = (source, None)
             self.stats.reused_sources += 1
+            self.stats.reused_bytes += nbytes
             return
         dst = self.streams.empty_device(handle.host, handle.device)
         event = self.streams.to_device(handle.host, dst, [self.streams.record(), handle.buffer.last_event])
         handle.buffer.last_event = event
         handle.ready = (dst, event)
         self.stats.to_device_copies += 1
+        self.stats.to_device_bytes += nbytes
 
     def _prefetch_before(self, group: int) -> None:
-        """Backward runs layers in reverse: the next inputs it needs are those of the latest earlier layer."""
-        earlier = [g for g in self._groups if g < group]
-        if earlier:
-            self._prepare_group(max(earlier))
+        """Backward runs layers in reverse: the next inputs it needs are those of the layer before, in this graph."""
+        previous = self._previous.get(group)
+        if previous is not None:
+            self._prepare_group(previous)
 
     def _forget(self, handle: _Handle) -> None:
         with self._lock:
-            refs = self._groups.get(handle.group)
-            if refs is not None:
-                refs[:] = [r for r in refs if r() is not None and r() is not handle]
-                if not refs:
-                    del self._groups[handle.group]
+            for group in handle.groups:
+                refs = self._groups.get(group)
+                if refs is not None:
+                    refs[:] = [r for r in refs if r() is not None and r() is not handle]
+                    if not refs:
+                        del self._groups[group]
+                        self._previous.pop(group, None)
+            flight = handle.flight
+            flight.keep = False
+            if flight.source is not None and self.streams.done(flight.event):
+                flight.source = None
+            if handle.ready is not None and not self.streams.done(handle.ready[1]):
+                self._landing.append(handle.ready)  # a prefetch still writes into it: held until it lands
             self.pool.give(handle.buffer)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tuple(tensor.stride()), tensor.dtype)
+
+
+def _latest_tagged(start: Any, group: int) -> Optional[int]:
+    """The latest group before ``group`` whose input node lies behind ``start`` in the autograd graph, if any."""
+    latest, stack, seen = None, [start], {start}
+    for _ in range(_WALK_LIMIT):
+        if not stack:
+            break
+        node = stack.pop()
+        tag = node.metadata.get(_GROUP_TAG)
+        if tag is not None and tag < group:
+            latest = tag if latest is None else max(latest, tag)
+            continue  # a layer's own graph lies behind its inputs: nothing later is there
+        for parent, _ in node.next_functions:
+            if parent is not None and parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return latest
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -545,13 +755,13 @@ class OffloadEngine:
 
 
 _local = threading.local()
-_engines: dict[tuple[int, torch.device], OffloadEngine] = {}
+_engines: dict[torch.device, OffloadEngine] = {}  # one per device, shared by threads (the engine has its own lock)
 _engines_lock = threading.Lock()
 _groups = itertools.count(1)
 
 
 def default_engine(device: Union[str, torch.device]) -> OffloadEngine:
-    """The engine this thread uses for tensors on ``device``, created on first use (tune it through its attributes).
+    """The engine for tensors on ``device``, created on first use (tune it through its attributes).
 
     Example::
 
@@ -560,11 +770,10 @@ def default_engine(device: Union[str, torch.device]) -> OffloadEngine:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (threading.get_ident(), device)
     with _engines_lock:
-        if key not in _engines:
-            _engines[key] = OffloadEngine(DeviceStreams(device))
-        return _engines[key]
+        if device not in _engines:
+            _engines[device] = OffloadEngine(DeviceStreams(device))
+        return _engines[device]
 
 
 @contextmanager

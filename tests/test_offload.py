@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import lightning_ckpt.offload as offload
 from helpers import BATCH, SEQ, WIDTH, loss_and_grads, tiny_transformer, tokens
 from lightning_ckpt import apply_checkpointing
 from lightning_ckpt.demos import Block
-from lightning_ckpt.offload import FakeStreamError, FakeStreams, OffloadEngine, OffloadToHost, use_engine
+from lightning_ckpt.offload import FakeStreamError, FakeStreams, OffloadEngine, OffloadToHost, pinned_size, use_engine
 from lightning_ckpt.profiling import SavedTensorCounter
 
 N_LAYER = 6
@@ -92,13 +93,12 @@ class SkipOneWait(FakeStreams):
 
 
 def test_a_missing_wait_before_using_a_copied_input_is_detected():
-    idx = tokens()
-    want = reference(idx)
+    """The recompute runs on an input whose copy has not landed: the fake hands out NaN, and autograd then frees that
+    input while the copy would still be writing into it, which the fake reports."""
     streams = SkipOneWait("to_device", seed=0, complete_probability=0.0)
-    with use_engine(OffloadEngine(streams, min_bytes=0, lag=1)):
-        loss, grads = loss_and_grads(offloaded_model(), idx)
+    with use_engine(OffloadEngine(streams, min_bytes=0, lag=1)), pytest.raises(FakeStreamError, match="destination"):
+        loss_and_grads(offloaded_model(), tokens())
     assert streams.skipped == 1
-    assert not grads_equal(grads, want[1])  # the recompute ran on an input that had not arrived
 
 
 def test_a_missing_wait_before_freeing_a_copied_input_is_detected():
@@ -238,6 +238,245 @@ def test_use_engine_refuses_something_else():
     with pytest.raises(TypeError, match="OffloadEngine"):
         with use_engine(FakeStreams()):
             pass
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A backward that stops early, or another graph: no device tensor is freed while a copy still writes into it.
+
+
+class RaisesInBackward(torch.autograd.Function):
+    """Identity in forward; its backward raises while ``armed``: an out-of-memory in the middle of backward."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if RaisesInBackward.armed:
+            raise RuntimeError("out of memory (simulated)")
+        return grad
+
+
+class FailingBlock(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return RaisesInBackward.apply(self.block(x))
+
+
+def held_device_tensors(engine: OffloadEngine) -> int:
+    return sum(f.source is not None for f in engine._in_flight) + len(engine._landing)
+
+
+def test_an_exception_in_backward_after_a_prefetch_holds_the_copy_destination():
+    """Layer 3's backward starts bringing back layer 2's inputs, then fails: layer 2's handles die with their copies
+    in flight. The engine must hold those destinations until the copies land (the fake raises otherwise)."""
+    idx = tokens()
+    model = tiny_transformer(n_layer=N_LAYER, dropout=0.1)
+    model.blocks[3] = FailingBlock(model.blocks[3])
+    apply_checkpointing(model, layer_cls=Block, offload=True)
+    streams = FakeStreams(seed=0, complete_probability=0.0)
+    with use_engine(OffloadEngine(streams, min_bytes=0, lag=0)) as engine:  # lag=0: inputs come back by copies
+        RaisesInBackward.armed = True
+        try:
+            with pytest.raises(RuntimeError, match="simulated"):
+                loss_and_grads(model, idx)
+        finally:
+            RaisesInBackward.armed = False
+        gc.collect()
+        assert engine.stats.to_device_copies >= 1  # a prefetch was in flight when the graph died
+        streams.synchronize()  # the destinations are alive: the copies land
+        got = loss_and_grads(model, idx)  # and the engine works on
+    want_model = tiny_transformer(n_layer=N_LAYER, dropout=0.1)
+    want_model.blocks[3] = FailingBlock(want_model.blocks[3])
+    apply_checkpointing(want_model, layer_cls=Block)
+    assert_bit_equal(got, loss_and_grads(want_model, idx))
+
+
+def test_autograd_grad_over_part_of_the_graph_holds_the_copy_destination():
+    """Gradients for the output of block 2 only: the backward of blocks 5 to 3 runs, block 3's prefetches block 2's
+    inputs, which no backward then uses; dropping the graph must not free them under their copies."""
+    idx = tokens()
+
+    def partial(model: nn.Module) -> torch.Tensor:
+        torch.manual_seed(0)
+        outs = []
+        hook = model.blocks[2].register_forward_hook(lambda m, i, o: outs.append(o))
+        loss = model(idx).logsumexp(-1).mean()
+        hook.remove()
+        return torch.autograd.grad(loss, outs[0])[0]
+
+    want = partial(reference_model())
+    streams = FakeStreams(seed=1, complete_probability=0.0)
+    with use_engine(OffloadEngine(streams, min_bytes=0, lag=0)) as engine:
+        got = partial(offloaded_model())
+        gc.collect()
+        assert engine.stats.to_device_copies == 3  # blocks 4, 3 and 2 came back; block 2's were never used
+        streams.synchronize()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_backward_prefetches_only_its_own_graph():
+    """Forward A, forward B, backward B, drop A: B's first block must not bring back A's inputs."""
+    idx = tokens()
+    want = reference(idx)
+    model = offloaded_model()
+    streams = FakeStreams(seed=2, complete_probability=0.0)
+    with use_engine(OffloadEngine(streams, min_bytes=0, lag=N_LAYER)) as engine:
+        torch.manual_seed(7)
+        loss_a = model(idx).logsumexp(-1).mean()
+        got = loss_and_grads(model, idx)
+        stats = engine.stats
+        assert stats.to_device_copies + stats.reused_sources == N_LAYER  # B's inputs, none of A's
+        assert stats.prefetched == N_LAYER - 1
+        del loss_a
+        gc.collect()
+        streams.synchronize()
+    assert_bit_equal(got, want)
+
+
+def reference_model() -> nn.Module:
+    model = tiny_transformer(n_layer=N_LAYER, dropout=0.1)
+    apply_checkpointing(model, layer_cls=Block)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fewer copies: the newest layer's inputs, and a storage saved by every layer
+
+
+def test_backward_starts_on_the_newest_layers_device_tensors():
+    """Every forward copy finished at once; the last block's inputs are still held on the device when backward starts,
+    so only the other blocks' come back through copies, and nothing is held after the step."""
+    idx = tokens()
+    model = offloaded_model()
+    with use_engine(OffloadEngine(FakeStreams(seed=0, complete_probability=1.0), min_bytes=0)) as engine:
+        for step in range(1, 3):
+            got = loss_and_grads(model, idx)
+            assert engine.stats.reused_sources == step
+            assert engine.stats.reused_bytes == step * INPUT_BYTES
+            assert engine.stats.to_device_copies == step * (N_LAYER - 1)
+            assert engine.stats.to_device_bytes == step * (N_LAYER - 1) * INPUT_BYTES
+            assert held_device_tensors(engine) == 0
+        model(idx)  # a forward whose graph is dropped: its newest inputs are let go with it
+        gc.collect()
+        assert held_device_tensors(engine) == 0
+    assert_bit_equal(got, reference(idx))
+
+
+class SharedBiasBlock(nn.Module):
+    """A block that takes the hidden state and a tensor shared by every layer (a mask, rotary embeddings)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x, bias):
+        return x + torch.tanh(self.lin(x) * bias)
+
+
+class SharedBiasModel(nn.Module):
+    def __init__(self, n_layer: int, width: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("bias", torch.randn(width))
+        self.blocks = nn.ModuleList(SharedBiasBlock(width) for _ in range(n_layer))
+
+    def forward(self, x):
+        shared = (self.bias * 2).expand(x.shape).contiguous()  # one storage, saved by every block
+        for block in self.blocks:
+            x = block(x, shared)
+        return x.square().mean()
+
+
+def test_a_storage_saved_by_every_layer_is_copied_once_each_way():
+    x = torch.randn(BATCH, SEQ, WIDTH, requires_grad=True)
+    plain = SharedBiasModel(N_LAYER, WIDTH)
+    plain(x).backward()
+    want = {n: p.grad.clone() for n, p in plain.named_parameters()} | {"x": x.grad.clone()}
+    x.grad = None
+    model = SharedBiasModel(N_LAYER, WIDTH)
+    apply_checkpointing(model, layer_cls=SharedBiasBlock, offload=True)
+    with use_engine(OffloadEngine(FakeStreams(seed=4, complete_probability=0.0), min_bytes=0)) as engine:
+        with SavedTensorCounter(exclude=model.parameters()) as saved:
+            loss = model(x)
+        stats = engine.stats
+        assert stats.to_host_copies == N_LAYER + 1  # each block's hidden state, and the shared tensor once
+        assert stats.shared == N_LAYER - 1 and stats.shared_bytes == (N_LAYER - 1) * INPUT_BYTES
+        assert stats.offloaded_bytes == saved.offloaded_bytes == (N_LAYER + 1) * INPUT_BYTES  # what MemoryMonitor logs
+        loss.backward()
+        assert stats.to_device_copies + stats.reused_sources == N_LAYER + 1  # and it came back once
+    got = {n: p.grad for n, p in model.named_parameters()} | {"x": x.grad}
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_storage_changed_in_place_is_copied_again():
+    engine = OffloadEngine(FakeStreams(), min_bytes=0)
+    tensor = torch.arange(16.0)
+    first = engine.pack(tensor, group=1)
+    assert engine.pack(tensor, group=2) is first
+    engine.streams.synchronize()  # the first copy has landed before the change
+    tensor.add_(1)
+    second = engine.pack(tensor, group=3)
+    assert second is not first
+    engine.release()
+    assert torch.equal(engine.unpack(second), tensor) and torch.equal(engine.unpack(first), tensor - 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layouts, pinned memory and the engine registry
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last),
+                                  lambda: torch.randn(8, 6).t(), lambda: torch.randn(4, 8)[:, ::2]],
+                         ids=["channels_last", "transposed", "strided_slice"])
+def test_tensors_come_back_with_their_layout(make):
+    tensor = make()
+    engine = OffloadEngine(FakeStreams(), min_bytes=0)
+    packed = engine.pack(tensor, group=1)
+    engine.release()  # the forward copy is done and the engine let go of the original: the copy path runs
+    restored = engine.unpack(packed)
+    assert engine.stats.to_device_copies == 1
+    assert torch.equal(restored, tensor)
+    assert restored.stride() == torch.empty_like(tensor).stride()  # dense layouts kept; gaps closed
+    if tensor.is_contiguous(memory_format=torch.channels_last) or tensor.t().is_contiguous():
+        assert restored.stride() == tensor.stride()
+
+
+def test_pinned_memory_is_counted_as_pinned_and_unpinned_when_released():
+    """The fake models torch's caching host allocator: power-of-two sizes, and dropped buffers stay pinned until its
+    cache is emptied. The pool counts what is really pinned, and dropping or releasing buffers unpins them."""
+    streams = FakeStreams(seed=0)
+    engine = OffloadEngine(streams, min_bytes=0)
+    model = offloaded_model()
+    small, large = tokens()[:3], tokens()  # 6 KiB inputs: pinned as 8 KiB
+    with use_engine(engine):
+        loss_and_grads(model, small)
+        gc.collect()
+        assert engine.pool.allocated_bytes == streams.pinned_bytes >= N_LAYER * pinned_size(3 * SEQ * WIDTH * 4)
+        loss_and_grads(model, large)  # larger inputs: the small buffers are dropped, and unpinned
+        gc.collect()
+        assert engine.pool.allocated_bytes == streams.pinned_bytes
+        assert streams.cached_host_bytes == 0
+    engine.release()
+    gc.collect()
+    assert streams.pinned_bytes == 0
+
+
+def test_threads_share_one_engine_per_device():
+    engines = []
+    threads = [threading.Thread(target=lambda: engines.append(offload.default_engine("cpu"))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+        thread.join()
+    assert len(engines) == 3 and all(e is engines[0] for e in engines)
+    assert engines[0] is offload.default_engine("cpu")
 
 
 # ----------------------------------------------------------------------------------------------------------------
