@@ -14,11 +14,11 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 
-from helpers import loss_and_grads, tiny_transformer, tokens
+from helpers import loss_and_grads
 from lightning_ckpt import GradientCheckpointing, MemoryMonitor, apply_checkpointing
 from lightning_ckpt.demos import GPT, Block, CountingDataModule
 from lightning_ckpt.monitor import GIB, PEAK_ALLOCATED, PEAK_RESERVED, STEP_SEC
-from lightning_ckpt.offload import DEFAULT_MIN_BYTES, default_engine
+from lightning_ckpt.offload import DeviceStreams, OffloadEngine, use_engine
 
 pytestmark = pytest.mark.accelerator
 SPIKE_BYTES = 512 * 2**20
@@ -56,22 +56,22 @@ def test_monitor_logs_device_peaks_and_resets_them_every_interval(tmp_path):
 def test_bf16_autocast_checkpointing_keeps_loss_and_gradients(offload):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from lightning_ckpt.demos import Transformer
+
     device = torch.device("cuda", torch.cuda.current_device())
-    idx = tokens().to(device)
-    engine = default_engine(device)
-    engine.min_bytes = 0  # the tiny model's inputs are 8 KiB: with offload, copy every one
-    copies_before = engine.stats.to_host_copies
+    seq, width, batch = 256, 512, 8  # 4 MiB per block input in float32: above the offload threshold
+    idx = torch.randint(0, 32, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
     results = []
-    try:
+    with use_engine(OffloadEngine(DeviceStreams(device))) as engine:
         for checkpointed in (False, True):
-            model = tiny_transformer(dropout=0.1).to(device)
+            torch.manual_seed(0)
+            model = Transformer(32, seq, 6, width, n_head=8, dropout=0.1).to(device)
             if checkpointed:
                 apply_checkpointing(model, layer_cls=Block, offload=offload)
             with sdpa_kernel(SDPBackend.MATH), torch.autocast("cuda", dtype=torch.bfloat16):
                 results.append(loss_and_grads(model, idx))
-    finally:
-        engine.min_bytes = DEFAULT_MIN_BYTES
-    assert engine.stats.to_host_copies - copies_before == (6 if offload else 0)  # one input per block
+        torch.cuda.synchronize()
+    assert engine.stats.to_host_copies == (6 if offload else 0)  # one input per block, each above the threshold
     (loss, grads), (ckpt_loss, ckpt_grads) = results
     assert grads[next(iter(grads))].dtype == torch.float32  # fp32 weights, bf16 compute
     torch.testing.assert_close(ckpt_loss, loss, rtol=0, atol=0)

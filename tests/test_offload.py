@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lightning_ckpt.offload as offload
-from helpers import BATCH, SEQ, WIDTH, loss_and_grads, tiny_transformer, tokens
+from helpers import BATCH, SEQ, VOCAB, WIDTH, loss_and_grads, tiny_transformer, tokens
 from lightning_ckpt import apply_checkpointing
 from lightning_ckpt.demos import Block
 from lightning_ckpt.offload import FakeStreamError, FakeStreams, OffloadEngine, OffloadToHost, pinned_size, use_engine
@@ -483,29 +483,131 @@ def test_threads_share_one_engine_per_device():
 # Accelerator tests: `python benchmarks/accelerator_check.py` runs them (and the benchmark) in one command.
 
 
+ACC_SEQ, ACC_WIDTH, ACC_BATCH = 256, 512, 8
+ACC_INPUT_BYTES = ACC_BATCH * ACC_SEQ * ACC_WIDTH * 4  # 4 MiB per block input: above the 1 MiB threshold
+
+
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-@pytest.mark.accelerator
-def test_accelerator_offload_gradients_are_bit_equal():
+def accelerator_model(offloaded: bool) -> nn.Module:
+    from lightning_ckpt.demos import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(VOCAB, ACC_SEQ, N_LAYER, ACC_WIDTH, n_head=8, dropout=0.1).to(_device())
+    apply_checkpointing(model, layer_cls=Block, offload=offloaded)
+    return model
+
+
+def accelerator_tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (ACC_BATCH, ACC_SEQ), generator=torch.Generator().manual_seed(1)).to(_device())
+
+
+class DelayedStreams(offload.DeviceStreams):
+    """A device control: every side-stream copy starts after the GPU sleeps (about 25 ms on an H100-class clock), so
+    copies are still running when their results are wanted; only the engine's waits make the results right."""
+
+    def __init__(self, device: torch.device, cycles: int = 50_000_000) -> None:
+        super().__init__(device)
+        self.cycles = cycles
+
+    def _delayed(self, src: torch.Tensor, dst: torch.Tensor, after) -> object:
+        for event in after:
+            if event is not None:
+                self._side.wait_event(event)
+        with torch.cuda.stream(self._side):
+            torch.cuda._sleep(self.cycles)
+        return self._copy(src, dst, ())
+
+    def to_host(self, src, dst, after):
+        return self._delayed(src, dst, after)
+
+    def to_device(self, src, dst, after):
+        return self._delayed(src, dst, after)
+
+
+class SkipOneDeviceWait(DelayedStreams):
+    """Delayed copies, fresh device tensors filled with NaN, and the first wait for a host->device copy lost."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.device_events: list = []
+        self.skipped = 0
+
+    def empty_device(self, like, device):
+        return super().empty_device(like, device).fill_(float("nan"))
+
+    def to_device(self, src, dst, after):
+        event = super().to_device(src, dst, after)
+        self.device_events.append(event)
+        return event
+
+    def wait(self, event) -> None:
+        if not self.skipped and any(event is e for e in self.device_events):
+            self.skipped += 1
+            return
+        super().wait(event)
+
+
+def accelerator_loss_and_grads(model: nn.Module, idx: torch.Tensor) -> tuple:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    device = _device()
-    idx = tokens().to(device)
-    results = []
-    for offloaded in (False, True):
-        model = tiny_transformer(n_layer=N_LAYER, dropout=0.1).to(device)
-        apply_checkpointing(model, layer_cls=Block, offload=offloaded)
-        engine = offload.default_engine(device)
-        engine.min_bytes = 0  # the tiny model's inputs are 8 KiB: force every one through the copies
-        with sdpa_kernel(SDPBackend.MATH):  # deterministic kernels, so bit-equality is meaningful
-            results.append(loss_and_grads(model, idx))
-            results.append(loss_and_grads(model, idx))  # reused buffers
-        engine.min_bytes = offload.DEFAULT_MIN_BYTES
-    assert offload.default_engine(device).stats.to_host_copies >= 2 * N_LAYER
-    assert_bit_equal(results[2], results[0])
-    assert_bit_equal(results[3], results[1])
+    with sdpa_kernel(SDPBackend.MATH):  # deterministic kernels, so bit-equality is meaningful
+        return loss_and_grads(model, idx)
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("lag", [0, 2])
+def test_accelerator_delayed_copies_give_bit_equal_gradients(lag):
+    idx = accelerator_tokens()
+    want = accelerator_loss_and_grads(accelerator_model(offloaded=False), idx)
+    model = accelerator_model(offloaded=True)
+    with use_engine(OffloadEngine(DelayedStreams(_device()), lag=lag)) as engine:
+        for _ in range(2):  # the second step runs on reused host buffers
+            assert_bit_equal(accelerator_loss_and_grads(model, idx), want)
+        torch.cuda.synchronize()
+    stats = engine.stats
+    assert stats.to_host_copies == 2 * N_LAYER and stats.offloaded_bytes == 2 * N_LAYER * ACC_INPUT_BYTES
+    assert stats.to_device_copies + stats.reused_sources == 2 * N_LAYER
+    if lag == 0:  # every forward copy waited for: all but the newest layer's inputs came back through copies
+        assert stats.to_device_copies == 2 * (N_LAYER - 1)
+    engine.release()
+
+
+@pytest.mark.accelerator
+def test_accelerator_a_skipped_wait_changes_the_gradients():
+    """Guards the control: with delayed copies, one lost wait must show in the gradients."""
+    idx = accelerator_tokens()
+    want = accelerator_loss_and_grads(accelerator_model(offloaded=False), idx)
+    streams = SkipOneDeviceWait(_device())
+    with use_engine(OffloadEngine(streams, lag=0)) as engine:
+        _, grads = accelerator_loss_and_grads(accelerator_model(offloaded=True), idx)
+        torch.cuda.synchronize()
+    assert streams.skipped == 1
+    assert not grads_equal(grads, want[1])
+    engine.release()
+
+
+@pytest.mark.accelerator
+def test_accelerator_released_pool_leaves_nothing_pinned():
+    """What the pool pins is what torch's host allocator reports, and after release nothing of it is left pinned."""
+    gc.collect()
+    offload._empty_host_cache()
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    idx = accelerator_tokens()
+    model = accelerator_model(offloaded=True)
+    engine = OffloadEngine(offload.DeviceStreams(_device()))
+    with use_engine(engine):
+        for batch in (idx[:2], idx):  # a larger batch drops the smaller buffers
+            accelerator_loss_and_grads(model, batch)
+    torch.cuda.synchronize()
+    gc.collect()
+    assert engine.pool.allocated_bytes >= N_LAYER * ACC_INPUT_BYTES
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] - before == engine.pool.allocated_bytes
+    engine.release()
+    gc.collect()
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] == before
 
 
 @pytest.mark.accelerator
@@ -549,14 +651,18 @@ def test_accelerator_no_buffer_stays_pinned_after_fit(tmp_path):
     from lightning_ckpt.demos import GPT, CountingDataModule
 
     engine = offload.default_engine(_device())
+    offload.release_all()
+    gc.collect()
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    copies = engine.stats.to_host_copies
     engine.min_bytes = 0
     trainer = Trainer(default_root_dir=tmp_path, accelerator="cuda", devices=1, max_steps=3, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[GradientCheckpointing(offload=True)])
     trainer.fit(GPT(), CountingDataModule())
     engine.min_bytes = offload.DEFAULT_MIN_BYTES
-    assert engine.stats.to_host_copies > 0 and engine.pool.allocations > 0
-    offload.release_all()  # what the callback's teardown calls
-    gc.collect()
+    assert engine.stats.to_host_copies > copies and engine.pool.allocations > 0
+    gc.collect()  # the callback's teardown called release_all
     assert engine.pool.allocated_bytes == 0
     assert engine.pool.live_buffers() == 0
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] == before

@@ -252,6 +252,15 @@ def test_offload_copies_of_a_transformers_model_keep_its_gradients():
     model = llama()
     apply_checkpointing(model, offload=True)
     with use_engine(OffloadEngine(FakeStreams(seed=3), min_bytes=0)) as engine:
+        with SavedTensorCounter(exclude=model.parameters()) as saved:
+            loss = hf_loss(model)
+        # every decoder layer saves the same rotary `position_embeddings` (cos, sin): each storage is copied once
+        assert engine.stats.shared >= 2 * (model.config.num_hidden_layers - 1)
+        # (the counter counts each storage once; two views of one storage with other shapes, as `position_ids` of
+        # `cache_position`, are two copies: 256 bytes here). Without sharing it would move `shared_bytes` more.
+        assert saved.offloaded_bytes <= engine.stats.offloaded_bytes <= saved.offloaded_bytes + 1024
+        assert engine.stats.shared_bytes > 1024
+        del loss
         result = loss_and_grads(model)
     assert engine.stats.to_host_copies >= 4
     assert_same(result, ref, atol=0)
