@@ -2,9 +2,10 @@
 
     python benchmarks/accelerator_check.py [--budget-s 280]
 
-Runs ``pytest -m accelerator`` (offload, MemoryMonitor's device peaks, pinned memory, bf16 autocast under
-checkpointing) and ``bench_offload.py`` at 2k/8k/32k within the budget (under 5 minutes on one GPU), and writes both
-into the "gpu" section of benchmarks/RESULTS.md. Exits 1 if a test failed. On a machine without CUDA it prints
+Runs ``pytest -m accelerator`` (offload under delayed copies, MemoryMonitor's device peaks, pinned memory, bf16
+autocast under checkpointing) and ``bench_offload.py`` at 2k/8k/32k within the budget (under 5 minutes on one GPU),
+and writes both into the "gpu" section of benchmarks/RESULTS.md. Exits 1 if a test failed or an offload variant's
+loss or gradients differ from checkpointing without offload. On a machine without CUDA it prints
 "no accelerator", touches nothing and exits 0.
 """
 
@@ -62,8 +63,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     start = time.perf_counter()
     results, test_s = run_tests(timeout_s=args.budget_s * 0.5)
     bench_budget = max(30.0, args.budget_s - (time.perf_counter() - start) - 20.0)
-    _, bench = bench_offload.run([2048, 8192, 32768], steps=3, warmup=1, budget_s=bench_budget)
+    rows, bench = bench_offload.run([2048, 8192, 32768], steps=3, warmup=1, budget_s=bench_budget)
     failed = [name for name, outcome in results if outcome not in ("passed", "skipped")]
+    failed += [f"bench_offload seq {r.seq} {r.variant}: {r.vs_full}" for r in bench_offload.mismatched(rows)]
     lines = [
         "## GPU check (accelerator_check.py)",
         "",

@@ -11,6 +11,9 @@ GPT-style model (20 blocks, hidden 2048, about 1.1B parameters), bf16 autocast w
 
 Step time is the median of the timed steps (forward, backward, SGD step) after warm-up; peak is
 ``torch.cuda.max_memory_allocated`` over those steps. A variant that runs out of memory is reported as such.
+Before timing, at each sequence length, every variant runs one step from the same weights and RNG state, and its loss
+and gradients are compared with ``full`` (checkpointing without offload): offload only moves bytes, so anything but
+bit-equality is a bug, reported in the table, and the script then exits 1.
 Results go to RESULTS.md ("offload"); ``accelerator_check.py`` puts them in its "gpu" section instead.
 
     python benchmarks/bench_offload.py [--steps 3] [--seqs 2048 8192 32768] [--budget-s 200]
@@ -75,6 +78,46 @@ class Row:
     peak_bytes: Optional[int] = None
     offloaded_bytes: int = 0
     note: str = ""
+    vs_full: str = ""  # "bit-equal", or the largest loss/gradient difference from `full`
+
+
+def _loss_and_grads(model: torch.nn.Module, seq: int, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward and backward from fixed inputs and RNG state, without an optimizer step (weights stay)."""
+    model.zero_grad(set_to_none=True)
+    idx = torch.randint(0, model.tok_emb.num_embeddings, (1, seq + 1), generator=torch.Generator().manual_seed(0))
+    idx = idx.to(device)
+    torch.manual_seed(0)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        logits = model(idx[:, :-1])
+    loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def check_equal(model: torch.nn.Module, seq: int, device: torch.device) -> dict[str, str]:
+    """Per variant: "bit-equal" to ``full``'s loss and gradients, or the largest difference, or why it did not run."""
+    verdicts: dict[str, str] = {}
+    reference = None
+    for variant in ("full", *(v for v in VARIANTS if v != "full")):
+        try:
+            with _configure(model, variant):
+                loss, grads = _loss_and_grads(model, seq, device)
+        except torch.OutOfMemoryError:
+            verdicts[variant] = "out of memory"
+            continue
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if reference is None:
+            reference = (loss, grads)
+            verdicts[variant] = "reference"
+            continue
+        diff = max([(loss - reference[0]).abs().item()]
+                   + [(g - r).abs().max().item() for g, r in zip(grads, reference[1])])
+        verdicts[variant] = "bit-equal" if diff == 0 else f"differs: max {diff:.3g}"
+    return verdicts
 
 
 def _sync(device: torch.device) -> None:
@@ -155,11 +198,13 @@ def run(seqs: list[int], steps: int = 3, warmup: int = 1, layers: int = 20, hidd
     started = time.perf_counter()
     with offload_module.use_engine(smoke) if smoke is not None else contextlib.nullcontext():
         for seq in seqs:
+            verdicts = check_equal(model, seq, device) if time.perf_counter() - started <= budget_s else {}
             for variant in VARIANTS:
                 if time.perf_counter() - started > budget_s:
                     rows.append(Row(seq, variant, note=f"not run: over the {budget_s:.0f} s budget"))
                     continue
                 rows.append(measure(model, seq, variant, steps, warmup, device, smoke))
+                rows[-1].vs_full = verdicts.get(variant, "not checked")
                 print(_line(rows[-1]), flush=True)
     remove_checkpointing(model)
     return rows, markdown(rows, n_params, layers, hidden, steps, warmup, cpu_smoke)
@@ -184,13 +229,14 @@ def markdown(rows: list[Row], n_params: int, layers: int, hidden: int, steps: in
         f" (fp32 weights), SGD. Median of {steps} steps after {warmup} warm-up. Machine: {machine()}.",
         *(["", "**CPU smoke run of the script (fake backend): times and peaks mean nothing.**"] if cpu_smoke else []),
         "",
-        "| seq | variant | step time (ms) | vs full | peak allocated (GiB) | peak vs full (GiB) | offloaded/step (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| seq | variant | step time (ms) | vs full | peak allocated (GiB) | peak vs full (GiB) | offloaded/step (GiB)"
+        " | loss and grads vs full |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     full = {r.seq: r for r in rows if r.variant == "full" and r.step_s is not None}
     for r in rows:
         if r.step_s is None:
-            lines.append(f"| {r.seq} | {r.variant} | {r.note} | | | | |")
+            lines.append(f"| {r.seq} | {r.variant} | {r.note} | | | | | {r.vs_full} |")
             continue
         ref = full.get(r.seq)
         ratio = f"{r.step_s / ref.step_s:.3f}" if ref else "-"
@@ -198,7 +244,7 @@ def markdown(rows: list[Row], n_params: int, layers: int, hidden: int, steps: in
                  and ref.peak_bytes is not None else "-")
         offloaded = _gib(r.offloaded_bytes) if r.variant.endswith("(side stream)") else ""
         lines.append(f"| {r.seq} | {r.variant} | {r.step_s * 1e3:.1f} | {ratio} | {_gib(r.peak_bytes)} | {delta}"
-                     f" | {offloaded} |")
+                     f" | {offloaded} | {r.vs_full} |")
     lines.append("")
     for r in rows:
         ref = full.get(r.seq)
@@ -225,16 +271,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny run on the CPU with the fake backend")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
-        _, text = run([16, 32], steps=1, warmup=1, layers=2, hidden=32, cpu_smoke=True)
+        rows, text = run([16, 32], steps=1, warmup=1, layers=2, hidden=32, cpu_smoke=True)
         print(text)
-        return 0
+        return 1 if mismatched(rows) else 0
     if not torch.cuda.is_available():
         print("bench_offload.py needs an accelerator (CUDA): no accelerator here, nothing measured.")
         return 0
-    _, text = run(args.seqs, args.steps, args.warmup, args.layers, args.hidden, args.budget_s)
+    rows, text = run(args.seqs, args.steps, args.warmup, args.layers, args.hidden, args.budget_s)
     write_section("offload", text)
     print(text)
-    return 0
+    return 1 if mismatched(rows) else 0
+
+
+def mismatched(rows: list[Row]) -> list[Row]:
+    """Rows whose loss or gradients differ from ``full``'s."""
+    return [r for r in rows if r.vs_full.startswith("differs")]
 
 
 if __name__ == "__main__":
