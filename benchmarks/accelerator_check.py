@@ -65,7 +65,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     bench_budget = max(30.0, args.budget_s - (time.perf_counter() - start) - 20.0)
     rows, bench = bench_offload.run([2048, 8192, 32768], steps=3, warmup=1, budget_s=bench_budget)
     failed = [name for name, outcome in results if outcome not in ("passed", "skipped")]
-    failed += [f"bench_offload seq {r.seq} {r.variant}: {r.vs_full}" for r in bench_offload.mismatched(rows)]
+    mismatched = [f"seq {r.seq} {r.variant}: {r.vs_full}" for r in bench_offload.mismatched(rows)]
     lines = [
         "## GPU check (accelerator_check.py)",
         "",
@@ -83,7 +83,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ]
     write_section("gpu", "\n".join(lines))
     print("\n".join(lines))
-    return 1 if failed else 0
+    return 1 if failed or mismatched else 0
 
 
 if __name__ == "__main__":
