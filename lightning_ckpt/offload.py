@@ -655,7 +655,9 @@ class OffloadEngine:
                 continue
             flight.source = None
         self._in_flight = keep
-        self._landing = [(t, e) for t, e in self._landing if not self.streams.done(e)]
+        # A handle that dies meanwhile (garbage collection can run here) appends to the new list, not the old one.
+        landing, self._landing = self._landing, []
+        self._landing.extend((t, e) for t, e in landing if not self.streams.done(e))
 
     def _link(self, tensor: torch.Tensor, group: int) -> None:
         """Note which earlier checkpointed layer of this graph ``tensor`` (an input of ``group``) comes from, and keep
@@ -740,9 +742,10 @@ def _latest_tagged(start: Any, group: int) -> Optional[int]:
             break
         node = stack.pop()
         tag = node.metadata.get(_GROUP_TAG)
-        if tag is not None and tag < group:
-            latest = tag if latest is None else max(latest, tag)
-            continue  # a layer's own graph lies behind its inputs: nothing later is there
+        if tag is not None and tag <= group:
+            if tag < group:
+                latest = tag if latest is None else max(latest, tag)
+            continue  # behind an earlier layer's input lies nothing later; behind this layer's, the walk has been
         for parent, _ in node.next_functions:
             if parent is not None and parent not in seen:
                 seen.add(parent)
