@@ -473,6 +473,7 @@ COMMAND_CASES: dict[str, Case] = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")  # pytest's own argv
 def test_fit_shows_the_callbacks_message(tmp_path):
     """`lightning-ckpt fit` builds the callback through LightningCLI, whose error quotes ours."""
     base = yaml.safe_load(TINY.read_text())
