@@ -97,6 +97,9 @@ BASELINE = "none"
 DEFAULT_STEPS, DEFAULT_ROUNDS, DEFAULT_WARMUP = 30, 3, 2
 #: With fewer timed steps than this (either side), no verdict on time is given.
 MIN_TIMED_STEPS = 10
+#: Why a variant that ran without an error has nothing to show.
+NO_STEPS = ("the run trained no step, so the monitor logged nothing. Check the config's `limit_train_batches` and"
+            " `max_steps` (compare sets `max_steps` itself), and that the training dataloader is not empty.")
 CONFIDENCE = 0.95
 RESAMPLES = 2000
 
@@ -466,7 +469,10 @@ class VariantResult:
 
 
 def read_monitor_csv(path: Path) -> list[dict[str, float]]:
-    """The rows :class:`~lightning_ckpt.monitor.MemoryMonitor` wrote to a CSVLogger ``metrics.csv``, as floats."""
+    """The rows :class:`~lightning_ckpt.monitor.MemoryMonitor` wrote to a CSVLogger ``metrics.csv``, as floats
+    (none when the run logged nothing, and so wrote no file)."""
+    if not path.exists():
+        return []
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in rows if row.get(STEP_SEC)]
@@ -478,7 +484,7 @@ def measurements(name: str, runs: Sequence[tuple[Sequence[Mapping[str, float]], 
     """One variant from its processes' ``(monitor rows, result.json)``: peaks over every step of every process;
     step times per process after its first ``warmup`` steps; throughput as the median over those steps."""
     if not runs or not all(rows for rows, _ in runs):
-        raise ValueError(f"{name}: the monitor logged nothing")
+        raise ValueError(f"{name}: {NO_STEPS}")
     rows = [row for run_rows, _ in runs for row in run_rows]
     timed = [row for run_rows, _ in runs for row in run_rows[warmup:]]
     result = runs[0][1]
@@ -694,19 +700,20 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     if args.worker is not None:
         return args
     if args.config is None:
-        parser.error("--config is required")
+        parser.error("--config is required: pass the LightningCLI YAML of the run to compare, e.g. --config"
+                     " configs/tiny.yaml")
     if not args.config.is_file():
-        parser.error(f"--config {args.config}: no such file")
+        parser.error(f"--config {args.config}: no such file; pass the path of a LightningCLI YAML config")
     for option, least in (("steps", 1), ("rounds", 1), ("warmup", 0)):
         if getattr(args, option) < least:
-            parser.error(f"--{option} must be >= {least}")
+            parser.error(f"--{option} must be >= {least}, got {getattr(args, option)}")
     try:
         args.base = yaml.safe_load(args.config.read_text()) or {}
     except yaml.YAMLError as err:
-        parser.error(f"--config {args.config}: not valid YAML ({err})")
+        parser.error(f"--config {args.config}: not valid YAML ({err}); pass a LightningCLI YAML config")
     if not isinstance(args.base, Mapping):
-        parser.error(f"--config {args.config}: expected a LightningCLI config (a mapping),"
-                     f" got {type(args.base).__name__}")
+        parser.error(f"--config {args.config}: expected a LightningCLI config (a mapping of trainer, model, data),"
+                     f" got a {type(args.base).__name__}")
     allowed = available_variants(args.base)
     names = allowed if args.variants is None else [n.strip() for n in args.variants.split(",") if n.strip()]
     if PLANNED in names and PLANNED not in allowed:
@@ -771,10 +778,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[{i}/{len(order)}] round {r + 1}/{len(per_round)} {name} ({DESCRIPTIONS[name]}) ...", end=" ",
               flush=True)
         got, seconds = _run_process(run_dir, os.environ)
-        if got is None:
+        if got is None or not got[0]:
             log = run_dir / "worker.log"
-            print(f"FAILED after {seconds:.1f} s; last lines of {log}:\n{_tail(log)}", flush=True)
-            failed[name] = f"see {log.relative_to(out_dir)}"
+            if got is None:
+                print(f"FAILED after {seconds:.1f} s; last lines of {log}:\n{_tail(log)}", flush=True)
+            else:
+                print(f"FAILED: {NO_STEPS}", flush=True)
+            failed[name] = f"see {log.relative_to(out_dir)}" if got is None else "trained no step"
             if name == BASELINE:
                 print("compare: the run without checkpointing failed; nothing to compare against.", file=sys.stderr)
                 return 2

@@ -144,7 +144,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     if args.config is None:
         parser.error("--config is required: pass the LightningCLI YAML of the run to plan, e.g. --config configs/tiny.yaml")
     if not args.config.is_file():
-        parser.error(f"--config {args.config}: no such file")
+        parser.error(f"--config {args.config}: no such file; pass the path of a LightningCLI YAML config")
     if args.memory_budget is not None:
         try:
             args.memory_budget = parse_budget_arg(args.memory_budget)
@@ -301,8 +301,9 @@ def batch_size_of(batch: Any) -> int:
     """The first dimension of the first tensor in ``batch``."""
     leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
     if not leaves or leaves[0].dim() == 0:
-        raise ValueError("plan: the training batch has no tensor with a batch dimension; batches must be tensors, or"
-                         " tuples/lists/dicts of tensors, with the batch first.")
+        got = f"a 0-d tensor first in a {type(batch).__name__}" if leaves else f"a {type(batch).__name__} of no tensor"
+        raise ValueError(f"plan: the training batch has no tensor with a batch dimension (got {got}). Make the"
+                         " dataloader yield tensors, or tuples/lists/dicts of tensors, with the batch first.")
     return leaves[0].shape[0]
 
 
@@ -325,7 +326,8 @@ def batch_of_size(loader: Any, size: int) -> Any:
     flat = [tree_flatten(b) for b in batches]
     spec = flat[0][1]
     if any(s != spec for _, s in flat):
-        raise ValueError("plan: the loader's batches differ in structure; cannot make a batch of another size.")
+        raise ValueError("plan: the loader's batches differ in structure (keys, or tuple/list layout); cannot make a"
+                         f" batch of {size} samples from them. Make the dataloader yield every batch in one structure.")
     # A copy of exactly `size` rows: a slice would keep (and count) the whole concatenated storage.
     leaves = [torch.cat(parts)[:size].clone() if isinstance(parts[0], torch.Tensor) else parts[0]
               for parts in zip(*(leaves for leaves, _ in flat))]
@@ -339,7 +341,8 @@ def _cycle(loader: Any) -> Iterator[Any]:
             empty = False
             yield batch
         if empty:
-            raise ValueError("plan: the training dataloader is empty.")
+            raise ValueError("plan: the training dataloader is empty: check the data's settings in the config (the"
+                             " number of samples, `batch_size` with `drop_last`).")
 
 
 def _on_device(built: Built, batch: Any) -> Any:
@@ -353,8 +356,9 @@ def _on_device(built: Built, batch: Any) -> Any:
 def _loss(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, torch.Tensor):
-        raise ValueError("plan: `training_step` returned no loss (manual optimization?). `plan` measures models whose"
-                         " training_step returns the loss, or a dict with 'loss'.")
+        what = "None" if output is None else f"a {type(output).__name__} without a tensor 'loss'"
+        raise ValueError(f"plan: `training_step` returned {what} (manual optimization?)."
+                         " `plan` measures models whose training_step returns the loss, or a dict with 'loss': return it.")
     return loss
 
 
@@ -686,7 +690,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     config_budget = built.memory_budget if built.memory_budget not in (None, "auto") else None
     budget = args.memory_budget if args.memory_budget is not None else config_budget or DEFAULT_BUDGET
 
-    size = batch_size_of(next(iter(built.loader)))
+    size = batch_size_of(next(_cycle(built.loader)))
     main_m = measure(built, size)
     other = None
     if args.device_memory is not None:

@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_ckpt.callback as callback_module
@@ -167,6 +167,29 @@ def test_resume_applies_the_saved_plan_from_the_first_step_without_measuring(tmp
     assert resumed.checkpointed_layers == chosen
 
 
+class ChangeSettingAfter(Callback):
+    """Sets ``callback.<name> = value`` at the end of training batch ``batch_idx`` (after the plan is applied)."""
+
+    def __init__(self, callback: GradientCheckpointing, batch_idx: int, name: str, value: object) -> None:
+        self.callback, self.batch_idx, self.name, self.value = callback, batch_idx, name, value
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.batch_idx:
+            setattr(self.callback, self.name, self.value)
+
+
+def test_a_new_budget_drops_the_plan_and_measures_again_on_the_next_batch(reference):
+    callback = GradientCheckpointing(memory_budget=0.5)
+    model, _ = run(callbacks=[callback, ChangeSettingAfter(callback, 1, "memory_budget", 0.3)], max_steps=4)
+    chosen = planned(callback)
+    assert callback.plan.budget_bytes == int(0.3 * callback.plan.baseline_bytes)  # solved for the new budget
+    half = model.seen[1]
+    assert 0 < len(half) < len(chosen) <= N_LAYER  # a tighter budget checkpoints more layers
+    # batch 3 runs fully checkpointed again (the measuring step), batch 4 with the new plan
+    assert model.seen == [BLOCKS, half, BLOCKS, chosen]
+    assert model.held[3] <= 0.3 * reference.held[2] * 1.02
+
+
 @pytest.mark.parametrize("first", [{"memory_budget": 0.5}, {"every_n_layers": 2}])
 def test_memory_budget_and_every_n_layers_are_two_ways_of_choosing(first):
     with pytest.raises(ValueError, match="two ways of choosing.*Pass one"):
@@ -230,11 +253,14 @@ class FakeGather:
 
 def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device():
     mine = _Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)], 7)
-    other_row = [120, 8, 45, 0, 40, 9, 1, 150, 12, 20, 0, 70, 1, 1, 3] + [900, 50, 9]
+    other_row = [120, 8, 45, 0, 40, 9, 1, 150, 12, 20, 0, 70, 1, 1, 13] + [900, 50, 9]  # the other rank: 13 outside
     measured, figures = _combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])
     assert [(c.name, c.none_bytes, c.full_bytes, c.selective_bytes, c.full_flops, c.selective_flops)
             for c in measured.costs] == [("a", 120, 10, 45, 50, 9), ("b", 200, 12, 30, 70, 6)]
-    assert measured.outside_bytes == 7 and figures == [900, 50, 11]
+    assert measured.outside_bytes == 13 and figures == [900, 50, 11]
+    # and the other way round: this rank's larger outside bytes are kept
+    other_row[14] = 3
+    assert _combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])[0].outside_bytes == 7
 
 
 def test_the_plan_table_reaches_a_logger_that_takes_text(tmp_path):

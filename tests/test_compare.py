@@ -27,6 +27,7 @@ from lightning_ckpt.compare import (
     render_markdown,
     schedule,
     time_difference,
+    to_json,
     variant_config,
 )
 
@@ -195,6 +196,18 @@ def test_three_steps_give_no_verdict():
     diff = time_difference([[0.010, 0.011, 0.012]], [[0.008, 0.0085, 0.009]])
     assert diff.timed_steps == 3 < MIN_TIMED_STEPS
     assert diff.describe() == "n/a: 3 timed steps, too few to tell"
+
+
+def test_unequal_timed_steps_give_no_verdict_when_either_side_has_too_few():
+    many, few = step_samples(seed=1), [[0.008, 0.0085, 0.009]]  # 30 timed steps against 3
+    for base, other in ((many, few), (few, many)):
+        diff = time_difference(base, other)
+        assert diff.timed_steps == 3 and not diff.enough_steps
+        assert diff.describe() == "n/a: 3 timed steps, too few to tell"
+    results = [synthetic("none", many), synthetic("every_layer", few)]
+    row = table(render_markdown(results, "synthetic", 1e-3, 1e-6))["every_layer"]
+    assert row["time lost"] == "n/a: 3 timed steps, too few to tell" and row["timed steps"] == "3"
+    assert to_json(results, {})["variants"][1]["time_lost"]["enough_steps"] is False
 
 
 def test_plot_draws_interquartile_error_bars(tmp_path):

@@ -3,6 +3,8 @@ recompute sees the state the forward saw."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -254,3 +256,58 @@ def test_checkpointing_still_recomputes_with_state():
     assert flops[1] > flops[0]
     remove_checkpointing(model)
     assert count_flops(lambda: nn.functional.cross_entropy(model(x), y).backward()) == flops[0]
+
+
+class WarmupScale(nn.Module):
+    """Leaves its ``scale`` buffer alone on its first training call (a warm-up), then doubles it on every later one
+    (replacing the tensor, as an out-of-place update does). The output is scaled by it: a recompute that saw the
+    doubled value would give gradients twice as large."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x) * self.scale
+        if self.training:
+            if self.calls > 0:
+                self.scale = self.scale * 2
+            self.calls += 1
+        return y
+
+
+def test_a_buffer_first_changed_on_a_later_call_warns_once_and_is_restored_from_then_on():
+    torch.manual_seed(0)
+    model = nn.Sequential(WarmupScale(), WarmupScale())
+    apply_checkpointing(model, layer_cls=WarmupScale)
+    x = torch.randn(4, 8)
+
+    def step(m: nn.Module) -> None:
+        m.zero_grad(set_to_none=True)
+        m(x).square().sum().backward()
+
+    with warnings.catch_warnings(record=True) as first:
+        warnings.simplefilter("always")
+        step(model)  # learns: only `calls` changes
+    assert [str(w.message) for w in first] == []
+    with pytest.warns(UserWarning, match=r"WarmupScale changed buffers \(scale\) that its first training call left"
+                                         r" alone.*restored around every recompute") as second:
+        step(model)
+    assert len([w for w in second if "changed buffers" in str(w.message)]) == 2  # once per layer
+
+    # From the third call on, the layer is recomputed with `scale` as its forward saw it: a plain model started
+    # from the same state trains the same, to the bit, and ends with the same buffers.
+    plain = nn.Sequential(WarmupScale(), WarmupScale())
+    plain.load_state_dict(model.state_dict())
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            step(model)
+            step(plain)
+            for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+            _assert_same_state(model, plain, atol=0)
+    assert float(model[0].scale) == 8.0 and int(model[0].calls) == 4
+    assert [str(w.message) for w in later] == []  # warned once, then restored silently

@@ -1,4 +1,4 @@
-"""The byte counter itself: it counts what autograd saves and keeps nothing alive."""
+"""The counters themselves: bytes saved for backward (counting keeps nothing alive) and the FLOPs of a recompute."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import gc
 import weakref
 
 import torch
+from torch import nn
 
-from lightning_ckpt.profiling import SavedTensorCounter
+from lightning_ckpt.planner import plan_checkpointing
+from lightning_ckpt.profiling import OpCostMode, SavedTensorCounter, count_flops
+
+aten = torch.ops.aten
 
 
 def test_counting_keeps_no_saved_output_alive():
@@ -34,3 +38,32 @@ def test_an_outer_counter_still_sees_what_an_inner_one_counts():
     assert inner.bytes == 4000
     assert outer.bytes == 8000  # y (saved by tanh inside) and z, once each
     assert z.requires_grad
+
+
+class ExpTanh(nn.Module):
+    """Element-wise ops only: what torch's ``FlopCounterMode`` counts as free, yet a recompute runs them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.exp(x))
+
+
+def test_element_wise_ops_cost_one_flop_per_output_element():
+    x = torch.randn(4, 8, requires_grad=True)
+    layer = ExpTanh()
+    assert count_flops(lambda: layer(x)) == 0  # torch's counter: no formula for them
+    with OpCostMode() as cost:
+        layer(x)
+    assert all(flops == 0 for flops, op in cost.log if op.is_view)  # e.g. the detach of a saved output
+    assert [(flops, op.overloadpacket) for flops, op in cost.log if not op.is_view] == [(32, aten.exp), (32, aten.tanh)]
+    assert cost.total == 64
+
+
+def test_the_plan_prices_recomputing_element_wise_layers():
+    """Two element-wise layers; each holds its exp and tanh outputs un-checkpointed (2 x 128 bytes), its input fully
+    checkpointed (128 bytes). Half the bytes means both fully checkpointed: exp and tanh recomputed in each."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ExpTanh(), ExpTanh())
+    x = torch.randn(4, 8, requires_grad=True)
+    plan = plan_checkpointing(model, lambda: model(x).sum(), 0.5, layer_cls=ExpTanh, modes=("full",))
+    assert plan.baseline_bytes == 2 * 256 and plan.layers == {"0": "full", "1": "full"}
+    assert plan.recompute_flops == 2 * (32 + 32)

@@ -314,3 +314,59 @@ def test_is_checkpointed_marks_only_selected_layers():
     apply_checkpointing(model, every_n_layers=3)
     assert [i for i, b in enumerate(model.blocks) if is_checkpointed(b)] == [0, 3]
     assert not is_checkpointed(model)
+
+
+class SelfCheckpointingMlp(nn.Module):
+    """An MLP that runs itself under torch's checkpoint when its ``gradient_checkpointing`` flag is on, as
+    Transformers' modules do."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.gradient_checkpointing = False
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gradient_checkpointing and self.training:
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp: nn.Module = SelfCheckpointingMlp(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+@pytest.mark.parametrize("inner", ["checkpoint_wrapper", "own_flag"])
+def test_a_layer_with_a_checkpoint_inside_is_left_to_it(inner):
+    """Layer 1's MLP already runs under a checkpoint (torch's CheckpointWrapper, or its own flag): checkpointing
+    layer 1 around it would recompute the MLP twice, so layer 1 is left to it and every op is recomputed once."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[Residual() for _ in range(3)])
+    model = copy.deepcopy(plain)
+    if inner == "checkpoint_wrapper":
+        model[1].mlp = checkpoint_wrapper(model[1].mlp)
+    else:
+        model[1].mlp.gradient_checkpointing = True
+    x = torch.randn(8, 16)
+
+    def step(m: nn.Module) -> None:
+        m(x).square().sum().backward()
+
+    assert apply_checkpointing(model, layer_cls=Residual) == ["0", "2"]
+    with torch.no_grad():  # forward FLOPs: what a recompute costs
+        block, mlp = count_flops(lambda: plain[0](x)), count_flops(lambda: plain[1].mlp(x))
+    assert block > 0 and mlp > 0
+    with set_checkpoint_early_stop(False):  # each recompute runs its whole forward, whoever checkpoints
+        assert count_flops(lambda: step(model)) == count_flops(lambda: step(plain)) + 2 * block + mlp
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)

@@ -1,0 +1,659 @@
+"""Every error the package raises, met as a new user meets it.
+
+Each case triggers one error from the public surface (the callback, ``apply_checkpointing``, ``plan_checkpointing``,
+the ``lightning-ckpt`` commands, and the few public helpers that raise on their own) and checks that the message
+names the bad value and says what to pass or do instead. Each message's fixed part is a line of the README's
+Troubleshooting section, and every ``raise`` (and ``parser.error``) in the package has a case here, or a reason in
+:data:`NOT_A_USER_ERROR` why a user cannot meet it.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.strategies import FSDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_ckpt
+from lightning_ckpt import GradientCheckpointing, MemoryMonitor, apply_checkpointing
+from lightning_ckpt.callback import auto_memory_budget
+from lightning_ckpt.cli import main as cli_main
+from lightning_ckpt.compare import measurements
+from lightning_ckpt.demos import GPT, Block
+from lightning_ckpt.offload import FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.planner import LayerCost, make_plan, plan_checkpointing
+
+ROOT = Path(__file__).parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+PACKAGE = Path(lightning_ckpt.__file__).parent
+
+
+@dataclass(frozen=True)
+class Case:
+    """One error: where it is raised (``module.function``, as :func:`raise_sites` names it), how a user triggers it,
+    and what its message must say: the bad value, what to do instead, and the fixed text the README quotes."""
+
+    where: str
+    trigger: Callable[[], Any]
+    error: type[Exception]
+    bad: str
+    fix: str
+    readme: str
+
+
+def blocks(n: int = 2) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(8, 2) for _ in range(n)])
+
+
+def step_of(model: nn.Module) -> Callable[[], torch.Tensor]:
+    x = torch.randn(2, 4, 8)
+    return lambda: model(x).sum()
+
+
+def tiny_gpt() -> GPT:
+    return GPT(vocab_size=32, block_size=8, n_layer=2, n_embd=16, n_head=2)
+
+
+def cpu_trainer(**kwargs: Any) -> Trainer:
+    return Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, **kwargs)
+
+
+def setup_callback(callback: GradientCheckpointing, trainer: Any) -> None:
+    callback.setup(trainer, tiny_gpt(), "fit")
+
+
+def two_callbacks() -> None:
+    """Lightning refuses two at ``Trainer(callbacks=...)`` (stateful callbacks of one type); one added later reaches
+    the strategies, which look the callback up."""
+    trainer = cpu_trainer(callbacks=[GradientCheckpointing(every_n_layers=2)])
+    trainer.callbacks.append(GradientCheckpointing())
+    _strategies().find_checkpointing_callback(trainer)
+
+
+def wrapped_after_the_callback() -> None:
+    """A wrapper added after the callback checkpointed, as ``apply_activation_checkpointing`` in a user's hook does."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    trainer, module, callback = cpu_trainer(), tiny_gpt(), GradientCheckpointing()
+    callback.setup(trainer, module, "fit")
+    module.configure_model()  # what the Trainer runs next; the callback checkpoints right after it
+    module.model.blocks[0] = checkpoint_wrapper(module.model.blocks[0])
+    callback.on_fit_start(trainer, module)
+
+
+def several_block_classes() -> nn.Module:
+    return nn.ModuleDict({"a": nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
+                          "b": nn.ModuleList([nn.Conv1d(2, 2, 1), nn.Conv1d(2, 2, 1)])})
+
+
+def nested() -> None:
+    model = blocks()
+    apply_checkpointing(model, layer_cls=Block)
+    apply_checkpointing(model, layer_cls=nn.Linear)
+
+
+class FakeCache:
+    """Duck-typed like Transformers' ``Cache``."""
+
+    def update(self, *args: Any) -> None: ...
+
+    def get_seq_length(self) -> int:
+        return 0
+
+
+class CachedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, past_key_values: Any = None) -> torch.Tensor:
+        return self.linear(x)
+
+
+def cache_in_training() -> None:
+    model = nn.ModuleList([CachedBlock(), CachedBlock()])
+    apply_checkpointing(model)
+    model[0](torch.randn(2, 4, requires_grad=True), past_key_values=FakeCache())
+
+
+def a_plan() -> Any:
+    return make_plan([LayerCost("0", "Block", 100, 10, 40, 0, 50, 5)], 0, 0.5)
+
+
+def sharded_at_the_root_only() -> None:
+    """FSDP2 on the whole model, not per layer: the planner cannot re-run one layer (one process, gloo)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_ckpt.placement import _fsdp2
+
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+        try:
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            _fsdp2().fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+            x = torch.randn(2, 4)
+            plan_checkpointing(model, lambda: model(x).sum(), 0.5, layer_cls=nn.Linear)
+        finally:
+            dist.destroy_process_group()
+
+
+
+class OwnParameters(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(2))
+        self.body = nn.Linear(2, 2)
+
+
+def reentrant_model() -> nn.Module:
+    model = blocks()
+    apply_checkpointing(model, layer_cls=Block, use_reentrant=True)
+    return model
+
+
+def _strategies() -> Any:
+    from lightning_ckpt import strategies
+
+    return strategies
+
+
+def sixteen_mixed() -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    _strategies().mixed_precision_policy(MixedPrecision("16-mixed", "cpu"))
+
+
+CASES: dict[str, Case] = {
+    # --- the callback's options (GradientCheckpointing(...), or setting them as attributes)
+    "every_n_layers type": Case(
+        "selection.validate_every_n_layers", lambda: GradientCheckpointing(every_n_layers="2"), TypeError,
+        "got '2' of type str", "(1 = every layer, 4 = layers 0, 4, 8, ...)", "`every_n_layers` must be an int >= 1"),
+    "every_n_layers value": Case(
+        "selection.validate_every_n_layers", lambda: GradientCheckpointing(every_n_layers=0), ValueError,
+        "got 0", "remove the callback instead", "`every_n_layers` must be >= 1"),
+    "layer_cls not dotted": Case(
+        "selection.import_class", lambda: GradientCheckpointing(layer_cls="Block"), ValueError,
+        "`layer_cls='Block'`", "Pass a dotted import path such as", "is not a dotted import path"),
+    "layer_cls not importable": Case(
+        "selection.import_class", lambda: GradientCheckpointing(layer_cls="my_project.model.Block"), ValueError,
+        "`layer_cls='my_project.model.Block'`", "Pass a dotted import path such as", "could not be imported"),
+    "layer_cls not a module": Case(
+        "selection.import_class", lambda: GradientCheckpointing(layer_cls="torch.nn.functional.relu"), TypeError,
+        "`layer_cls='torch.nn.functional.relu'`", "Pass a dotted import path such as",
+        "not an `nn.Module` subclass"),
+    "layer_cls empty": Case(
+        "selection.resolve_layer_classes", lambda: GradientCheckpointing(layer_cls=[]), TypeError,
+        "got [].", "a non-empty list of those, or None", "`layer_cls` must be an `nn.Module` subclass"),
+    "layer_cls entry": Case(
+        "selection.resolve_layer_classes", lambda: GradientCheckpointing(layer_cls=[nn.Linear, 3]), TypeError,
+        "got 3.", "must be `nn.Module` subclasses or dotted import paths", "`layer_cls` entries must be"),
+    "mode": Case(
+        "wrapping.CheckpointOptions.__post_init__", lambda: GradientCheckpointing(mode="partial"), ValueError,
+        "`mode='partial'`", "Pass 'full' (recompute the whole layer) or 'selective'", "is not understood. Pass 'full'"),
+    "flag not a bool": Case(
+        "wrapping.CheckpointOptions.__post_init__", lambda: GradientCheckpointing(preserve_rng_state="yes"), TypeError,
+        "got 'yes'", "must be True or False", "must be True or False"),
+    "checkpoint_kwargs type": Case(
+        "wrapping.CheckpointOptions.__post_init__",
+        lambda: GradientCheckpointing(checkpoint_kwargs=[("use_reentrant", False)]), TypeError,
+        "got [('use_reentrant', False)]", "keyword arguments or None", "`checkpoint_kwargs` must be a dict"),
+    "reentrant and selective": Case(
+        "wrapping.CheckpointOptions.__post_init__", lambda: GradientCheckpointing(mode="selective", use_reentrant=True),
+        ValueError, "`mode='selective'`", "Pass `use_reentrant=False` (the default) or `mode='full'`",
+        "Reentrant checkpointing cannot run a `context_fn`"),
+    "budget auto outside the callback": Case(
+        "selection.parse_memory_budget", lambda: plan_checkpointing(blocks(), lambda: None, "auto"), ValueError,
+        "`memory_budget='auto'`", "Pass None, a fraction", "is only understood by the GradientCheckpointing callback"),
+    "budget bool": Case(
+        "selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=True), TypeError,
+        "`memory_budget=True`", "Pass None, a fraction", "is not understood. Pass None"),
+    "budget fraction": Case(
+        "selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=1.5), ValueError,
+        "`memory_budget=1.5`", "Pass None, a fraction", "a fraction must be in (0, 1]"),
+    "budget bytes": Case(
+        "selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=0), ValueError,
+        "`memory_budget=0`", "Pass None, a fraction", "bytes must be positive"),
+    "budget text": Case(
+        "selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget="50%"), ValueError,
+        "`memory_budget='50%'`", "bytes such as '2GiB' or 500_000_000", "is not understood. Pass None"),
+    "budget type": Case(
+        "selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=[0.5]), TypeError,
+        "`memory_budget=[0.5]`", "bytes such as '2GiB' or 500_000_000", "is not understood. Pass None"),
+    "budget and every_n_layers": Case(
+        "callback._validate", lambda: GradientCheckpointing(memory_budget=0.5, every_n_layers=2), ValueError,
+        "`memory_budget=0.5` and `every_n_layers=2`", "Pass one", "are two ways of choosing the checkpointed layers"),
+    "unknown option": Case(
+        "callback.GradientCheckpointing._update_settings",
+        lambda: GradientCheckpointing().load_state_dict({"settings": {"every_n": 2}}), ValueError,
+        "no option 'every_n'", "the options are layer_cls, every_n_layers", "GradientCheckpointing has no option"),
+    # --- the callback in a Trainer
+    "budget auto on the CPU": Case(
+        "callback.GradientCheckpointing.setup",
+        lambda: setup_callback(GradientCheckpointing(memory_budget="auto"), cpu_trainer()), ValueError,
+        "`memory_budget='auto'`", "Pass a fraction of the un-checkpointed activation memory (`memory_budget=0.5`)",
+        "plans for the accelerator's memory, but this run is on the CPU"),
+    "two callbacks": Case(
+        "callback.find_checkpointing_callback", two_callbacks, ValueError,
+        "has 2 `GradientCheckpointing` callbacks", "pass one (its `layer_cls` can be a list", "`GradientCheckpointing` callbacks; pass one"),
+    "Lightning FSDP checkpointing too": Case(
+        "callback.check_lightning_strategy",
+        lambda: setup_callback(GradientCheckpointing(),
+                               SimpleNamespace(strategy=FSDPStrategy(activation_checkpointing_policy={Block}))),
+        ValueError, "`FSDPStrategy(activation_checkpointing_policy=...)`", "Remove `activation_checkpointing_policy`",
+        "would both checkpoint the model"),
+    "budget auto, device full": Case(
+        "callback.auto_memory_budget", lambda: auto_memory_budget(80 * 2**30, 75 * 2**30, 2 * 2**30), ValueError,
+        "0.9 x 80.0 GiB of device memory leaves nothing for activations after 75.0 GiB",
+        "shard the weights and optimizer state (`strategy='fsdp_ckpt'`)", "leaves nothing for activations"),
+    "CheckpointWrapper too": Case(
+        "placement.check_checkpointing_placement", wrapped_after_the_callback, ValueError,
+        "`model.blocks.0._checkpoint_wrapped_module` is checkpointed", "Remove one of them",
+        "is checkpointed by GradientCheckpointing and by torch's `CheckpointWrapper`"),
+    # --- apply_checkpointing
+    "apply to a non-module": Case(
+        "wrapping.apply_checkpointing", lambda: apply_checkpointing([nn.Linear(2, 2)]), TypeError,
+        "got list", "takes an `nn.Module`", "`apply_checkpointing` takes an `nn.Module`"),
+    "no layer matches": Case(
+        "wrapping.apply_checkpointing", lambda: apply_checkpointing(blocks(), layer_cls=nn.Conv2d), ValueError,
+        "torch.nn.modules.conv.Conv2d", "The repeated block looks like lightning_ckpt.demos.Block",
+        "is an instance of"),
+    "no repeated block": Case(
+        "selection.detect_block_class", lambda: apply_checkpointing(nn.Linear(2, 2)), ValueError,
+        "of Linear", "Pass `layer_cls=` the block class", "Could not detect the repeated layer"),
+    "several repeated blocks": Case(
+        "selection.detect_block_class", lambda: apply_checkpointing(several_block_classes()), ValueError,
+        "torch.nn.modules.linear.Linear (in a), torch.nn.modules.conv.Conv1d (in b)",
+        "Pass `layer_cls=` the one (or the list)", "Found several repeated layer classes"),
+    "nested": Case(
+        "wrapping.check_no_nesting", nested, ValueError, "`0.attn.qkv` would be checkpointed inside or around `0`",
+        "Call `remove_checkpointing` first, or select the same layers", "which already is: nested checkpoints"),
+    "cache in training": Case(
+        "wrapping._refuse_caches", cache_in_training, ValueError, "A key/value cache (FakeCache)",
+        "pass `use_cache=False`", "reaches the checkpointed layer"),
+    # --- plan_checkpointing and its plan
+    "plan a non-module": Case(
+        "planner._check_module_and_step", lambda: plan_checkpointing("model", lambda: None, 0.5), TypeError,
+        "got str", "takes an `nn.Module`", "`plan_checkpointing` takes an `nn.Module`"),
+    "step not callable": Case(
+        "planner._check_module_and_step", lambda: plan_checkpointing(blocks(), None, 0.5), TypeError,
+        "got None", "a callable with no arguments that returns the loss", "`step` must be a callable"),
+    "modes": Case(
+        "planner._validate_modes", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, modes=("fast",)),
+        ValueError, "`modes=('fast',)`", "Pass a non-empty tuple of ('full', 'selective')", "is not understood. Pass a"
+        " non-empty tuple"),
+    "plan offload not a bool": Case(
+        "planner.plan_checkpointing", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, offload="yes"),
+        TypeError, "got 'yes'", "must be True or False", "must be True or False"),
+    "plan without a budget": Case(
+        "planner.plan_checkpointing", lambda: plan_checkpointing(blocks(), lambda: None, None), ValueError,
+        "`memory_budget=None`", "Pass a fraction such as 0.5 or bytes such as '2GiB'", "asks for no plan"),
+    "make_plan without a budget": Case(
+        "planner.make_plan", lambda: make_plan([], 0, None), ValueError,
+        "`memory_budget=None`", "Pass a fraction such as 0.5 or bytes such as '2GiB'", "asks for no plan"),
+    "budget out of reach": Case(
+        "planner.make_plan",
+        lambda: (lambda m: plan_checkpointing(m, step_of(m), 0.01, layer_cls=Block))(blocks()), ValueError,
+        "`memory_budget=0.01` asks for at most", "To fit: pass a budget of at least", "but the least reachable is"),
+    "plan in eval mode": Case(
+        "planner.measure_layer_costs", lambda: plan_checkpointing(blocks().eval(), lambda: None, 0.5), ValueError,
+        "the module is in eval mode", "Call `module.train()` first", "measures a training step, but the module is in"
+        " eval mode"),
+    "plan, no layer matches": Case(
+        "planner.measure_layer_costs", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, layer_cls=nn.Conv2d),
+        ValueError, "`layer_cls=<class 'torch.nn.modules.conv.Conv2d'>`", "pass the class of the model's repeated"
+        " block", "matches `layer_cls="),
+    "step runs no layer": Case(
+        "planner.measure_layer_costs",
+        lambda: plan_checkpointing(blocks(), lambda: torch.zeros((), requires_grad=True), 0.5), ValueError,
+        "never called a matched layer (0, 1, ...)", "pass a step that runs the model's forward and returns the loss",
+        "never called a matched layer"),
+    "sharded, not per layer": Case(
+        "planner.LayerCostRecorder.__init__", sharded_at_the_root_only, ValueError,
+        "`0` has sharded (DTensor) parameters", "Shard each layer as its own unit",
+        "has sharded (DTensor) parameters but is not an FSDP unit"),
+    "plan.apply options": Case(
+        "planner.CheckpointPlan.apply", lambda: a_plan().apply(blocks(), mode="full"), TypeError,
+        "got ['mode']", "`apply` takes use_reentrant, preserve_rng_state and checkpoint_kwargs",
+        "`apply` takes use_reentrant"),
+    "plan.apply elsewhere": Case(
+        "planner.CheckpointPlan.apply", lambda: a_plan().apply(nn.Linear(2, 2)), ValueError,
+        "names layer `0`, which Linear does not have", "apply a plan to the module it was made for",
+        "does not have: apply a plan"),
+    # --- MemoryMonitor
+    "monitor log_every_n_steps": Case(
+        "monitor.MemoryMonitor.__init__", lambda: MemoryMonitor(log_every_n_steps=0), ValueError,
+        "got 0", "an int >= 1 or None (use the trainer's)", "`log_every_n_steps` must be an int >= 1 or None"),
+    "monitor function": Case(
+        "monitor.MemoryMonitor.__init__", lambda: MemoryMonitor(batch_size_fn=3), TypeError,
+        "`batch_size_fn`", "a function of the batch returning an int, got 3", "must be a function of the batch"),
+    "monitor batch size": Case(
+        "monitor.MemoryMonitor._batch_size", lambda: fit_on_text_batches(MemoryMonitor()), ValueError,
+        "the batch holds no tensor", "Pass `MemoryMonitor(batch_size_fn=lambda batch: ...)`",
+        "MemoryMonitor could not find the batch size"),
+    # --- offload's engine
+    "offload min_bytes": Case(
+        "offload.OffloadEngine.__init__", lambda: OffloadEngine(FakeStreams(), min_bytes=-1), ValueError,
+        "got -1", "Pass e.g. 1048576 (1 MiB) or 0 to offload everything", "`min_bytes` must be an int >= 0"),
+    "offload lag": Case(
+        "offload.OffloadEngine.__init__", lambda: OffloadEngine(FakeStreams(), lag=1.5), ValueError,
+        "got 1.5", "Pass e.g.", "`lag` must be an int >= 0"),
+    "offload engine": Case(
+        "offload.use_engine", lambda: use_engine("cuda").__enter__(), TypeError,
+        "got str", "Build one with `OffloadEngine(DeviceStreams('cuda'))`", "`use_engine` takes an `OffloadEngine`"),
+    # --- strategies
+    "DDP, reentrant, unused parameters": Case(
+        "strategies.check_ddp_settings",
+        lambda: _strategies().check_ddp_settings(reentrant_model(), {"find_unused_parameters": True}), ValueError,
+        "Reentrant checkpointing (2 layers: 0, 1)", "Pass `GradientCheckpointing(use_reentrant=False)`",
+        "cannot be combined with DDP's `find_unused_parameters=True`"),
+    "DDP, reentrant, no static graph": Case(
+        "strategies.check_ddp_settings", lambda: _strategies().check_ddp_settings(reentrant_model(), {}), ValueError,
+        "Reentrant checkpointing (2 layers: 0, 1)", "Pass `GradientCheckpointing(use_reentrant=False)`",
+        "is only safe under DDP with `static_graph=True`"),
+    "FSDP, parameters at the root": Case(
+        "strategies.shard_for_checkpointing",
+        lambda: _strategies().shard_for_checkpointing(OwnParameters(), None, layer_cls=nn.Linear), ValueError,
+        "OwnParameters registers parameters directly (scale)", "Move them into a submodule",
+        "registers parameters directly"),
+    "FSDP, 16-mixed": Case(
+        "strategies.mixed_precision_policy", sixteen_mixed, ValueError,
+        "`precision='16-mixed'`", "Pass `precision='bf16-mixed'`", "does not support `precision='16-mixed'`"),
+    "FSDP start_method": Case(
+        "strategies.CheckpointingFSDPStrategy.__init__",
+        lambda: _strategies().CheckpointingFSDPStrategy(start_method="thread"), ValueError,
+        "`start_method='thread'`", "Pass 'popen', 'spawn', 'fork' or 'forkserver'", "is not understood. Pass 'popen'"),
+}
+
+
+class TextBatches(LightningModule):
+    """Trains on batches of strings (what a tokenizer-in-the-step pipeline yields)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.w.sum() * len(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(["a b", "c d", "e f", "g h"], batch_size=2)
+
+
+def fit_on_text_batches(callback: Any) -> None:
+    cpu_trainer(max_steps=1, callbacks=[callback]).fit(TextBatches())
+
+
+# --------------------------------------------------------------------------------------------- the commands
+
+
+class StringData(LightningDataModule):
+    """Batches of strings: the tokenizer runs in the training step."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(["a b", "c d", "e f"], batch_size=2)
+
+
+class EmptyData(LightningDataModule):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader([], batch_size=2)
+
+
+class MixedData(LightningDataModule):
+    """A tuple batch of one sample, then a dict: ``plan --device-memory`` needs a batch of two."""
+
+    def train_dataloader(self) -> list:
+        tokens = torch.randint(0, 32, (2, 32), generator=torch.Generator().manual_seed(0))
+        return [(tokens[:1], tokens[:1]), {"idx": tokens[1:], "targets": tokens[1:]}]
+
+
+class NoLossGPT(GPT):
+    """Returns nothing from ``training_step`` (as manual optimisation often does)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        super().training_step(batch, batch_idx)
+
+
+def config(tmp_path: Path, model: str = "lightning_ckpt.demos.GPT", data: str = "lightning_ckpt.demos.CountingDataModule",
+           **trainer: Any) -> str:
+    """``configs/tiny.yaml`` with another model or data class (same init_args for the model, none for other data)."""
+    base = yaml.safe_load(TINY.read_text())
+    base["model"]["class_path"] = model
+    if data != base["data"]["class_path"]:
+        base["data"] = {"class_path": data}
+    base["trainer"].update(trainer)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return str(path)
+
+
+def plan(tmp_path: Path, *args: str) -> int:
+    return cli_main(["plan", *args, "--output-dir", str(tmp_path / "out")])
+
+
+COMMAND_CASES: dict[str, Case] = {
+    "plan, text batches": Case(
+        "plan_command.batch_size_of", lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.StringData")),
+        ValueError, "got a list of no tensor", "Make the dataloader yield tensors",
+        "the training batch has no tensor with a batch dimension"),
+    "plan, empty data": Case(
+        "plan_command._cycle", lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.EmptyData")),
+        ValueError, "the training dataloader is empty", "check the data's settings in the config",
+        "the training dataloader is empty"),
+    "plan, batches of two structures": Case(
+        "plan_command.batch_of_size",
+        lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.MixedData"), "--device-memory", "1GiB"),
+        ValueError, "cannot make a batch of 2 samples", "Make the dataloader yield every batch in one structure",
+        "the loader's batches differ in structure"),
+    "plan, no loss": Case(
+        "plan_command._loss", lambda tmp: plan(tmp, "--config", config(tmp, model="test_errors.NoLossGPT")),
+        ValueError, "`training_step` returned None", "returns the loss, or a dict with 'loss': return it",
+        "(manual optimization?)"),
+    "compare, a run of no step": Case(
+        "compare.measurements", lambda tmp: measurements("every_layer", [([], {})], warmup=0), ValueError,
+        "every_layer: the run trained no step", "Check the config's `limit_train_batches` and `max_steps`",
+        "the run trained no step, so the monitor logged nothing"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")  # pytest's own argv
+def test_fit_shows_the_callbacks_message(tmp_path):
+    """`lightning-ckpt fit` builds the callback through LightningCLI, whose error quotes ours."""
+    base = yaml.safe_load(TINY.read_text())
+    base["trainer"]["callbacks"][0]["init_args"]["every_n_layers"] = 0
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(base))
+    with pytest.raises(ValueError) as info:
+        cli_main(["fit", "--config", str(tmp_path / "config.yaml"), f"--trainer.default_root_dir={tmp_path}"])
+    assert "`every_n_layers` must be >= 1 (1 = every layer, 4 = layers 0, 4, 8, ...), got 0." in str(info.value)
+
+
+def test_compare_of_a_run_that_trains_no_step_exits_2_saying_why(tmp_path, capsys, monkeypatch):
+    """It used to stop with a FileNotFoundError (no metrics.csv) from the comparing process."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = ["--variants", "none", "--steps", "1", "--rounds", "1", "--warmup", "0", "--output-dir", str(tmp_path / "out")]
+    assert cli_main(["compare", "--config", config(tmp_path, limit_train_batches=0), *args]) == 2
+    out = capsys.readouterr()
+    assert "none (no checkpointing) ... FAILED: the run trained no step, so the monitor logged nothing. Check the" \
+           " config's `limit_train_batches`" in out.out
+    assert "the run without checkpointing failed" in out.err
+
+
+@pytest.mark.parametrize("name", sorted(CASES) + sorted(COMMAND_CASES))
+def test_the_message_names_the_bad_value_and_what_to_do(name, tmp_path):
+    case = CASES.get(name) or COMMAND_CASES[name]
+    with pytest.raises(case.error) as info:
+        case.trigger() if name in CASES else case.trigger(tmp_path)
+    message = str(info.value)
+    assert case.bad in message, message
+    assert case.fix in message, message
+    assert case.readme in message, message
+    assert raised_at(info.tb) == in_module(case.where)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A usage error of a command: exit status 2 and argparse's ``error:`` line. ``{config}`` in ``argv`` is a file
+    holding ``config_text``."""
+
+    argv: list[str]
+    where: str
+    bad: str
+    fix: str
+    readme: str
+    config_text: str = ""
+
+
+USAGE_ERRORS: dict[str, Usage] = {
+    "plan, no config": Usage(
+        ["plan"], "plan_command._parse", "--config is required", "pass the LightningCLI YAML of the run to plan",
+        "--config is required"),
+    "plan, missing config": Usage(
+        ["plan", "--config", "nowhere.yaml"], "plan_command._parse", "--config nowhere.yaml: no such file",
+        "pass the path of a LightningCLI YAML config", ": no such file"),
+    "plan, not an override": Usage(
+        ["plan", "--config", str(TINY), "--fakes"], "plan_command._parse", "unrecognized arguments: --fakes",
+        "LightningCLI overrides start with --trainer., --model., --data.", "unrecognized arguments"),
+    "plan, budget": Usage(
+        ["plan", "--config", str(TINY), "--memory-budget", "lots"], "plan_command._parse", "--memory-budget lots",
+        "pass a fraction in (0, 1] of the activations without checkpointing, such as 0.3, or bytes, such as 2GiB",
+        ": pass a fraction in (0, 1]"),
+    "plan, device memory": Usage(
+        ["plan", "--config", str(TINY), "--device-memory", "0.5"], "plan_command._parse", "--device-memory 0.5",
+        "pass the device's memory in bytes, such as 80GiB", ": pass the device's memory in bytes"),
+    "compare, no config": Usage(
+        ["compare"], "compare._parse", "--config is required", "pass the LightningCLI YAML of the run to compare",
+        "--config is required"),
+    "compare, missing config": Usage(
+        ["compare", "--config", "nowhere.yaml"], "compare._parse", "--config nowhere.yaml: no such file",
+        "pass the path of a LightningCLI YAML config", ": no such file"),
+    "compare, steps": Usage(
+        ["compare", "--config", str(TINY), "--steps", "0"], "compare._parse", "--steps must be >= 1, got 0",
+        ">= 1", "must be >= 1, got"),
+    "compare, not YAML": Usage(
+        ["compare", "--config", "{config}"], "compare._parse", "config.yaml: not valid YAML",
+        "pass a LightningCLI YAML config", ": not valid YAML", config_text="model: [unclosed"),
+    "compare, not a mapping": Usage(
+        ["compare", "--config", "{config}"], "compare._parse", "got a list",
+        "expected a LightningCLI config (a mapping of trainer, model, data)", "expected a LightningCLI config",
+        config_text="- trainer\n- model\n"),
+    "compare, planned without a budget": Usage(
+        ["compare", "--config", str(TINY), "--variants", "planned"], "compare._parse",
+        "the 'planned' variant needs a memory_budget", "(e.g. `memory_budget: 0.5`); choose from none, every_layer",
+        "variant needs a memory_budget"),
+    "compare, unknown variant": Usage(
+        ["compare", "--config", str(TINY), "--variants", "none,every_3rd"], "compare._parse",
+        "unknown variant(s) every_3rd", "choose from none, every_layer", "unknown variant(s)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(USAGE_ERRORS))
+def test_a_usage_error_exits_2_naming_the_bad_argument_and_what_to_pass(name, tmp_path, capsys):
+    usage = USAGE_ERRORS[name]
+    path = tmp_path / "config.yaml"
+    path.write_text(usage.config_text)
+    with pytest.raises(SystemExit) as info:
+        cli_main([str(path) if arg == "{config}" else arg for arg in usage.argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert f"lightning-ckpt {usage.argv[0]}: error: " in err
+    assert usage.bad in err and usage.fix in err and usage.readme in err, err
+    assert in_module(usage.where) in frames(info.tb)
+
+
+def frames(tb: Any) -> list[str]:
+    """``module.function`` of every frame in a traceback, outermost first (the function's own name: a method's
+    class is not in a frame before Python 3.11)."""
+    names = []
+    while tb is not None:
+        names.append(f"{Path(tb.tb_frame.f_code.co_filename).stem}.{tb.tb_frame.f_code.co_name}")
+        tb = tb.tb_next
+    return names
+
+
+def in_module(where: str) -> str:
+    """``module.Class.method`` as :func:`frames` names it: ``module.method``."""
+    module, *_, function = where.split(".")
+    return f"{module}.{function}"
+
+
+def raised_at(tb: Any) -> str:
+    """``module.function`` of the frame that raised (the innermost)."""
+    return frames(tb)[-1]
+
+
+# ----------------------------------------------------------------------------------------- every error, listed
+
+
+#: Raise sites no user meets as such: how many in each function, and why.
+NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
+    "offload.FakeStreams._queue": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
+    "offload.FakeStreams._perform": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
+    "planner.cheapest_choices": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
+    "compare.variant_config": (2, "the command's parser refuses these first (usage errors 'compare, planned without a"
+                                  " budget' and 'compare, unknown variant'); test_compare calls it directly"),
+    "plan_command.parse_bytes_arg": (1, "the command turns it into a usage error (usage error 'plan, device memory')"),
+    "plan_command.build": (1, "the command plans with fake tensors when the accelerator is missing; only `build` called"
+                              " alone raises it (test_plan_command)"),
+    "strategies.CheckpointingFSDPStrategy.setup": (1, "FSDP1 modules under fsdp_ckpt: needs a distributed run with"
+                                                      " FSDP1 wrapping, left to the strategies' own tests"),
+}
+
+
+def raise_sites() -> collections.Counter:
+    """``module.function`` of every ``raise SomeError(...)`` and ``parser.error(...)`` in the package, counted."""
+    sites: collections.Counter = collections.Counter()
+
+    def visit(node: ast.AST, path: Path, scope: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, path, [*scope, child.name])
+                continue
+            raises = isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call)
+            usage = (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and child.func.attr == "error"
+                     and isinstance(child.func.value, ast.Name) and child.func.value.id == "parser")
+            if raises or usage:
+                sites[f"{path.stem}.{'.'.join(scope)}"] += 1
+            visit(child, path, scope)
+
+    for path in sorted(PACKAGE.rglob("*.py")):
+        visit(ast.parse(path.read_text()), path, [])
+    return sites
+
+
+def test_every_raise_in_the_package_has_a_case_or_a_reason():
+    declared = collections.Counter(case.where for case in (*CASES.values(), *COMMAND_CASES.values()))
+    declared += collections.Counter(usage.where for usage in USAGE_ERRORS.values())
+    for where, (count, _) in NOT_A_USER_ERROR.items():
+        declared[where] += count
+    assert declared == raise_sites()
+
+
+def troubleshooting() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split("\n## Troubleshooting\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_every_error_is_a_line_of_the_readme_troubleshooting_section():
+    section = troubleshooting()
+    lines = [line for line in section.splitlines() if line.startswith("- ")]
+    fragments = {c.readme for c in (*CASES.values(), *COMMAND_CASES.values(), *USAGE_ERRORS.values())}
+    missing = sorted(f for f in fragments if not any(f in line for line in lines))
+    assert not missing, missing
+    assert all(" → " in line for line in lines)  # error → what to do
