@@ -604,7 +604,8 @@ def raised_at(tb: Any) -> str:
 #: Raise sites no user meets as such: how many in each function, and why.
 NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
     "offload.FakeStreams._queue": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
-    "offload.FakeStreams._perform": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
+    "offload.FakeStreams._perform": (2, "the offload tests' fake streams report a bug of the offload engine itself"),
+    "offload.FakeStreams._check": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
     "planner.cheapest_choices": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
     "compare.variant_config": (2, "the command's parser refuses these first (usage errors 'compare, planned without a"
                                   " budget' and 'compare, unknown variant'); test_compare calls it directly"),
