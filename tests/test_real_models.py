@@ -264,3 +264,33 @@ def test_offload_copies_of_a_transformers_model_keep_its_gradients():
         result = loss_and_grads(model)
     assert engine.stats.to_host_copies >= 4
     assert_same(result, ref, atol=0)
+
+
+def _channels_last_cnn_case():
+    model, loss_fn, layer_cls = _cnn_case()
+    return model.to(memory_format=torch.channels_last), loss_fn, layer_cls
+
+
+OFFLOAD_CASES = {**PLAN_CASES, "batchnorm cnn, channels-last": _channels_last_cnn_case}
+
+
+@pytest.mark.parametrize("case", sorted(OFFLOAD_CASES))
+def test_offload_on_real_models_trains_as_checkpointing_without_it(case):
+    """Every saved input through the offload engine (fake streams: late, out-of-order copies): two steps give the
+    loss, gradients and buffers (BatchNorm statistics) of checkpointing without offload, bit for bit."""
+    from lightning_ckpt.offload import FakeStreams, OffloadEngine, use_engine
+
+    runs = []
+    for offloaded in (False, True):
+        model, loss_fn, layer_cls = OFFLOAD_CASES[case]()
+        apply_checkpointing(model, layer_cls=layer_cls, offload=offloaded)
+        with use_engine(OffloadEngine(FakeStreams(seed=5, complete_probability=0.2), min_bytes=0)) as engine:
+            results = [loss_and_grads(model, loss_fn) for _ in range(2)]
+        runs.append((results, {n: b.clone() for n, b in model.named_buffers()}, engine.stats))
+    (want, want_buffers, _), (got, got_buffers, stats) = runs
+    assert stats.to_host_copies > 0 and stats.to_device_copies > 0
+    for result, ref in zip(got, want):
+        assert_same(result, ref, atol=0)
+    assert got_buffers.keys() == want_buffers.keys()
+    for name, buffer in want_buffers.items():
+        assert torch.equal(got_buffers[name], buffer), name
