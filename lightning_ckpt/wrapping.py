@@ -43,8 +43,8 @@ from lightning_ckpt.selection import (
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["full", "selective"]
-MODES = ("full", "selective")
+Mode = Literal["full", "selective", "none"]
+MODES = ("full", "selective")  # the modes that recompute; "none" (offload only) is not checkpointing
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,14 @@ class CheckpointOptions:
     checkpoint_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"`mode={self.mode!r}` is not understood. Pass 'full' (recompute the whole layer) or"
-                             " 'selective' (keep matmul/attention outputs, recompute the cheap ops).")
+        if self.mode not in (*MODES, "none"):
+            raise ValueError(f"`mode={self.mode!r}` is not understood. Pass 'full' (recompute the whole layer),"
+                             " 'selective' (keep matmul/attention outputs, recompute the cheap ops) or, with"
+                             " offload=True, 'none' (recompute nothing, keep what the layer saves in host memory).")
+        if self.mode == "none" and self.offload is not True:
+            raise ValueError("`mode='none'` recomputes nothing: it only moves what the layer saves for backward to host"
+                             " memory, so it needs `offload=True`. Pass offload=True, or mode='full' or 'selective'"
+                             " to recompute.")
         for name in ("offload", "use_reentrant", "preserve_rng_state"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
@@ -102,6 +107,11 @@ class CheckpointedForward:
         forward = self.original if self.original is not None else type(module).forward.__get__(module)
         if not (module.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
+        if self.options.mode == "none":  # nothing recomputed: every tensor the layer saves goes to host memory
+            if torch.compiler.is_compiling():  # as for checkpointed layers, offload is for eager layers
+                return forward(*args, **kwargs)
+            with OffloadToHost():
+                return forward(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs), is_leaf=lambda node: not _is_container(node))
         run, flat = _tensors_as_args(forward, leaves, spec)
         torch_kwargs = self.options.torch_kwargs()
@@ -217,7 +227,9 @@ def apply_checkpointing(
         layer_cls: a class, a dotted import path, or a list of either; ``None`` detects the repeated block.
         every_n_layers: checkpoint matched layers 0, n, 2n, ... in registration order.
         offload: keep the checkpointed layers' saved inputs in host memory.
-        mode: ``"full"`` or ``"selective"`` (keep matmul/attention outputs, recompute the rest).
+        mode: ``"full"`` or ``"selective"`` (keep matmul/attention outputs, recompute the rest); with
+            ``offload=True`` also ``"none"``: nothing is recomputed, every tensor the layer saves for backward
+            lives in host memory instead (activation offloading without checkpointing).
         use_reentrant: torch's reentrant implementation; non-reentrant (the default) is recommended.
         preserve_rng_state: replay the RNG in recompute so dropout masks match.
         checkpoint_kwargs: extra ``torch.utils.checkpoint.checkpoint`` arguments, merged over the above.

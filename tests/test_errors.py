@@ -204,7 +204,10 @@ CASES: dict[str, Case] = {
         "got 3.", "must be `nn.Module` subclasses or dotted import paths", "`layer_cls` entries must be"),
     "mode": Case(
         "wrapping.CheckpointOptions.__post_init__", lambda: GradientCheckpointing(mode="partial"), ValueError,
-        "`mode='partial'`", "Pass 'full' (recompute the whole layer) or 'selective'", "is not understood. Pass 'full'"),
+        "`mode='partial'`", "Pass 'full' (recompute the whole layer), 'selective'", "is not understood. Pass 'full'"),
+    "mode none without offload": Case(
+        "wrapping.CheckpointOptions.__post_init__", lambda: GradientCheckpointing(mode="none"), ValueError,
+        "`mode='none'`", "Pass offload=True, or mode='full' or 'selective'", "recomputes nothing"),
     "flag not a bool": Case(
         "wrapping.CheckpointOptions.__post_init__", lambda: GradientCheckpointing(preserve_rng_state="yes"), TypeError,
         "got 'yes'", "must be True or False", "must be True or False"),

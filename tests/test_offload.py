@@ -15,7 +15,7 @@ from helpers import BATCH, SEQ, VOCAB, WIDTH, loss_and_grads, tiny_transformer, 
 from lightning_ckpt import apply_checkpointing
 from lightning_ckpt.demos import Block
 from lightning_ckpt.offload import FakeStreamError, FakeStreams, OffloadEngine, OffloadToHost, pinned_size, use_engine
-from lightning_ckpt.profiling import SavedTensorCounter
+from lightning_ckpt.profiling import SavedTensorCounter, count_flops
 
 N_LAYER = 6
 INPUT_BYTES = BATCH * SEQ * WIDTH * 4  # one block's input, float32
@@ -666,3 +666,56 @@ def test_accelerator_no_buffer_stays_pinned_after_fit(tmp_path):
     assert engine.pool.allocated_bytes == 0
     assert engine.pool.live_buffers() == 0
     assert torch.cuda.host_memory_stats()["allocated_bytes.current"] == before
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# mode="none": nothing recomputed, every tensor a layer saves in host memory
+
+
+def test_offload_without_recompute_moves_every_saved_tensor_and_keeps_training_exact():
+    idx = tokens()
+    plain = tiny_transformer(n_layer=N_LAYER, dropout=0.1)
+    want = loss_and_grads(plain, idx)
+    with SavedTensorCounter(exclude=plain.parameters()) as baseline:
+        plain(idx)
+    blocks_only = sum(saved_bytes_of(block, plain, idx) for block in plain.blocks)
+
+    model = tiny_transformer(n_layer=N_LAYER, dropout=0.1)
+    names = apply_checkpointing(model, layer_cls=Block, mode="none", offload=True)
+    assert names == [f"blocks.{i}" for i in range(N_LAYER)]
+    with use_engine(OffloadEngine(FakeStreams(seed=6), min_bytes=0)) as engine:
+        with SavedTensorCounter(exclude=model.parameters()) as saved:
+            model(idx)
+        # on the device stays only what is saved outside the blocks (embeddings, head); the rest is in host memory
+        assert saved.bytes == baseline.bytes - blocks_only and saved.offloaded_bytes > 0.8 * blocks_only
+        # views of one storage with other shapes or strides (q, k, v of one projection) are copied each on its own
+        assert engine.stats.offloaded_bytes >= saved.offloaded_bytes
+        flops = count_flops(lambda: loss_and_grads(model, idx))
+        got = loss_and_grads(model, idx)
+    assert flops == count_flops(lambda: loss_and_grads(plain, idx))  # nothing recomputed
+    assert engine.stats.to_host_copies > 2 * N_LAYER
+    assert_bit_equal(got, want)  # dropout included: the forward ran once
+
+
+def saved_bytes_of(block: nn.Module, model: nn.Module, idx: torch.Tensor) -> int:
+    """Bytes ``block`` saves for backward in a plain forward of ``model`` (its storages only, parameters excluded)."""
+    counter = SavedTensorCounter(exclude=model.parameters())
+
+    def enter(module, args) -> None:
+        counter.__enter__()
+
+    def leave(module, args, output) -> None:
+        counter.__exit__(None, None, None)
+
+    handles = [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+    model(idx)
+    for handle in handles:
+        handle.remove()
+    return counter.bytes
+
+
+def test_mode_none_needs_offload():
+    model = tiny_transformer(n_layer=2)
+    with pytest.raises(ValueError, match="offload=True"):
+        apply_checkpointing(model, layer_cls=Block, mode="none")
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing was changed
