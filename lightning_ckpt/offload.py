@@ -513,6 +513,7 @@ class _Handle:
         self.flight = flight
         self.ready: Optional[tuple[torch.Tensor, Any]] = None  # the device tensor and the event to wait on
         self.users = 1  # saved slots that have not unpacked it yet
+        self.key: tuple[Any, ...] = ()  # its storage, offset, shape, strides and dtype: where later saves find it
 
     def __del__(self) -> None:
         try:
@@ -598,8 +599,8 @@ class OffloadEngine:
             # holding it makes the lifetime explicit, bounded by `lag`, and checkable on the fake backend.
             self._in_flight.append(flight)
             self._groups.setdefault(group, []).append(weakref.ref(handle))
-            self._shared[_storage_key(tensor)] = (StorageWeakRef(tensor.untyped_storage()), tensor._version,
-                                                  weakref.ref(handle))
+            handle.key = _storage_key(tensor)
+            self._shared[handle.key] = (StorageWeakRef(tensor.untyped_storage()), tensor._version, weakref.ref(handle))
             self.stats.offloaded_bytes += nbytes
             self.stats.to_host_copies += 1
         return handle
@@ -720,6 +721,9 @@ class OffloadEngine:
                     if not refs:
                         del self._groups[group]
                         self._previous.pop(group, None)
+            entry = self._shared.get(handle.key)
+            if entry is not None and entry[2]() in (None, handle):
+                del self._shared[handle.key]
             flight = handle.flight
             flight.keep = False
             if flight.source is not None and self.streams.done(flight.event):

@@ -56,6 +56,8 @@ def test_late_out_of_order_copies_give_bit_equal_loss_and_grads(seed):
     stats = engine.stats
     assert stats.to_host_copies == 2 * N_LAYER
     assert stats.offloaded_bytes == 2 * N_LAYER * INPUT_BYTES
+    gc.collect()
+    assert not engine._groups and not engine._previous and not engine._shared  # nothing kept per step
     # every input came back either by a copy from host or, its forward copy still in flight, from the device
     assert stats.to_device_copies + stats.reused_sources == 2 * N_LAYER
     assert stats.to_device_copies >= N_LAYER  # the copy path really ran
