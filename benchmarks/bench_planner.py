@@ -1,11 +1,12 @@
 """Planner benchmark: solve time, the cost of planning, and plans against every_n settings.
 
-- solve time of the knapsack for 50, 200 and 500 layers (3 choices each), median of repeats;
+- solve time of the knapsack for 50, 200 and 500 distinct layers (none, full, selective, and an op-level curve
+  of 20 ops each), median of repeats;
 - planning (`plan_checkpointing`: one fully checkpointed forward plus each layer re-run alone) against
   one fully checkpointed training step (forward and backward), interleaved, median;
 - a heterogeneous model (wide element-wise, matmul-heavy and attention blocks interleaved) at budgets
-  0.25 to 0.75: measured extra FLOPs and bytes of the plan against the cheapest every_n setting that
-  meets the same budget, and against torch's AutoSAC (`sac_milp`, needs `pip install -e .[bench]`),
+  0.25 to 0.75: measured extra FLOPs and bytes of the plan (op-level) and of the three-point plan (full,
+  selective, none) against the cheapest every_n setting that meets the same budget, and against torch's AutoSAC (`sac_milp`, needs `pip install -e .[bench]`),
   its solution applied op by op and measured the same way.
 
 Results go to RESULTS.md ("planner").
@@ -20,7 +21,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import numpy
 import torch
@@ -29,7 +30,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from _results import machine, write_section
 from lightning_ckpt.demos import Block, BlockStack, MatmulHeavy, Transformer, WideElementwise, heterogeneous_blocks
-from lightning_ckpt.planner import LayerCost, make_plan, plan_checkpointing
+from lightning_ckpt.op_curve import OpRecord
+from lightning_ckpt.planner import PLAN_MODES, LayerCost, make_plan, plan_checkpointing
 from lightning_ckpt.profiling import SavedTensorCounter, count_cost, op_cost
 from lightning_ckpt.wrapping import apply_checkpointing, remove_checkpointing
 
@@ -56,27 +58,36 @@ CLASSES = (WideElementwise, MatmulHeavy, Block)
 BUDGETS = (0.25, 0.35, 0.5, 0.6, 0.75)
 
 
-def random_costs(n: int, seed: int = 0) -> list[LayerCost]:
+def random_costs(n: int, seed: int = 0, ops: int = 20) -> list[LayerCost]:
+    """Distinct layers (no two share a curve): none, full and selective points, and ``ops`` recorded ops each."""
     rng = random.Random(seed)
     costs = []
     for i in range(n):
-        none = rng.randint(10**6, 10**8)
-        full = rng.randint(10**4, none // 10)
-        flops = rng.randint(10**8, 10**11)
-        costs.append(LayerCost(f"l{i}", "Block", none, full, rng.randint(full, none), 0, flops, rng.randint(0, flops)))
+        records = tuple(OpRecord("aten.mul.Tensor", rng.randint(10**4, 10**7), rng.randint(10**6, 10**10), 0)
+                        for _ in range(ops))
+        full = rng.randint(10**4, 10**6)
+        none = full + rng.randint(10**5, sum(r.bytes for r in records))
+        flops = sum(r.flops for r in records)
+        costs.append(LayerCost(f"l{i}", "Block", none, full, rng.randint(full, none), 0, flops, rng.randint(0, flops),
+                               ops=records))
     return costs
 
 
 def solve_times(repeats: int) -> list[str]:
-    rows = ["| layers | choices | solve time (median) |", "| ---: | ---: | ---: |"]
+    rows = ["| layers | choices per layer | solve time, op curves built (median) | solve time, three points |",
+            "| ---: | --- | ---: | ---: |"]
     for n in (50, 200, 500):
-        costs = random_costs(n)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            make_plan(costs, outside_bytes=10**7, memory_budget=0.3)
-            times.append(time.perf_counter() - start)
-        rows.append(f"| {n} | 3 | {1000 * statistics.median(times):.0f} ms |")
+        medians = []
+        for modes in (("full", "selective", "ops"), ("full", "selective")):
+            times = []
+            for seed in range(repeats):  # new layers every time: no curve comes from the cache
+                costs = random_costs(n, seed=1000 * n + seed)
+                start = time.perf_counter()
+                make_plan(costs, outside_bytes=10**7, memory_budget=0.3, modes=modes)
+                times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times))
+        rows.append(f"| {n} | none, full, selective, op-level curve of 20 ops | {1000 * medians[0]:.0f} ms"
+                    f" | {1000 * medians[1]:.0f} ms |")
     return rows
 
 
@@ -106,11 +117,11 @@ def planning_overhead(repeats: int) -> list[str]:
     return [
         "| run (GPT, 8 layers, hidden 256, seq 128, batch 8) | median |", "| --- | ---: |",
         f"| one fully checkpointed training step (forward + backward) | {1000 * full:.0f} ms |",
-        f"| `plan_checkpointing` (modes full + selective) | {1000 * plan:.0f} ms |",
+        f"| `plan_checkpointing` (default modes: full, selective, ops) | {1000 * plan:.0f} ms |",
         f"| ratio (target <= 1.5) | {plan / full:.2f}x |",
         "",
         "A training step that measures while it trains (the callback) adds the per-layer runs to its own fully",
-        "checkpointed step: two forwards of each layer (plain and selective) on top of about four forwards' worth.",
+        "checkpointed step: one recorded forward of each layer on top of about four forwards' worth.",
     ]
 
 
@@ -121,6 +132,10 @@ def measure(model: nn.Module, idx: torch.Tensor, base_cost: int) -> tuple[int, i
     cost = count_cost(lambda: model(idx).logsumexp(-1).mean().backward())
     model.zero_grad(set_to_none=True)
     return saved.bytes, cost - base_cost
+
+
+def letters(layers: dict[str, str]) -> str:
+    return "".join({"none": "-", "full": "F", "selective": "S", "ops": "O"}[m] for m in layers.values())
 
 
 def against_every_n() -> tuple[list[str], dict[float, tuple[int, int, str]], int, int]:
@@ -145,28 +160,32 @@ def against_every_n() -> tuple[list[str], dict[float, tuple[int, int, str]], int
         " applying each setting.",
         "",
         "| budget | cheapest every_n meeting it: n, bytes, extra FLOPs | plan (full only): bytes, extra FLOPs |"
-        " plan (full + selective): bytes, extra FLOPs, layers | ratio plan / every_n |",
-        "| ---: | --- | --- | --- | ---: |",
+        " three-point plan (none, full, selective): bytes, extra FLOPs, layers | plan (op-level, the default):"
+        " bytes, extra FLOPs, layers | ratio plan / every_n | ratio plan / three-point |",
+        "| ---: | --- | --- | --- | --- | ---: | ---: |",
     ]
     planned: dict[float, tuple[int, int, str]] = {}
     for budget in BUDGETS:
         fits = [(cost, n, held) for n, (held, cost) in every_n.items() if held <= budget * base_bytes]
         cost_n, n, held_n = min(fits) if fits else (None, None, None)
         cells = []
-        for modes in (("full",), ("full", "selective")):
+        for modes in (("full",), ("full", "selective"), ("full", "selective", "ops")):
             plan = plan_checkpointing(model, step, budget, layer_cls=CLASSES, modes=modes)
             plan.apply(model)
             held, cost = measure(model, idx, base_cost)
             remove_checkpointing(model)
             assert held <= budget * base_bytes * 1.02, (budget, modes, held)
-            layers = "".join({"none": "-", "full": "F", "selective": "S"}[m] for m in plan.layers.values())
-            cells.append((held, cost, layers))
-        planned[budget] = cells[1]
+            assert abs(plan.planned_bytes - held) <= 0.05 * held, (budget, modes, plan.planned_bytes, held)
+            cells.append((held, cost, letters(plan.layers)))
+        planned[budget] = cells[2]
         every = f"n={n}, {held_n / base_bytes:.2f}, {cost_n / 1e6:.1f} MFLOP" if n else "none fits"
-        ratio = f"{cells[1][1] / cost_n:.2f}" if n else "-"
+        ratio = f"{cells[2][1] / cost_n:.2f}" if n else "-"
         rows.append(f"| {budget} | {every} | {cells[0][0] / base_bytes:.2f}, {cells[0][1] / 1e6:.1f} MFLOP |"
-                    f" {cells[1][0] / base_bytes:.2f}, {cells[1][1] / 1e6:.1f} MFLOP, `{cells[1][2]}` | {ratio} |")
-    rows += ["", "Bytes as a fraction of the un-checkpointed step. Layers: `F` full, `S` selective, `-` none."]
+                    f" {cells[1][0] / base_bytes:.2f}, {cells[1][1] / 1e6:.1f} MFLOP, `{cells[1][2]}` |"
+                    f" {cells[2][0] / base_bytes:.2f}, {cells[2][1] / 1e6:.1f} MFLOP, `{cells[2][2]}` | {ratio} |"
+                    f" {cells[2][1] / cells[1][1]:.2f} |")
+    rows += ["", "Bytes as a fraction of the un-checkpointed step, measured after applying the plan (each plan's",
+             "`planned_bytes` was within 5% of it). Layers: `F` full, `S` selective, `O` op-level, `-` none."]
     return rows, planned, base_bytes, base_cost
 
 
@@ -276,27 +295,28 @@ def against_autosac(planned: dict[float, tuple[int, int, str]], base_bytes: int,
     from torch.distributed._tools.sac_ilp import sac_milp
 
     rows = [
-        "| budget | plan (full + selective): bytes, extra FLOPs | model seen by AutoSAC | AutoSAC: fraction discarded"
+        "| budget | plan: bytes, extra FLOPs | model seen by AutoSAC | AutoSAC: fraction discarded"
         " per module | AutoSAC predicted peak | AutoSAC measured: bytes, extra FLOPs | ratio plan / AutoSAC |"
-        " plan at AutoSAC's measured bytes: bytes, extra FLOPs |",
-        "| ---: | --- | --- | --- | ---: | --- | ---: | --- |",
+        " plan at AutoSAC's measured bytes: bytes, extra FLOPs | three-point plan at AutoSAC's measured bytes |"
+        " ratio plan / AutoSAC at equal bytes |",
+        "| ---: | --- | --- | --- | ---: | --- | ---: | --- | --- | ---: |",
     ]
     notes = []
     torch.manual_seed(0)
     plain = hetero_model()
     plain_idx = torch.randint(0, VOCAB, (BATCH, SEQ))
 
-    def plan_at(fraction: float) -> str:
-        """The plan (full + selective) for the bytes AutoSAC's solution held: the same point, compared by FLOPs."""
+    def plan_at(fraction: float, modes: tuple[str, ...]) -> tuple[str, Optional[int]]:
+        """The plan for the bytes AutoSAC's solution held: the same point, compared by FLOPs."""
         try:
-            plan = plan_checkpointing(plain, lambda: plain(plain_idx).logsumexp(-1).mean(), fraction, layer_cls=CLASSES)
+            plan = plan_checkpointing(plain, lambda: plain(plain_idx).logsumexp(-1).mean(), fraction, layer_cls=CLASSES,
+                                      modes=modes)
         except ValueError:
-            return "below the plan's reach"
+            return "below the plan's reach", None
         plan.apply(plain)
         held, cost = measure(plain, plain_idx, base_cost)
         remove_checkpointing(plain)
-        layers = "".join({"none": "-", "full": "F", "selective": "S"}[m] for m in plan.layers.values())
-        return f"{held / base_bytes:.2f}, {cost / 1e6:.1f} MFLOP, `{layers}`"
+        return f"{held / base_bytes:.2f}, {cost / 1e6:.1f} MFLOP, `{letters(plan.layers)}`", cost
 
     variants = {"as is": WideElementwise, "element-wise blocks given a child": VisibleWideElementwise}
     solved = {}
@@ -316,7 +336,8 @@ def against_autosac(planned: dict[float, tuple[int, int, str]], base_bytes: int,
             apply_autosac(model, decisions, orders)
             held, cost = measure(model, idx, base_cost)
             remove_checkpointing(model)
-            solved[budget, label] = decisions, predicted, held, cost, plan_at(held / base_bytes)
+            solved[budget, label] = (decisions, predicted, held, cost, plan_at(held / base_bytes, PLAN_MODES),
+                                     plan_at(held / base_bytes, ("full", "selective")))
         notes.append(f"{label}: peak without checkpointing {peak / 2**20:.1f} MiB, of which {activations / 2**20:.1f}"
                      " MiB activations")
     for budget in BUDGETS:
@@ -325,12 +346,13 @@ def against_autosac(planned: dict[float, tuple[int, int, str]], base_bytes: int,
             cells = solved[budget, label]
             first = f"| {budget} | {held_p / base_bytes:.2f}, {cost_p / 1e6:.1f} MFLOP, `{layers}` | {label} |"
             if cells is None:
-                rows.append(f"{first} infeasible (CBC: no solution) | - | - | - | - |")
+                rows.append(f"{first} infeasible (CBC: no solution) | - | - | - | - | - | - |")
                 continue
-            decisions, predicted, held, cost, same_bytes = cells
+            decisions, predicted, held, cost, (same_bytes, same_cost), (three, _) = cells
             discards = ", ".join(f"{fqn.split('.', 1)[1]}: {r:.2f}" for fqn, r in decisions.items())
+            equal = f"{same_cost / cost:.2f}" if same_cost is not None and cost else "-"
             rows.append(f"{first} {discards} | {predicted / 2**20:.1f} MiB | {held / base_bytes:.2f},"
-                        f" {cost / 1e6:.1f} MFLOP | {cost_p / cost:.2f} | {same_bytes} |")
+                        f" {cost / 1e6:.1f} MFLOP | {cost_p / cost:.2f} | {same_bytes} | {three} | {equal} |")
     return rows, notes
 
 

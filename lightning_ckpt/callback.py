@@ -498,7 +498,7 @@ def _static_bytes(pl_module: torch.nn.Module, optimizers: Sequence[torch.optim.O
             + optimizer_state_bytes(optimizers))
 
 
-_COST_FIELDS = [f.name for f in fields(LayerCost) if f.name not in ("name", "cls")]
+_COST_FIELDS = [f.name for f in fields(LayerCost) if f.name not in ("name", "cls", "ops")]  # the integers
 
 
 def _combine_over_ranks(strategy: Strategy, measured: _Measurement, figures: list[int]) -> tuple[_Measurement, list[int]]:
@@ -513,7 +513,7 @@ def _combine_over_ranks(strategy: Strategy, measured: _Measurement, figures: lis
     if figures:
         combined[len(row)] = int(gathered[:, len(row)].min())
     width = len(_COST_FIELDS)
-    costs = [LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, combined[i * width:(i + 1) * width])))
+    costs = [LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, combined[i * width:(i + 1) * width])), ops=c.ops)
              for i, c in enumerate(measured.costs)]
     return _Measurement(costs, combined[len(row) - 1]), combined[len(row):]
 

@@ -44,6 +44,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Optional
 
 import torch
@@ -58,6 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_ckpt.callback import GradientCheckpointing
 from lightning_ckpt.cli_builder import run_cli
+from lightning_ckpt.op_curve import describe
 from lightning_ckpt.planner import CheckpointPlan, LayerCost, make_plan, measure_layer_costs, predict
 from lightning_ckpt.profiling import format_bytes, optimizer_state_bytes, tensor_bytes
 from lightning_ckpt.selection import parse_memory_budget
@@ -525,15 +527,17 @@ def largest_batch(fixed: float, per_sample: float, room: float) -> Optional[int]
 
 
 def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], offload: bool,
-                 other: Optional[Measurement] = None, room: Optional[int] = None) -> list[SettingRow]:
+                 other: Optional[Measurement] = None, room: Optional[int] = None,
+                 kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({})) -> list[SettingRow]:
     """Predicted bytes and FLOPs of each setting at ``main``'s batch size; with ``other`` (a second batch size)
-    the linear fit, and with ``room`` (device memory minus static memory) the largest batch that fits."""
+    the linear fit, and with ``room`` (device memory minus static memory) the largest batch that fits. An
+    ``"ops"`` layer keeps the ops at positions ``kept_ops[name]`` (the plan's)."""
     rows = []
     for name, layers in choices.items():
-        act, flops = predict(main.costs, main.outside_bytes, layers, offload)
+        act, flops = predict(main.costs, main.outside_bytes, layers, offload, kept_ops)
         row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops)
         if other is not None:
-            act2, _ = predict(other.costs, other.outside_bytes, layers, offload)
+            act2, _ = predict(other.costs, other.outside_bytes, layers, offload, kept_ops)
             row.fixed_bytes, row.per_sample_bytes = fit_line(main.batch_size, act, other.batch_size, act2)
             if room is not None:
                 row.largest_batch = largest_batch(row.fixed_bytes, row.per_sample_bytes, room)
@@ -607,15 +611,23 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
         "## Layers",
         "",
         "| layer | class | none (B) | full (B) | selective (B) | recompute full (FLOP) | recompute selective (FLOP)"
-        " | plan |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        " | plan | plan (B) | recompute plan (FLOP) |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for c in main.costs:
+        mode, keep = (plan.layers[c.name], plan.kept_ops.get(c.name, ())) if plan else ("-", ())
+        planned = (f"{_b(c.device_bytes(mode, built.offload, keep))} | {_b(c.flops(mode, keep))}"  # type: ignore[arg-type]
+                   if plan else "- | -")
         lines.append(f"| {c.name} | {c.cls} | {_b(c.none_bytes)} | {_b(c.device_bytes('full', built.offload))}"
                      f" | {_b(c.device_bytes('selective', built.offload))} | {_b(c.full_flops)}"
-                     f" | {_b(c.selective_flops)} | {plan.layers[c.name] if plan else '-'} |")
+                     f" | {_b(c.selective_flops)} | {mode} | {planned} |")
     lines += [f"| (outside the layers) | | {_b(main.outside_bytes)} | {_b(main.outside_bytes)} | {_b(main.outside_bytes)}"
-              " | 0 | 0 | |", "", f"## Plan for memory_budget={budget!r}", ""]
+              " | 0 | 0 | | | |", ""]
+    if plan is not None and plan.kept_ops:
+        lines += ["Op-level choices (`ops`): which op outputs each layer keeps and which ops it recomputes:", "",
+                  *[f"- {c.name}: {describe(c.ops, plan.kept_ops[c.name])}" for c in main.costs if c.name in plan.kept_ops],
+                  ""]
+    lines += [f"## Plan for memory_budget={budget!r}", ""]
     if plan is not None:
         n = sum(m != "none" for m in plan.layers.values())
         lines.append(f"{n} of {len(plan.layers)} layers checkpointed"
@@ -703,7 +715,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     static = static_memory(built)
     room = None if args.device_memory is None else args.device_memory - static.total
     names = [c.name for c in main_m.costs]
-    rows = setting_rows(main_m, setting_choices(names, plan), built.offload, other, room)
+    rows = setting_rows(main_m, setting_choices(names, plan), built.offload, other, room,
+                        plan.kept_ops if plan is not None else {})
     batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
     report = render(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
                     batch_sizes)

@@ -1,15 +1,17 @@
 """The memory-budget plan: per-layer costs in, the cheapest checkpointing that fits a budget out.
 
-:func:`plan_checkpointing` measures, for every matched layer, the activation bytes it holds for
-backward un-checkpointed (``"none"``), fully checkpointed (``"full"``: its inputs) and selectively
-checkpointed (``"selective"``: its inputs and the outputs of its matmul/attention/convolution ops),
-and what each costs in recomputation. It then picks one mode per layer so that the predicted bytes
-fit the budget with the fewest recomputed FLOPs: a multiple-choice knapsack, solved exactly up to a
-fine quantisation of bytes (rounded towards safety, so a plan never exceeds its budget).
+:func:`plan_checkpointing` measures, for every matched layer, the activation bytes it holds for backward
+un-checkpointed (``"none"``) and fully checkpointed (``"full"``: its inputs), and records its forward op by op:
+what each op's output would hold if kept and what the op costs to recompute. From that record come the other
+choices: ``"selective"`` (keep the outputs of matmul/attention/convolution ops) and ``"ops"``, any point of the
+layer's curve of (bytes held, recompute cost) from keeping chosen op outputs (:mod:`lightning_ckpt.op_curve`:
+in-place and random ops stay with their group). It then picks one choice per layer so that the predicted bytes
+fit the budget at the least cost: a multiple-choice knapsack, solved exactly up to a fine quantisation of bytes
+(rounded towards safety, so a plan never exceeds its budget). What a plan keeps: the layers (or op outputs) that
+hold few bytes per unit of recompute; what it recomputes: those that free most bytes per unit.
 
-Cost is FLOPs, not seconds: FLOPs are exact and the same on every machine, so a plan does not
-depend on the noise of one timing run. Matmuls, convolutions and attention count as torch's
-``FlopCounterMode`` counts them; every other op counts one FLOP per output element (torch counts
+The cost is recompute FLOPs by default: exact and the same on every machine. Matmuls, convolutions and attention
+count as torch's ``FlopCounterMode`` counts them; every other op counts one FLOP per output element (torch counts
 those as zero, which would make element-wise recomputation look free). See :class:`OpCostMode`.
 
 Measuring is safe when memory is short: the step runs once with every matched layer fully
@@ -22,16 +24,29 @@ Example::
 
     >>> import torch
     >>> from torch import nn
+    >>> class Block(nn.Sequential):
+    ...     pass
     >>> torch.manual_seed(0) and None
-    >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
+    >>> model = nn.Sequential(*[Block(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
     >>> x = torch.randn(8, 16, requires_grad=True)
-    >>> plan = plan_checkpointing(model, lambda: model(x).sum(), 0.5, layer_cls=nn.Sequential)
+    >>> plan = plan_checkpointing(model, lambda: model(x).sum(), 0.5, layer_cls=Block)
     >>> plan.planned_bytes <= plan.budget_bytes < plan.baseline_bytes
     True
-    >>> sorted(set(plan.layers.values()) - {"none", "full", "selective"})
-    []
-    >>> plan.apply(model) == [n for n, mode in plan.layers.items() if mode != "none"]
-    True
+    >>> plan.layers
+    {'0': 'ops', '1': 'ops', '2': 'ops', '3': 'full'}
+    >>> print(plan)  # doctest: +NORMALIZE_WHITESPACE
+    layer  class     none   full  selective  FLOPs full  FLOPs selective  choice
+    0      Block  4.5 KiB  512 B    3.0 KiB  16.9 KFLOP         512 FLOP     ops
+    1      Block  4.5 KiB  512 B    3.0 KiB  16.9 KFLOP         512 FLOP     ops
+    2      Block  4.5 KiB  512 B    3.0 KiB  16.9 KFLOP         512 FLOP     ops
+    3      Block  4.5 KiB  512 B    3.0 KiB  16.9 KFLOP         512 FLOP    full
+      0 (ops): 2.5 KiB, 512 FLOP; keeps addmm; recomputes gelu
+      1 (ops): 2.5 KiB, 512 FLOP; keeps addmm; recomputes gelu
+      2 (ops): 2.5 KiB, 512 FLOP; keeps addmm; recomputes gelu
+    outside the layers: 0 B (in every figure below)
+    plan: 4 of 4 layers checkpointed; activations 8.0 KiB (44% of 18.0 KiB without checkpointing), budget 9.0 KiB; recompute 18.4 KFLOP per step
+    >>> plan.apply(model)
+    ['0', '1', '2', '3']
 """
 
 from __future__ import annotations
@@ -40,17 +55,21 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal, Optional
 
+import numpy
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_ckpt.layer_state import buffers_restored
-from lightning_ckpt.policies import COMPUTE_HEAVY_OPS
+from lightning_ckpt.op_curve import OpRecord, add_records, describe, op_curve, op_records, spread
+from lightning_ckpt.policies import COMPUTE_HEAVY_OPS, keep_ops_context_fn
 from lightning_ckpt.placement import _fsdp2
 from lightning_ckpt.profiling import (
     OpCostMode,
+    OpRecordMode,
     SavedTensorCounter,
     count_cost,
     format_bytes,
@@ -63,8 +82,6 @@ from lightning_ckpt.profiling import (
 )
 from lightning_ckpt.selection import LayerClassArg, is_inside, layer_classes, parse_memory_budget, select_layers
 from lightning_ckpt.wrapping import (
-    MODES,
-    CheckpointedForward,
     CheckpointOptions,
     apply_checkpointing,
     check_no_nesting,
@@ -74,7 +91,9 @@ from lightning_ckpt.wrapping import (
     turn_off_caches,
 )
 
-Choice = Literal["none", "full", "selective"]
+Choice = Literal["none", "full", "selective", "ops"]
+#: What a layer may get besides "none": full or selective checkpointing, or an op-level choice of what to keep.
+PLAN_MODES = ("full", "selective", "ops")
 
 
 # ---------------------------------------------------------------------------------------- measuring
@@ -93,18 +112,28 @@ class LayerCost:
     full_flops: int  # recomputed in backward, fully checkpointed
     selective_flops: int  # recomputed in backward, selectively checkpointed (the cheap ops only)
     calls: int = 1
+    ops: tuple[OpRecord, ...] = ()  # its forward op by op, for op-level choices (empty: none possible)
 
-    def device_bytes(self, choice: Choice, offload: bool = False) -> int:
-        """Bytes held on the device for ``choice``; with ``offload`` the checkpointed inputs live on the host."""
+    def __post_init__(self) -> None:
+        if not isinstance(self.ops, tuple) or any(isinstance(r, Mapping) for r in self.ops):  # from a state_dict
+            object.__setattr__(self, "ops", tuple(OpRecord(**r) if isinstance(r, Mapping) else r for r in self.ops))
+
+    def device_bytes(self, choice: Choice, offload: bool = False, keep: Sequence[int] = ()) -> int:
+        """Bytes held on the device for ``choice`` (``"ops"``: keeping the op outputs at positions ``keep``);
+        with ``offload`` the checkpointed inputs live on the host."""
         if choice == "none":
             return self.none_bytes
-        held = self.full_bytes if choice == "full" else self.selective_bytes
+        held = {"full": self.full_bytes, "selective": self.selective_bytes}.get(choice)
+        if held is None:
+            held = self.full_bytes + sum(self.ops[i].bytes for i in keep)
         return held - self.offloadable_bytes if offload else held
 
     def host_bytes(self, choice: Choice, offload: bool = False) -> int:
         return self.offloadable_bytes if offload and choice != "none" else 0
 
-    def flops(self, choice: Choice) -> int:
+    def flops(self, choice: Choice, keep: Sequence[int] = ()) -> int:
+        if choice == "ops":
+            return self.full_flops - sum(self.ops[i].flops for i in keep)
         return {"none": 0, "full": self.full_flops, "selective": self.selective_flops}[choice]
 
 
@@ -197,10 +226,11 @@ def _fork_rng(tensors: Sequence[torch.Tensor]) -> Any:
 class LayerCostRecorder:
     """Measure each layer's :class:`LayerCost` during a step in which every layer is fully checkpointed.
 
-    After each layer's (checkpointed) forward, a hook runs the same layer again with the same inputs:
-    once plainly and, if asked, once selectively checkpointed, each under a saved-tensor counter and
-    :class:`OpCostMode`, with the RNG forked and the layer's buffers restored; each result is dropped at
-    once. ``held_bytes`` is what the fully checkpointed step itself held for backward. The re-runs are hidden
+    After each layer's (checkpointed) forward, a hook runs the same layer again, plainly, with the same inputs,
+    under a saved-tensor counter and :class:`~lightning_ckpt.profiling.OpRecordMode`, with the RNG forked and the
+    layer's buffers restored; its result is dropped at once. The op records give the selective point (inputs and
+    the outputs of matmul/attention/convolution ops; with ``selective=False`` it is the un-checkpointed one) and
+    the layer's op-level curve (:mod:`lightning_ckpt.op_curve`). ``held_bytes`` is what the fully checkpointed step itself held for backward. The re-runs are hidden
     from counters outside (:func:`~lightning_ckpt.profiling.hidden_from_counters`): a monitor counting the step
     sees the step's bytes only.
 
@@ -239,6 +269,7 @@ class LayerCostRecorder:
             self._step.resident = self._resident
         self._totals = {name: dict.fromkeys(("none", "full", "sel", "off", "fflops", "sflops", "calls"), 0)
                         for name, _ in self.layers}
+        self._ops: dict[str, Optional[tuple[OpRecord, ...]]] = {}
         self._handles: list[Any] = []
 
     @property
@@ -275,27 +306,32 @@ class LayerCostRecorder:
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         excluded = {storage_key(p) for p in self._resident()}
         inputs_held = [t for t in inputs if storage_key(local_shard(t)) not in excluded]
-        totals["full"] += tensor_bytes(inputs_held)
+        full = tensor_bytes(inputs_held)
+        totals["full"] += full
         totals["off"] += tensor_bytes(t for t in inputs_held if t.device.type != "cpu")
         totals["calls"] += 1
         forward = _plain_forward(layer)
-        # What the re-runs save is not the step's: outer counters (a MemoryMonitor's) must not hear of it.
+        # What the re-run saves is not the step's: outer counters (a MemoryMonitor's) must not hear of it.
         with _gathered(layer), hidden_from_counters():
-            with OpCostMode() as cost:
-                saved = self._run(layer, inputs, cost, lambda: forward(*args, **kwargs))
-            totals["none"] += saved.bytes
-            log = cost.log[:saved.last_save]  # recompute stops after the last saved tensor (early stop)
-            totals["fflops"] += sum(flops for flops, _ in log)
-            totals["sflops"] += sum(flops for flops, op in log if op not in COMPUTE_HEAVY_OPS)
-            if self.selective:
-                selective = CheckpointedForward(layer, CheckpointOptions(mode="selective"), forward)
-                totals["sel"] += self._run(layer, inputs, OpCostMode(), lambda: selective(*args, **kwargs)).bytes
+            with OpRecordMode() as cost:
+                saved, outputs = self._run(layer, inputs, cost, lambda: forward(*args, **kwargs))
+        totals["none"] += saved.bytes
+        log = cost.log[:saved.last_save]  # recompute stops after the last saved tensor (early stop)
+        totals["fflops"] += sum(flops for flops, _ in log)
+        totals["sflops"] += sum(flops for flops, op in log if op not in COMPUTE_HEAVY_OPS)
+        records = op_records(cost.runs, saved.last_save, outputs)
+        totals["sel"] += full + sum(r.bytes for r in records if r.heavy)
+        self._ops[name] = records if totals["calls"] == 1 else add_records(self._ops[name], records)
 
-    def _run(self, layer: nn.Module, inputs: list[torch.Tensor], cost: OpCostMode, fn: Callable[[], Any]) -> _LayerRunCounter:
+    def _run(self, layer: nn.Module, inputs: list[torch.Tensor], cost: OpCostMode,
+             fn: Callable[[], Any]) -> tuple[_LayerRunCounter, list[tuple[Any, int]]]:
+        """The counter of one re-run, and the storages of its outputs."""
         with _fork_rng(inputs), buffers_restored(layer), torch.enable_grad():
             with _LayerRunCounter(cost, self._resident()) as saved:
-                fn()  # the result, and with it everything it saved, is dropped here
-        return saved
+                out = fn()
+                outputs = [storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                del out  # and with it everything it saved
+        return saved, outputs
 
     def costs(self) -> list[LayerCost]:
         """One :class:`LayerCost` per layer, in order (a layer not called in the step holds and costs nothing)."""
@@ -304,27 +340,113 @@ class LayerCostRecorder:
             t = self._totals[name]
             out.append(LayerCost(name, _class_name(layer), t["none"], t["full"],
                                  t["sel"] if self.selective else t["none"], t["off"], t["fflops"], t["sflops"],
-                                 t["calls"]))
+                                 t["calls"], self._ops.get(name) or ()))
         return out
 
 
 # ------------------------------------------------------------------------------------------- solving
 
 
-# Bytes are counted in quanta of the shortfall (the bytes to free) / max(8192, 64 * layers): rounding each
-# option down costs at most one quantum per layer, 1/64 of the shortfall in all, usually far less.
+# Bytes are counted in quanta of the shortfall (the bytes to free): max(8192, 64 * layers) of them, fewer when the
+# layers have many points (the work is layers x points x quanta). Rounding each option down costs at most one
+# quantum per layer.
 _UNITS = 1 << 13
-_INF = 1 << 62
+_WORK = 10**8
+_MIN_UNITS = 2048
+#: Points of a layer's op-level curve offered to the solver (both ends and points evenly spaced in bytes between).
+CURVE_POINTS = 24
 
 
-def cheapest_choices(costs: Sequence[LayerCost], need_bytes: int, modes: Sequence[str] = MODES,
+@dataclass(frozen=True)
+class Option:
+    """One choice for one layer: its mode, what it holds on the device, what it costs, and (``"ops"``) the
+    positions of the ops whose outputs it keeps."""
+
+    choice: Choice
+    device_bytes: int
+    flops: int
+    keep: tuple[int, ...] = ()
+
+
+def layer_options(cost: LayerCost, modes: Sequence[str] = PLAN_MODES, offload: bool = False,
+                  points: int = CURVE_POINTS) -> list[Option]:
+    """``"none"`` first, then each mode in ``modes`` that frees device bytes; ``"ops"``: points of the layer's
+    op-level curve (:func:`~lightning_ckpt.op_curve.op_curve`) other than keeping nothing. An option that holds
+    and costs no less than another is left out (of equals, the first stays).
+
+    Example::
+
+        >>> cost = LayerCost("a", "Block", 100, 10, 40, 0, full_flops=50, selective_flops=5)
+        >>> [(o.choice, o.device_bytes, o.flops) for o in layer_options(cost)]
+        [('none', 100, 0), ('full', 10, 50), ('selective', 40, 5)]
+    """
+    options = [Option("none", cost.none_bytes, 0)]
+    options += [Option(m, cost.device_bytes(m, offload), cost.flops(m)) for m in ("full", "selective") if m in modes]
+    if "ops" in modes and cost.ops:
+        for point in spread(op_curve(cost.ops), points)[1:]:  # the first keeps nothing: that is "full"
+            options.append(Option("ops", cost.device_bytes("ops", offload, point.keep),
+                                  cost.flops("ops", point.keep), point.keep))
+    useful = [o for o in options if o.choice == "none" or o.device_bytes < cost.none_bytes]
+
+    def dominated(i: int, option: Option) -> bool:
+        return any(o.device_bytes <= option.device_bytes and o.flops <= option.flops
+                   and (j < i or o.device_bytes < option.device_bytes or o.flops < option.flops)
+                   for j, o in enumerate(useful) if j != i)
+
+    return [option for i, option in enumerate(useful) if not dominated(i, option)]
+
+
+def solve(options: Sequence[Sequence[Option]], need_bytes: int) -> list[Option]:
+    """One option per layer (``options[i][0]`` holding the most) that frees at least ``need_bytes`` of device memory
+    with the least total cost.
+
+    A multiple-choice knapsack by dynamic programming over freed bytes, quantised to at least 2048 steps
+    (``need_bytes`` exactly when smaller). Each option's freed bytes are rounded down, so the result always
+    frees what is asked. Ties go to the earlier option: the result is deterministic. Raises ``ValueError`` when
+    even the largest saving of every layer is not enough.
+    """
+    base = [opts[0] for opts in options]
+    if need_bytes <= 0:
+        return base
+    freed = [[opts[0].device_bytes - o.device_bytes for o in opts] for opts in options]
+    most = sum(max(f) for f in freed)
+    if most < need_bytes:
+        raise ValueError(f"at most {most} bytes can be freed, {need_bytes} are needed")
+    points = sum(len(opts) for opts in options)
+    units = min(need_bytes, max(_MIN_UNITS, min(max(_UNITS, 64 * len(options)), _WORK // max(points, 1))))
+    quantum = need_bytes / units
+    # padded[units:] is best (best[j]: least cost freeing >= j quanta); padded[units - s + j] is best[j - s], or
+    # 0 where an option freeing s quanta alone frees j.
+    padded = numpy.zeros(2 * units + 1)
+    padded[units + 1:] = math.inf
+    picks, steps = [], []
+    for opts, layer_freed in zip(options, freed):
+        step = [min(units, int(f // quantum) if units < need_bytes else f) for f in layer_freed]
+        best, pick = padded[units:].copy(), numpy.zeros(units + 1, dtype=numpy.int16)
+        for k in range(1, len(opts)):
+            candidate = padded[units - step[k]:2 * units + 1 - step[k]] + float(opts[k].flops)
+            better = candidate < best  # strict: ties keep the earlier option
+            best[better] = candidate[better]
+            pick[better] = k
+        padded[units:] = best
+        picks.append(pick)
+        steps.append(step)
+    best = padded[units:]
+    if math.isinf(float(best[units])):  # rounding down lost the little slack there was: take the largest saving
+        return [opts[max(range(len(opts)), key=lambda k: (f[k], -opts[k].flops))] for opts, f in zip(options, freed)]
+    chosen, j = [], units
+    for opts, step, pick in zip(reversed(options), reversed(steps), reversed(picks)):
+        k = int(pick[j])
+        chosen.append(opts[k])
+        j = max(0, j - int(step[k]))
+    return chosen[::-1]
+
+
+def cheapest_choices(costs: Sequence[LayerCost], need_bytes: int, modes: Sequence[str] = PLAN_MODES,
                      offload: bool = False) -> list[Choice]:
     """The modes (one per layer) that free at least ``need_bytes`` of device memory with the fewest recompute FLOPs.
 
-    A multiple-choice knapsack by dynamic programming over freed bytes, quantised to at least 8192 steps
-    (``need_bytes`` exactly when smaller). Each option's freed bytes are rounded down, so the result always
-    frees what is asked. Ties go to ``"none"``, then to the order of ``modes``: the result is deterministic.
-    Raises ``ValueError`` when even the largest saving of every layer is not enough.
+    :func:`solve` over :func:`layer_options`. Ties go to ``"none"``, then to the order of ``modes``.
 
     Example::
 
@@ -335,49 +457,7 @@ def cheapest_choices(costs: Sequence[LayerCost], need_bytes: int, modes: Sequenc
         >>> cheapest_choices([a, b], 150)  # 90 + 60 for 50 + 8 is cheaper than 60 + 90 for 5 + 80
         ['full', 'selective']
     """
-    options: list[list[tuple[Choice, int, int]]] = []  # per layer: (choice, freed bytes, flops), "none" first
-    for cost in costs:
-        none = cost.device_bytes("none", offload)
-        layer_options: list[tuple[Choice, int, int]] = [("none", 0, 0)]
-        for mode in modes:
-            freed = none - cost.device_bytes(mode, offload)  # type: ignore[arg-type]
-            if freed > 0:
-                layer_options.append((mode, freed, cost.flops(mode)))  # type: ignore[arg-type]
-        options.append(layer_options)
-    if need_bytes <= 0:
-        return ["none"] * len(costs)
-    most = sum(max(freed for _, freed, _ in opts) for opts in options)
-    if most < need_bytes:
-        raise ValueError(f"at most {most} bytes can be freed, {need_bytes} are needed")
-
-    units = min(need_bytes, max(_UNITS, 64 * len(costs)))
-    quantum = need_bytes / units
-    steps = [[min(units, int(freed // quantum) if units < need_bytes else freed) for _, freed, _ in opts] for opts in options]
-    best = torch.full((units + 1,), _INF, dtype=torch.int64)  # best[j]: fewest FLOPs freeing >= j quanta
-    best[0] = 0
-    shifted = torch.empty_like(best)
-    picks = []
-    for opts, layer_steps in zip(options, steps):
-        new, pick = best.clone(), torch.zeros(units + 1, dtype=torch.int8)
-        for k in range(1, len(opts)):
-            step = layer_steps[k]
-            shifted[:step] = best[0]
-            shifted[step:] = best[:units + 1 - step]
-            candidate = (shifted + opts[k][2]).clamp_(max=_INF)
-            better = candidate < new  # strict: ties keep "none", then the earlier mode
-            new = torch.where(better, candidate, new)
-            pick.masked_fill_(better, k)
-        best = new
-        picks.append(pick)
-    if int(best[units]) >= _INF:  # rounding down lost the little slack there was: take the largest saving
-        return [max(opts, key=lambda o: (o[1], -o[2]))[0] for opts in options]
-    chosen: list[Choice] = []
-    j = units
-    for opts, layer_steps, pick in zip(reversed(options), reversed(steps), reversed(picks)):
-        k = int(pick[j])
-        chosen.append(opts[k][0])
-        j = max(0, j - layer_steps[k])
-    return chosen[::-1]
+    return [o.choice for o in solve([layer_options(c, modes, offload) for c in costs], need_bytes)]
 
 
 # --------------------------------------------------------------------------------------------- plan
@@ -387,10 +467,11 @@ def cheapest_choices(costs: Sequence[LayerCost], need_bytes: int, modes: Sequenc
 class CheckpointPlan:
     """Which mode each matched layer gets, and what that is predicted to hold and cost.
 
-    ``layers`` maps every matched layer (in order) to ``"none"``, ``"full"`` or ``"selective"``. Bytes are
-    activation bytes held for backward on the device (``outside_bytes``: those of everything outside the
-    matched layers, embeddings, head and loss, part of every figure). ``recompute_flops`` is the predicted
-    extra FLOPs per step (see :class:`OpCostMode`).
+    ``layers`` maps every matched layer (in order) to ``"none"``, ``"full"``, ``"selective"`` or ``"ops"``; for an
+    ``"ops"`` layer, ``kept_ops[name]`` lists the positions of the ops whose outputs it keeps (it recomputes the
+    others, see :mod:`lightning_ckpt.op_curve`). Bytes are activation bytes held for backward on the device
+    (``outside_bytes``: those of everything outside the matched layers, embeddings, head and loss, part of every
+    figure). ``recompute_flops`` is the predicted extra FLOPs per step (see :class:`OpCostMode`).
     """
 
     layers: dict[str, str]
@@ -402,6 +483,7 @@ class CheckpointPlan:
     planned_host_bytes: int = 0
     offload: bool = False
     costs: list[LayerCost] = field(default_factory=list)
+    kept_ops: dict[str, list[int]] = field(default_factory=dict)
 
     def apply(self, module: nn.Module, **checkpoint_options: Any) -> list[str]:
         """Checkpoint ``module``'s layers as planned (layers planned ``"none"`` are left or made plain).
@@ -414,8 +496,9 @@ class CheckpointPlan:
         if unknown:
             raise TypeError(f"`apply` takes use_reentrant, preserve_rng_state and checkpoint_kwargs; got {sorted(unknown)}."
                             " Layer selection, mode and offload come from the plan.")
-        for mode in set(self.layers.values()) - {"none"}:
-            CheckpointOptions(offload=self.offload, mode=mode, **checkpoint_options)  # type: ignore[arg-type]
+        for name, mode in self.layers.items():
+            if mode != "none":
+                CheckpointOptions(offload=self.offload, **self._mode_options(name, mode, checkpoint_options))
         layers = {}
         for name in self.layers:
             try:
@@ -427,11 +510,21 @@ class CheckpointPlan:
         for name, mode in self.layers.items():
             remove_checkpointing(layers[name])
             if mode != "none":
-                apply_checkpointing(layers[name], layer_cls=type(layers[name]), mode=mode, offload=self.offload,
-                                    **checkpoint_options)
+                apply_checkpointing(layers[name], layer_cls=type(layers[name]), offload=self.offload,
+                                    **self._mode_options(name, mode, checkpoint_options))
         names = [name for name, mode in self.layers.items() if mode != "none"]
         turn_off_caches(module, names)
         return names
+
+    def _mode_options(self, name: str, mode: str, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``apply_checkpointing`` options for one layer: an ``"ops"`` layer is checkpointed with the policy that
+        keeps its planned ops (a ``context_fn``, over one the caller may pass)."""
+        if mode != "ops":
+            return {**options, "mode": mode}
+        ops = [r.op for r in next(c for c in self.costs if c.name == name).ops]
+        context_fn = keep_ops_context_fn(self.kept_ops[name], ops)
+        return {**options, "mode": "full", "checkpoint_kwargs": {**(options.get("checkpoint_kwargs") or {}),
+                                                                  "context_fn": context_fn}}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (for a Lightning checkpoint); :meth:`from_state_dict` rebuilds the plan."""
@@ -451,6 +544,7 @@ class CheckpointPlan:
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
                  for row in rows]
+        lines += [self._ops_line(cost) for cost in self.costs if self.layers.get(cost.name) == "ops"]
         n = sum(mode != "none" for mode in self.layers.values())
         pct = 100 * self.planned_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
         lines += [
@@ -462,9 +556,15 @@ class CheckpointPlan:
         ]
         return "\n".join(lines)
 
+    def _ops_line(self, cost: LayerCost) -> str:
+        """What an op-level choice holds, costs, keeps and recomputes."""
+        keep = self.kept_ops[cost.name]
+        return (f"  {cost.name} (ops): {format_bytes(cost.device_bytes('ops', self.offload, keep))},"
+                f" {format_flops(cost.flops('ops', keep))}; {describe(cost.ops, keep)}")
+
 
 def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: object,
-              modes: Sequence[str] = MODES, offload: bool = False) -> CheckpointPlan:
+              modes: Sequence[str] = PLAN_MODES, offload: bool = False) -> CheckpointPlan:
     """Solve for the cheapest plan from measured costs (what :func:`plan_checkpointing` does after measuring).
 
     ``memory_budget`` as :func:`plan_checkpointing` takes it. Raises ``ValueError`` if it cannot be met.
@@ -483,19 +583,20 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
     baseline = outside_bytes + sum(c.none_bytes for c in costs)
     budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
     try:
-        choices = cheapest_choices(costs, baseline - budget_bytes, modes, offload)
+        chosen = solve([layer_options(c, modes, offload) for c in costs], baseline - budget_bytes)
     except ValueError:
         raise ValueError(_impossible_message(costs, outside_bytes, baseline, budget_bytes, memory_budget, modes, offload)) from None
     return CheckpointPlan(
-        layers={c.name: choice for c, choice in zip(costs, choices)},
+        layers={c.name: o.choice for c, o in zip(costs, chosen)},
         baseline_bytes=baseline,
-        planned_bytes=outside_bytes + sum(c.device_bytes(ch, offload) for c, ch in zip(costs, choices)),
+        planned_bytes=outside_bytes + sum(o.device_bytes for o in chosen),
         budget_bytes=budget_bytes,
-        recompute_flops=sum(c.flops(ch) for c, ch in zip(costs, choices)),
+        recompute_flops=sum(o.flops for o in chosen),
         outside_bytes=outside_bytes,
-        planned_host_bytes=sum(c.host_bytes(ch, offload) for c, ch in zip(costs, choices)),
+        planned_host_bytes=sum(c.host_bytes(o.choice, offload) for c, o in zip(costs, chosen)),
         offload=offload,
         costs=list(costs),
+        kept_ops={c.name: list(o.keep) for c, o in zip(costs, chosen) if o.choice == "ops"},
     )
 
 
@@ -504,7 +605,7 @@ def plan_checkpointing(
     step: Callable[[], Any],
     memory_budget: object,
     layer_cls: LayerClassArg = None,
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = PLAN_MODES,
     offload: bool = False,
 ) -> CheckpointPlan:
     """Measure one step and return the cheapest :class:`CheckpointPlan` whose activations fit ``memory_budget``.
@@ -535,7 +636,7 @@ def plan_checkpointing(
 
 
 def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
-                        modes: Sequence[str] = MODES) -> tuple[list[LayerCost], int]:
+                        modes: Sequence[str] = PLAN_MODES) -> tuple[list[LayerCost], int]:
     """Measure ``(costs, outside_bytes)`` in one fully checkpointed step: what :func:`plan_checkpointing` solves from.
 
     ``costs`` has one :class:`LayerCost` per matched layer, in order; ``outside_bytes`` is what everything
@@ -577,8 +678,9 @@ def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: L
 
 
 def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str, str],
-            offload: bool = False) -> tuple[int, int]:
-    """``(device bytes, recompute FLOPs)`` that the layer modes ``choices`` (name -> mode; missing: ``"none"``) hold and cost.
+            offload: bool = False, kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({})) -> tuple[int, int]:
+    """``(device bytes, recompute FLOPs)`` that the layer modes ``choices`` (name -> mode; missing: ``"none"``) hold
+    and cost; an ``"ops"`` layer keeps the ops at positions ``kept_ops[name]`` (as in :class:`CheckpointPlan`).
 
     Example::
 
@@ -586,8 +688,9 @@ def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str
         >>> predict(costs, 100, {"l0": "full", "l2": "full"})  # every 2nd layer
         (320, 100)
     """
-    device = outside_bytes + sum(c.device_bytes(choices.get(c.name, "none"), offload) for c in costs)  # type: ignore[arg-type]
-    return device, sum(c.flops(choices.get(c.name, "none")) for c in costs)  # type: ignore[arg-type]
+    picked = [(c, choices.get(c.name, "none"), kept_ops.get(c.name, ())) for c in costs]
+    device = outside_bytes + sum(c.device_bytes(mode, offload, keep) for c, mode, keep in picked)  # type: ignore[arg-type]
+    return device, sum(c.flops(mode, keep) for c, mode, keep in picked)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -601,8 +704,9 @@ def _check_module_and_step(module: object, step: object) -> None:
 
 
 def _validate_modes(modes: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(modes, str) or not modes or any(m not in MODES for m in modes):
-        raise ValueError(f"`modes={modes!r}` is not understood. Pass a non-empty tuple of {MODES}, such as ('full',).")
+    if isinstance(modes, str) or not modes or any(m not in PLAN_MODES for m in modes):
+        raise ValueError(f"`modes={modes!r}` is not understood. Pass a non-empty tuple of {PLAN_MODES}, such as"
+                         " ('full',).")
     return tuple(dict.fromkeys(modes))
 
 

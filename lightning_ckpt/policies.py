@@ -1,6 +1,9 @@
-"""Selective (op-level) checkpointing: save the outputs of compute-heavy ops, recompute the cheap ones.
+"""Selective (op-level) checkpointing: which op outputs a checkpointed layer keeps, which it recomputes.
 
-Built on torch's selective-checkpoint contexts. Plain PyTorch; nothing here imports Lightning.
+``mode="selective"`` keeps the outputs of compute-heavy ops and recomputes the cheap ones
+(:func:`selective_context_fn`); the planner's op-level choices keep the ops at given positions
+(:func:`keep_ops_context_fn`). Built on torch's selective-checkpoint contexts. Plain PyTorch; nothing here
+imports Lightning.
 
 Example::
 
@@ -13,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +45,10 @@ def save_compute_heavy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoi
     """Policy: keep matmul/attention/convolution outputs, recompute everything else."""
     if op not in COMPUTE_HEAVY_OPS:
         return CheckpointPolicy.PREFER_RECOMPUTE
+    return _kept(ctx)
+
+
+def _kept(ctx: Any) -> CheckpointPolicy:
     # Newer torch shows the policy the op's output (older: None): report it, since byte counters cannot
     # see what this cache holds otherwise.
     if not ctx.is_recompute and getattr(ctx, "op_output", None) is not None:
@@ -53,3 +61,33 @@ def save_compute_heavy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoi
 def selective_context_fn() -> tuple[Any, Any]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` implementing :func:`save_compute_heavy`."""
     return create_selective_checkpoint_contexts(save_compute_heavy)
+
+
+def keep_ops_context_fn(keep: Iterable[int], ops: Sequence[str]) -> Callable[[], tuple[Any, Any]]:
+    """``context_fn`` that keeps the outputs of the ops at positions ``keep`` and recomputes all others.
+
+    A position counts the ops a policy sees in one call of the checkpointed function, from 0. ``ops[i]`` names
+    the op expected at position ``i`` (``"aten.addmm.default"``), as recorded when the choice was made: from the
+    first op that differs (a forward that took another branch), every op is recomputed, which is always correct.
+
+    Example::
+
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+        >>> x = torch.randn(2, 8, requires_grad=True)
+        >>> context_fn = keep_ops_context_fn([1], ["aten.t.default", "aten.addmm.default", "aten.tanh.default"])
+        >>> y = checkpoint(mlp, x, use_reentrant=False, context_fn=context_fn)  # keeps the first matmul's output
+    """
+    kept, expected = frozenset(keep), list(ops)
+
+    def context_fn() -> tuple[Any, Any]:
+        seen = {False: 0, True: 0}  # older torch also asks during the recompute
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            i = seen[ctx.is_recompute]
+            seen[ctx.is_recompute] = i + 1 if i >= 0 and i < len(expected) and str(op) == expected[i] else -1
+            return _kept(ctx) if seen[ctx.is_recompute] > 0 and i in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn

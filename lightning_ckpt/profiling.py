@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
@@ -233,6 +234,69 @@ class OpCostMode(TorchDispatchMode):
         self.log.append((flops, func))
         self.total += flops
         return out
+
+
+@dataclass(frozen=True)
+class OpRun:
+    """One ATen op call as :class:`OpRecordMode` saw it: what it cost, read, wrote and created."""
+
+    op: Any  # the ATen overload
+    flops: int  # as :func:`op_cost` counts them
+    io_bytes: int  # bytes of its tensor arguments and outputs: what a memory-bound kernel reads and writes
+    created: dict[tuple[Any, int], int]  # storages new in its outputs (not an input's): key -> bytes
+    read: frozenset[tuple[Any, int]]  # storages of its tensor arguments
+    written: frozenset[tuple[Any, int]]  # storages it writes in place (its schema's ``Tensor(a!)`` arguments)
+    position: int  # its index in the mode's ``log`` plus one: the log ends with this op when it has run
+
+
+class OpRecordMode(OpCostMode):
+    """:class:`OpCostMode` that also keeps an :class:`OpRun` per op, for the op-level planner.
+
+    Ops that selective checkpointing does not show its policy (``detach`` and metadata queries, torch's
+    ``SAC_IGNORED_OPS``) are in ``log`` but not in ``runs``, so ``runs[i]`` is the ``i``-th op a selective
+    checkpoint policy sees when the same code runs under it.
+
+    Example::
+
+        >>> layer, x = torch.nn.Linear(8, 4), torch.randn(2, 8)
+        >>> with OpRecordMode() as mode:
+        ...     _ = torch.relu(layer(x))
+        >>> [(str(r.op), sum(r.created.values())) for r in mode.runs]  # t is a view: it creates nothing
+        [('aten.t.default', 0), ('aten.addmm.default', 32), ('aten.relu.default', 32)]
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs: list[OpRun] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict] = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func not in _sac_ignored_ops():
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            read = frozenset(storage_key(t) for t in inputs)
+            created = {storage_key(t): t.untyped_storage().nbytes() for t in outputs if storage_key(t) not in read}
+            io = sum(t.numel() * t.element_size() for t in inputs + outputs)
+            self.runs.append(OpRun(func, self.log[-1][0], io, created, read, _written(func, args, kwargs or {}),
+                                   len(self.log)))
+        return out
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[tuple[Any, int]]:
+    """Storages of the arguments ``func``'s schema marks as written in place (``add_``'s self, an ``out=``)."""
+    written = set()
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        written |= {storage_key(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor)}
+    return frozenset(written)
+
+
+def _sac_ignored_ops() -> Any:
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    return SAC_IGNORED_OPS
 
 
 def count_cost(fn: Callable[[], Any]) -> int:

@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from lightning_ckpt import plan_command
 from lightning_ckpt.cli import main as cli_main
 from lightning_ckpt.plan_command import batch_of_size, build, would_not_fit
+from lightning_ckpt.planner import make_plan
 from lightning_ckpt.profiling import SavedTensorCounter
 from lightning_ckpt.wrapping import apply_checkpointing
 
@@ -53,8 +54,11 @@ def test_plan_on_tiny_config_adds_up(real_report, tmp_path, capsys):
     none, full, sel = ({r[0]: num(r[i]) for r in layers[:-1]} for i in (2, 3, 4))
     flops_full, flops_sel = ({r[0]: num(r[i]) for r in layers[:-1]} for i in (5, 6))
     chosen = {r[0]: r[7] for r in layers[:-1]}
-    bytes_of = {"none": none, "full": full, "selective": sel}
-    flops_of = {"none": dict.fromkeys(LAYERS, 0), "full": flops_full, "selective": flops_sel}
+    bytes_of = {"none": none, "full": full, "selective": sel, "ops": {r[0]: num(r[8]) for r in layers[:-1]}}
+    flops_of = {"none": dict.fromkeys(LAYERS, 0), "full": flops_full, "selective": flops_sel,
+                "ops": {r[0]: num(r[9]) for r in layers[:-1]}}
+    for r in layers[:-1]:  # the plan's own columns: the chosen mode's figures
+        assert (num(r[8]), num(r[9])) == (bytes_of[r[7]][r[0]], flops_of[r[7]][r[0]]), r
     settings = {r[0]: r for r in table(report, "Settings")}
     expected = {
         "none": ["none"] * 4,
@@ -89,11 +93,18 @@ def test_report_printed_is_the_report_written(tmp_path, capsys):
     assert "largest batch" not in written  # no --device-memory: one batch size, no fit
 
 
-def measured_bytes(batch_size: int, modes: dict[str, str]) -> int:
-    """Bytes held for backward by a real, un-planned training step of the tiny config at ``batch_size``."""
+def measured_bytes(batch_size: int, modes: dict[str, str], plan_layers: bool = False) -> int:
+    """Bytes held for backward by a real training step of the tiny config at ``batch_size``, its layers checkpointed
+    as ``modes`` say; with ``plan_layers``, as the plan for memory_budget=0.5, made again here, says (op-level
+    layers need its kept ops), checked to be the plan in ``modes``."""
     built = build(TINY, fake=False)
+    if plan_layers:
+        measurement = plan_command.measure(build(TINY, fake=False), 8)
+        plan = make_plan(measurement.costs, measurement.outside_bytes, 0.5)
+        assert plan.layers == modes
+        plan.apply(built.module)
     for name, mode in modes.items():
-        if mode != "none":
+        if mode != "none" and not plan_layers:
             layer = built.module.get_submodule(name)
             apply_checkpointing(layer, layer_cls=type(layer), mode=mode)
     batch = batch_of_size(built.loader, batch_size)
@@ -112,7 +123,7 @@ def test_largest_batch_prediction_holds_at_that_batch(real_report, setting):
     fixed, per_sample, batch = num(row[7]), num(row[8]), int(row[9])
     assert batch > 8  # extrapolated beyond both measured batch sizes (4 and 8)
     chosen = {r[0]: r[7] for r in table(report, "Layers")[:-1]} if setting == "plan" else {}
-    measured = measured_bytes(batch, chosen)
+    measured = measured_bytes(batch, chosen, plan_layers=setting == "plan")
     predicted = fixed + per_sample * batch
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
     static = sum(num(c) for c in table(report, "Static memory")[0][:3])

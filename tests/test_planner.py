@@ -284,8 +284,11 @@ def test_planning_restores_existing_checkpointing() -> None:
     assert all(f.options.mode == "selective" for f in forwards if f is not None)
     plan.apply(model)
     assert checkpointed_names(model) == [n for n, mode in plan.layers.items() if mode != "none"]
-    assert [model.get_submodule(n).forward.options.mode for n in checkpointed_names(model)] == [
+    options = [model.get_submodule(n).forward.options for n in checkpointed_names(model)]
+    # an op-level layer is checkpointed in full with a policy (context_fn) that keeps its planned ops
+    assert [o.mode if "context_fn" not in o.checkpoint_kwargs else "ops" for o in options] == [
         mode for mode in plan.layers.values() if mode != "none"]
+    assert all(o.mode == "full" for o, mode in zip(options, plan.layers.values()) if mode == "ops")
 
 
 def test_bad_input_is_refused_before_anything_runs() -> None:
@@ -372,6 +375,9 @@ def test_plan_round_trips_and_prints_its_table() -> None:
     rows = [line for line in text.splitlines() if line.startswith("blocks.")]
     assert len(rows) == 6 and all(" Block " in row for row in rows)
     assert [row.split()[-1] for row in rows] == list(plan.layers.values())
+    ops_lines = [line for line in text.splitlines() if " (ops): " in line]
+    assert [line.split()[0] for line in ops_lines] == [n for n, mode in plan.layers.items() if mode == "ops"]
+    assert all("keeps " in line and "; recomputes " in line for line in ops_lines)
     assert f"{sum(m != 'none' for m in plan.layers.values())} of 6 layers checkpointed" in text
 
 
