@@ -297,7 +297,7 @@ CASES: dict[str, Case] = {
         "got None", "a callable with no arguments that returns the loss", "`step` must be a callable"),
     "modes": Case(
         "planner._validate_modes", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, modes=("fast",)),
-        ValueError, "`modes=('fast',)`", "Pass a non-empty tuple of ('full', 'selective')", "is not understood. Pass a"
+        ValueError, "`modes=('fast',)`", "Pass a non-empty tuple of ('full', 'selective', 'ops')", "is not understood. Pass a"
         " non-empty tuple"),
     "plan offload not a bool": Case(
         "planner.plan_checkpointing", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, offload="yes"),
@@ -609,7 +609,7 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
     "offload.FakeStreams._queue": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
     "offload.FakeStreams._perform": (2, "the offload tests' fake streams report a bug of the offload engine itself"),
     "offload.FakeStreams._check": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
-    "planner.cheapest_choices": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
+    "planner.solve": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
     "compare.variant_config": (2, "the command's parser refuses these first (usage errors 'compare, planned without a"
                                   " budget' and 'compare, unknown variant'); test_compare calls it directly"),
     "plan_command.parse_bytes_arg": (1, "the command turns it into a usage error (usage error 'plan, device memory')"),
