@@ -471,7 +471,8 @@ def test_pinned_memory_is_counted_as_pinned_and_unpinned_when_released():
     assert streams.pinned_bytes == 0
 
 
-def test_threads_share_one_engine_per_device():
+def test_threads_share_one_engine_per_device(monkeypatch):
+    monkeypatch.setattr(offload, "_engines", {})  # a registry of this test's own: a CPU engine must not outlive it
     engines = []
     threads = [threading.Thread(target=lambda: engines.append(offload.default_engine("cpu"))) for _ in range(3)]
     for thread in threads:
