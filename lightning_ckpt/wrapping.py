@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -113,7 +114,8 @@ class CheckpointedForward:
         _refuse_caches(module, leaves)
         call = self.state.begin()
         with OffloadToHost() if self.options.offload else nullcontext():
-            out = checkpoint(_replaying(run, call) if call.needs_replay else run, *flat, **torch_kwargs)
+            out = checkpoint(_marking_recompute(_replaying(run, call) if call.needs_replay else run), *flat,
+                             **torch_kwargs)
         self.state.end(call)
         return out
 
@@ -131,6 +133,33 @@ def _replaying(run: Callable[..., Any], call: CallState) -> Callable[..., Any]:
             return run(*flat)
 
     return replaying_run
+
+
+_recompute_state = threading.local()
+
+
+def in_recompute() -> bool:
+    """Whether this thread is inside a checkpointed layer's recompute (torch's checkpoint re-running the layer's
+    forward in backward), for counters that tell recomputed work apart (``MemoryMonitor``'s FLOP share)."""
+    return getattr(_recompute_state, "depth", 0) > 0
+
+
+def _marking_recompute(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` for checkpoint, with :func:`in_recompute` true during every call after the first (the recomputes)."""
+    calls = 0
+
+    def marked_run(*flat: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return run(*flat)
+        _recompute_state.depth = getattr(_recompute_state, "depth", 0) + 1
+        try:
+            return run(*flat)
+        finally:  # also when checkpoint stops the recompute early (it raises inside `run`)
+            _recompute_state.depth -= 1
+
+    return marked_run
 
 
 def _is_container(node: Any) -> bool:
