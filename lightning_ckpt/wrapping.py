@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -114,25 +114,25 @@ class CheckpointedForward:
         _refuse_caches(module, leaves)
         call = self.state.begin()
         with OffloadToHost() if self.options.offload else nullcontext():
-            out = checkpoint(_marking_recompute(_replaying(run, call) if call.needs_replay else run), *flat,
-                             **torch_kwargs)
+            out = checkpoint(_recomputing(run, call if call.needs_replay else None), *flat, **torch_kwargs)
         self.state.end(call)
         return out
 
 
-def _replaying(run: Callable[..., Any], call: CallState) -> Callable[..., Any]:
-    """``run`` for checkpoint: the first call is the forward, every later call a recompute under ``call``'s state."""
+def _recomputing(run: Callable[..., Any], call: CallState | None) -> Callable[..., Any]:
+    """``run`` for checkpoint: the first call is the forward, every later call a recompute, marked for
+    :func:`in_recompute` and run under ``call``'s replayed state (when given)."""
     calls = 0
 
-    def replaying_run(*flat: Any) -> Any:
+    def recomputing_run(*flat: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 1:
             return run(*flat)
-        with call.replayed():
+        with _marked_recompute(), call.replayed() if call is not None else nullcontext():
             return run(*flat)
 
-    return replaying_run
+    return recomputing_run
 
 
 _recompute_state = threading.local()
@@ -144,22 +144,13 @@ def in_recompute() -> bool:
     return getattr(_recompute_state, "depth", 0) > 0
 
 
-def _marking_recompute(run: Callable[..., Any]) -> Callable[..., Any]:
-    """``run`` for checkpoint, with :func:`in_recompute` true during every call after the first (the recomputes)."""
-    calls = 0
-
-    def marked_run(*flat: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return run(*flat)
-        _recompute_state.depth = getattr(_recompute_state, "depth", 0) + 1
-        try:
-            return run(*flat)
-        finally:  # also when checkpoint stops the recompute early (it raises inside `run`)
-            _recompute_state.depth -= 1
-
-    return marked_run
+@contextmanager
+def _marked_recompute() -> Iterator[None]:
+    _recompute_state.depth = getattr(_recompute_state, "depth", 0) + 1
+    try:
+        yield
+    finally:  # also when checkpoint stops the recompute early (it raises inside `run`)
+        _recompute_state.depth -= 1
 
 
 def _is_container(node: Any) -> bool:

@@ -4,7 +4,6 @@ logging steps only, against counts made without the monitor's recompute marker."
 from __future__ import annotations
 
 import pytest
-import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 
@@ -14,16 +13,9 @@ from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequen
 from lightning_ckpt.monitor import RECOMPUTE_FLOPS_SHARE, MemoryMonitor, RecomputeCostMode
 from lightning_ckpt.profiling import count_cost
 from lightning_ckpt.wrapping import apply_checkpointing
+from test_monitor import one_thread  # noqa: F401 - autouse: one intra-op thread on this small, shared machine
 
 VOCAB, SEQ, BATCH = 32, 16, 8
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def gpt() -> GPT:
