@@ -6,7 +6,7 @@ Example::
     from lightning_ckpt import GradientCheckpointing, MemoryMonitor
 
     trainer = Trainer(log_every_n_steps=50, callbacks=[GradientCheckpointing(every_n_layers=2), MemoryMonitor()])
-    trainer.fit(model)  # logs memory/*, throughput/*, time/step_sec; prints a summary at the end
+    trainer.fit(model)  # logs memory/*, throughput/*, time/step_sec, compute/*; prints a summary at the end
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lightning_ckpt.profiling import SavedTensorCounter, optimizer_state_bytes, tensor_bytes
+from lightning_ckpt.profiling import OpCostMode, SavedTensorCounter, optimizer_state_bytes, tensor_bytes
+from lightning_ckpt.wrapping import in_recompute
 
 GIB = 2**30
 
@@ -36,6 +37,9 @@ ACTIVATIONS_OFFLOADED = "memory/activations_offloaded_gib"
 SAMPLES_PER_SEC = "throughput/samples_per_sec"
 TOKENS_PER_SEC = "throughput/tokens_per_sec"
 STEP_SEC = "time/step_sec"
+RECOMPUTE_FLOPS_SHARE = "compute/recompute_flops_share"
+#: FLOPs are counted on a logging step at least this many optimizer steps after the last counted one.
+FLOP_COUNT_EVERY = 100
 
 #: Every key the monitor can log, and how it is combined over ranks: memory and step time are the
 #: maximum (the rank that runs out first / the slowest rank), rates are the sum.
@@ -48,6 +52,7 @@ REDUCTIONS: dict[str, str] = {
     SAMPLES_PER_SEC: "sum",
     TOKENS_PER_SEC: "sum",
     STEP_SEC: "max",
+    RECOMPUTE_FLOPS_SHARE: "max",
 }
 _KEYS = tuple(REDUCTIONS)
 
@@ -161,6 +166,68 @@ class _ActivationProbe:
         return counter.bytes, counter.offloaded_bytes
 
 
+class RecomputeCostMode(OpCostMode):
+    """Count a step's FLOPs as the planner does (:class:`~lightning_ckpt.profiling.OpCostMode`: torch's formulas for
+    matmul, convolution and attention, one per output element for every other op) and, apart, those of checkpoint's
+    recomputation (ops run while :func:`~lightning_ckpt.wrapping.in_recompute` is true).
+
+    ``OpCostMode`` rather than torch's ``FlopCounterMode``: ``FlopCounterMode`` counts only matmul-like ops, so the
+    cheap ops that selective checkpointing recomputes would count as free and its share would read 0. Outputs that
+    selective checkpointing kept are not run again in the recompute, and not counted. Only the totals are kept.
+
+    Example::
+
+        >>> from lightning_ckpt.wrapping import apply_checkpointing
+        >>> layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        >>> apply_checkpointing(layer, layer_cls=torch.nn.Sequential)
+        ['']
+        >>> with RecomputeCostMode() as cost:
+        ...     layer(torch.randn(4, 8)).sum().backward()
+        >>> cost.recompute  # the matmul (2 * 4 * 8 * 8) again, to get GELU's input back; GELU itself is not needed
+        512
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recompute = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict] = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        flops, _ = self.log.pop()  # totals only: a step runs too many ops to keep each one
+        if in_recompute():
+            self.recompute += flops
+        return out
+
+
+class _FlopProbe:
+    """Counts FLOPs (all, and recomputed) between ``start`` (a training batch starts) and ``stop`` (its backward is
+    done), summed over the micro-batches of one optimizer step until ``take``."""
+
+    def __init__(self) -> None:
+        self._mode: Optional[RecomputeCostMode] = None
+        self.total = 0
+        self.recompute = 0
+
+    def start(self) -> None:
+        self.stop()
+        self._mode = RecomputeCostMode()
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+            self.total += mode.total
+            self.recompute += mode.recompute
+
+    def take(self) -> Optional[float]:
+        """The recompute's share of the FLOPs counted since the last ``take`` (``None`` if none were); resets."""
+        self.stop()
+        share = self.recompute / self.total if self.total else None
+        self.total = self.recompute = 0
+        return share
+
+
 class MemoryMonitor(Callback):
     r"""Log device, host and activation memory, throughput and step time, and summarise them at the end of fit.
 
@@ -176,6 +243,12 @@ class MemoryMonitor(Callback):
     - ``throughput/samples_per_sec``, ``throughput/tokens_per_sec`` (when ``length_fn`` is given or the batch's main
       tensor holds token ids ``[batch, seq]``), ``time/step_sec``: averages over the steps since the last log,
       validation excluded.
+    - ``compute/recompute_flops_share``: the FLOPs that checkpointing recomputes over all FLOPs of the step's forward
+      and backward (0 without checkpointing; optimizer step excluded), counted by :class:`RecomputeCostMode` as the
+      planner counts them. Counting puts every op through a Python dispatch mode, which slows that step (and runs a
+      compiled model eagerly for it), so it runs on logging steps only, never the first step, and at most once every
+      :data:`FLOP_COUNT_EVERY` optimizer steps; logging steps in between repeat the last count. No other step is
+      touched.
 
     Under DDP/FSDP memory and step time are the maximum over ranks and rates the sum, gathered only on logging steps.
     The device is synchronised only on logging steps (and once at the end of fit). One step is one optimizer step, so
@@ -220,6 +293,7 @@ class MemoryMonitor(Callback):
         self.local_metrics: dict[str, float] = {}
         self.summary: dict[str, Any] = {}
         self._probe = _ActivationProbe()
+        self._flops = _FlopProbe()
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -240,6 +314,9 @@ class MemoryMonitor(Callback):
         self._peak_device = (0, 0)
         self._peak_rss = 0
         self._gradient_bytes: Optional[int] = None
+        self._flops.take()
+        self._recompute_share: Optional[float] = None
+        self._flops_counted_at: Optional[int] = None
 
     def _elapsed(self) -> float:
         assert self._t0 is not None
@@ -264,6 +341,8 @@ class MemoryMonitor(Callback):
         # count activations on the steps that log, and on the first step so that the summary has them anyway
         if self._steps == 0 or self._is_log_step(trainer.global_step + 1):
             self._probe.start(pl_module.parameters())
+        if self._counts_flops(trainer):
+            self._flops.start()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._record_activations()
@@ -271,6 +350,7 @@ class MemoryMonitor(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        self._flops.stop()  # forward and backward only
         if self._gradient_bytes is None:
             self._gradient_bytes = tensor_bytes(p.grad for p in pl_module.parameters())
 
@@ -278,6 +358,7 @@ class MemoryMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._record_activations()  # when the step returned no loss, there was no backward
+        self._flops.stop()
         if trainer.global_step == self._last_step:
             return  # accumulating gradients: not an optimizer step yet
         self._steps += trainer.global_step - self._last_step
@@ -299,6 +380,7 @@ class MemoryMonitor(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._probe.stop()
+        self._flops.stop()
         if self._t0 is None:
             return
         self.summary = self._summarize(trainer, pl_module)
@@ -306,14 +388,23 @@ class MemoryMonitor(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._probe.stop()
+        self._flops.stop()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._probe.stop()
+        self._flops.stop()
 
     # ------------------------------------------------------------------ measuring
 
     def _is_log_step(self, step: int) -> bool:
         return self._every > 0 and step % self._every == 0
+
+    def _counts_flops(self, trainer: pl.Trainer) -> bool:
+        """Whether this batch's step counts FLOPs: a logging step (with a logger), not the first (one-time work such
+        as the planner's measuring), at least :data:`FLOP_COUNT_EVERY` steps after the last count."""
+        step = trainer.global_step + 1
+        return (bool(trainer.loggers) and step > 1 and self._is_log_step(step)
+                and (self._flops_counted_at is None or step - self._flops_counted_at >= FLOP_COUNT_EVERY))
 
     def _batch_size(self, batch: Any) -> Count:
         if self.batch_size_fn is not None:
@@ -366,6 +457,11 @@ class MemoryMonitor(Callback):
         if "device/items_per_sec" in rates:
             values[TOKENS_PER_SEC] = rates["device/items_per_sec"]
         values[STEP_SEC] = 1.0 / rates["device/batches_per_sec"]
+        share = self._flops.take()
+        if share is not None:
+            self._recompute_share, self._flops_counted_at = share, trainer.global_step
+        if self._recompute_share is not None:
+            values[RECOMPUTE_FLOPS_SHARE] = self._recompute_share
         return values
 
     def _log(self, trainer: pl.Trainer) -> None:

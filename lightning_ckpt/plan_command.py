@@ -19,6 +19,14 @@ with ``accelerator="cpu", devices=1`` for planning, the precision kept (``bf16-m
 to bfloat16): PyTorch built without CUDA cannot run autograd on fake CUDA tensors, so the step runs CPU kernels'
 shape and dtype rules, and the report says which attention kernel ran and how the target's may differ.
 
+Static memory is one device's share. The command launches no process: the trainer is built for one device
+without a strategy, and the configured ``trainer.strategy``, ``devices`` and ``num_nodes`` only say how static
+memory is divided (:func:`sharding_of`). Under the package's ``fsdp_ckpt``, Lightning's ``FSDPStrategy`` (by its
+``sharding_strategy``) or ``ModelParallelStrategy`` (a name, or a ``class_path`` with ``init_args``), each device
+holds its share of the parameters, gradients and optimizer state over the data-parallel devices (devices x
+num_nodes for ``fsdp_ckpt`` and full sharding), rows padded as ``fully_shard`` pads them; buffers and 0-d state
+whole. The largest batch is then per device.
+
 LightningCLI arguments after the options override the config, as for ``lightning-ckpt fit``.
 
 Example::
@@ -28,24 +36,53 @@ Example::
         --model.init_args.n_embd=4096 --model.init_args.n_layer=32 --device-memory 80GiB
 
 It prints a Markdown report and writes it to ``plan.md`` in ``--output-dir`` (default
-``lightning_ckpt_plan/<config name>``). Exit status: 0, 1 when the budget cannot be met (the report says
-what can), 2 for a usage error.
+``lightning_ckpt_plan/<config name>``), with every figure in ``plan.json`` and a plot in ``plan.png``.
+Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 for a usage error.
+
+``plan.json`` (bytes and FLOPs as integers, ``null`` where a figure does not apply):
+
+- ``config``, ``model``: the config file's name and the LightningModule's class; ``fake``: measured under
+  FakeTensorMode; ``planned_for``: the configured accelerator when it is missing here, else ``null``.
+- ``batch_size``: the measured batch; ``batch_sizes``: both measured with ``--device-memory``.
+- ``memory_budget``: as given (a fraction or bytes); ``device_memory``: ``--device-memory`` in bytes.
+- ``outside_bytes``: activations held outside the matched layers (embeddings, head, loss), part of every setting.
+- ``static_bytes_per_device``: weights, gradients and optimizer state one device holds.
+- ``static``: ``weights_bytes`` (parameters and buffers), ``gradient_bytes``, ``optimizer_state_bytes``
+  (``null`` when ``configure_optimizers`` could not run), ``optimizer``, ``unsharded_bytes`` (the three summed,
+  undivided), ``strategy``, ``world`` (devices x num_nodes), ``weight_shards`` and ``state_shards`` (how many ways
+  parameters, and gradients and optimizer state, are divided), ``note`` (what is not modelled).
+- ``layers``: per matched layer ``{name, class, none_bytes, full_bytes, selective_bytes, full_flops,
+  selective_flops}``: bytes held not checkpointed, fully and selectively checkpointed; FLOPs recomputed.
+- ``settings``: per setting ``{name, description, checkpointed_layers, activation_bytes, recompute_flops,
+  predicted_step_seconds, fixed_bytes, per_sample_bytes, largest_batch}``, names ``none``, ``every_4th``,
+  ``every_2nd``, ``every_layer``, ``selective`` and ``plan`` (when the budget can be met).
+  ``predicted_step_seconds``: ``null`` (no device time model yet). ``fixed_bytes`` and ``per_sample_bytes``: the fit
+  ``activations = fixed + per_sample x batch`` and ``largest_batch`` the largest batch per device that fits in
+  ``device_memory`` with the static memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when
+  activations do not grow with the batch).
+- ``plan``: ``{layers, offloaded, budget_bytes, activation_bytes, host_bytes, recompute_flops}``: each layer's mode,
+  the layers whose held tensors go to host memory, the budget in bytes and the plan's predictions; ``null`` with
+  ``plan_error`` saying why when the budget cannot be met.
+- ``front``: the planner's plans for budgets from the least setting up to no checkpointing, each
+  ``{budget_bytes, activation_bytes, recompute_flops}`` (what ``plan.png`` draws as a line).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import math
 import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import yaml
@@ -53,6 +90,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import AcceleratorRegistry, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
 from torch._subclasses import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -61,8 +99,12 @@ from lightning_ckpt.callback import GradientCheckpointing
 from lightning_ckpt.cli_builder import run_cli
 from lightning_ckpt.op_curve import describe
 from lightning_ckpt.planner import CheckpointPlan, LayerCost, make_plan, measure_layer_costs, predict
-from lightning_ckpt.profiling import format_bytes, optimizer_state_bytes, tensor_bytes
+from lightning_ckpt.profiling import format_bytes, storage_key, tensor_bytes
 from lightning_ckpt.selection import parse_memory_budget
+from lightning_ckpt.strategies import CheckpointingFSDPStrategy
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 DEFAULT_BUDGET = 0.5
 #: Standard setting -> description, in the order they are reported; each maps to layer modes in :func:`setting_choices`.
@@ -76,6 +118,8 @@ SETTINGS = {
 }
 #: What the trainer is built with when the configured accelerator is missing here (planning only, under --fake).
 PLANNING_TRAINER = ("--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto")
+#: One device, no strategy, whatever the config says: the command plans one device's share and launches nothing.
+ONE_DEVICE = PLANNING_TRAINER[1:]
 #: Arguments after the options that go to LightningCLI (config overrides).
 _CLI_PREFIXES = ("--trainer.", "--model", "--data", "--seed_everything", "--optimizer", "--lr_scheduler")
 _LOG_WARNING = r"You are trying to `self.log\(\)` but the `self.trainer` reference is not registered"
@@ -122,7 +166,8 @@ def parse_bytes_arg(text: str) -> int:
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="lightning-ckpt plan",
+        # No abbreviations: an option added later (such as a `--device`) must not be read as `--device-memory`.
+        prog="lightning-ckpt plan", allow_abbrev=False,
         description="Measure one training step of a LightningCLI config and show what each checkpointing setting"
                     " holds and recomputes, the cheapest plan for a memory budget, and (with --device-memory) the"
                     " largest batch size each setting fits.")
@@ -207,12 +252,17 @@ def accelerator_available(accelerator: str) -> bool:
         return CUDAAccelerator.is_available() or MPSAccelerator.is_available()
     if name in AcceleratorRegistry:
         return bool(AcceleratorRegistry[name]["accelerator"].is_available())
-    module_name, _, cls_name = accelerator.rpartition(".")
+    cls = _import_class(accelerator)
+    return True if cls is None else bool(cls.is_available())  # not importable here: LightningCLI says so
+
+
+def _import_class(path: str) -> Optional[type]:
+    """The class at dotted ``path``, or ``None`` when it cannot be imported here."""
+    module_name, _, cls_name = path.rpartition(".")
     try:
-        cls = getattr(__import__(module_name, fromlist=[cls_name]), cls_name)
-        return bool(cls.is_available())
-    except Exception:  # noqa: BLE001 - not importable here: LightningCLI says so
-        return True
+        return getattr(importlib.import_module(module_name), cls_name)
+    except Exception:  # noqa: BLE001 - any import-time failure means "not here"
+        return None
 
 
 class AttentionKernels(TorchDispatchMode):
@@ -238,6 +288,107 @@ class AttentionKernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# ------------------------------------------------------------------------------------------------- sharding
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How the configured strategy divides static memory over devices: each device holds ``1/weights`` of the
+    parameters and ``1/states`` of the gradients and optimizer state (buffers and 0-d tensors whole).
+
+    ``world`` is devices x num_nodes; ``note`` says what is not modelled (tensor parallelism, CPU offload).
+    """
+
+    strategy: str = "auto"
+    world: int = 1
+    weights: int = 1
+    states: int = 1
+    note: str = ""
+
+
+#: FSDPStrategy's ``sharding_strategy`` -> (parameters sharded, gradients and optimizer state sharded), each over
+#: ``"world"``, ``"node"`` (the devices of one node: hybrid sharding) or ``None`` (whole on every device).
+_FSDP_SHARDING: dict[str, tuple[Optional[str], Optional[str]]] = {
+    "FULL_SHARD": ("world", "world"),
+    "SHARD_GRAD_OP": (None, "world"),  # parameters are gathered from forward to backward: whole at the peak
+    "HYBRID_SHARD": ("node", "node"),
+    "_HYBRID_SHARD_ZERO2": (None, "node"),
+    "NO_SHARD": (None, None),
+}
+
+
+def _strategy_spec(strategy: Any) -> tuple[str, Optional[type], dict[str, Any]]:
+    """``(name, class, init arguments)`` of a configured ``trainer.strategy``: a registered name, a class path, or a
+    ``{class_path, init_args}`` mapping (LightningCLI's namespace). The class is ``None`` when unknown here."""
+    if hasattr(strategy, "as_dict"):  # jsonargparse's Namespace
+        strategy = strategy.as_dict()
+    if isinstance(strategy, Mapping):
+        path = str(strategy.get("class_path", ""))
+        return path.rpartition(".")[2], _import_class(path), dict(strategy.get("init_args") or {})
+    if isinstance(strategy, Strategy):
+        return type(strategy).__name__, type(strategy), {}
+    name = str(strategy)
+    if name in StrategyRegistry:
+        entry = StrategyRegistry[name]
+        return name, entry["strategy"], dict(entry["init_params"])
+    return name, _import_class(name) if "." in name else None, {}
+
+
+def sharding_of(strategy: Any, devices: int, num_nodes: int) -> Sharding:
+    """How ``strategy`` (as configured: see :func:`_strategy_spec`) shards static memory over ``devices`` x
+    ``num_nodes``. The package's ``fsdp_ckpt`` and Lightning's ``ModelParallelStrategy`` shard parameters, gradients
+    and optimizer state over the data-parallel size; Lightning's ``FSDPStrategy`` as its ``sharding_strategy`` says.
+
+    Example::
+
+        >>> sharding_of("fsdp_ckpt", devices=4, num_nodes=2)
+        Sharding(strategy='fsdp_ckpt', world=8, weights=8, states=8, note='')
+        >>> sharding_of("ddp", devices=8, num_nodes=1).states
+        1
+        >>> sharding_of({"class_path": "lightning.pytorch.strategies.FSDPStrategy",
+        ...              "init_args": {"sharding_strategy": "HYBRID_SHARD"}}, devices=8, num_nodes=2).weights
+        8
+    """
+    name, cls, params = _strategy_spec(strategy)
+    world = devices * num_nodes
+    if cls is None or not issubclass(cls, (ModelParallelStrategy, FSDPStrategy)):
+        return Sharding(name, world)
+    notes = []
+    if issubclass(cls, ModelParallelStrategy):
+        ours = issubclass(cls, CheckpointingFSDPStrategy)
+        tp = params.get("tensor_parallel_size", 1 if ours else "auto")
+        tp = devices if tp == "auto" else int(tp)  # Lightning's "auto": the devices of one node
+        dp = params.get("data_parallel_size", "auto")
+        dp = (world // tp if ours else num_nodes) if dp == "auto" else int(dp)
+        if tp > 1:
+            notes.append(f"tensor parallelism (tensor_parallel_size={tp}) is the model's own `configure_model`; it is"
+                         " not counted, so each device may hold less than shown")
+        weights = states = max(1, dp)
+    else:
+        mode = params.get("sharding_strategy", "FULL_SHARD")
+        over = _FSDP_SHARDING.get(str(getattr(mode, "name", mode)).upper(), ("world", "world"))
+        weights, states = ({"world": world, "node": devices, None: 1}[o] for o in over)
+        if params.get("cpu_offload"):
+            notes.append("`cpu_offload` keeps the shards in host memory, so the device holds less than shown")
+    return Sharding(name, world, weights, states, "; ".join(notes))
+
+
+def device_count(devices: Any) -> Optional[int]:
+    """The number of devices a ``trainer.devices`` value asks for; ``None`` for ``"auto"`` and ``-1`` (all here).
+
+    Example::
+
+        >>> device_count(4), device_count("2"), device_count([0, 3]), device_count("0,1,"), device_count("auto")
+        (4, 2, 2, 2, None)
+    """
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    text = str(devices).strip()
+    if "," in text:
+        return len([d for d in text.split(",") if d.strip()])
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
 @dataclass
 class Built:
     """A config's model, its training data and where (and how) to run its step."""
@@ -254,6 +405,8 @@ class Built:
     planned_for: Optional[str] = None
     #: Attention kernels that ran during measuring.
     attention_kernels: set[str] = field(default_factory=set)
+    #: How the configured strategy shards static memory (the trainer itself is built for one device).
+    sharding: Sharding = field(default_factory=Sharding)
 
     def mode(self) -> AbstractContextManager[Any]:
         """The context in which tensors are made: the fake mode, or nothing."""
@@ -265,8 +418,10 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = ()) -> Built:
     checkpointing settings; under ``FakeTensorMode`` when ``fake`` (no memory is allocated for weights or
     activations). ``cli_args`` are LightningCLI overrides.
 
-    When the configured accelerator is not available here, ``fake`` must be on: the trainer is then built with
-    ``accelerator="cpu", devices=1`` (:data:`PLANNING_TRAINER`), its precision kept, and ``planned_for`` says so.
+    The trainer is built for one device without a strategy (:data:`ONE_DEVICE`); the configured strategy, devices
+    and num_nodes only say how static memory is sharded (``sharding``). When the configured accelerator is not
+    available here, ``fake`` must be on: the trainer is then built with ``accelerator="cpu"`` too
+    (:data:`PLANNING_TRAINER`), its precision kept, and ``planned_for`` says so.
     """
     target = configured_accelerator(config, cli_args)
     planned_for = None if accelerator_available(target) else target
@@ -275,11 +430,18 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = ()) -> Built:
                          " for it with --fake (nothing is allocated) or run on a machine that has it.")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else None
     context = fake_mode if fake_mode is not None else nullcontext()
-    args = ["--config", str(config), *cli_args, *(PLANNING_TRAINER if planned_for else ())]
+    configured = ["--config", str(config), *cli_args]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
         with context:
-            cli = run_cli(args, run=False, save_config_callback=None)
+            cli = run_cli([*configured, *(PLANNING_TRAINER if planned_for else ONE_DEVICE)], run=False,
+                          save_config_callback=None)
+    trainer_config = cli.parser.parse_args(configured).trainer
+    devices = device_count(trainer_config.devices)
+    sharding = sharding_of(trainer_config.strategy, devices or _auto_devices(cli, planned_for), trainer_config.num_nodes)
+    if devices is None and planned_for is not None:
+        sharding = replace(sharding, note="; ".join(filter(None, [sharding.note, f"devices={trainer_config.devices!r}"
+                           " counted as 1 (the accelerator is not here to count them): pass --trainer.devices=N"])))
     module = cli.model
     device = cli.trainer.strategy.root_device
     precision = cli.trainer.precision_plugin
@@ -296,7 +458,12 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = ()) -> Built:
         data.prepare_data()
         data.setup("fit")
     return Built(module, data.train_dataloader(), device, settings.get("layer_cls"), bool(settings.get("offload")),
-                 settings.get("memory_budget"), fake_mode, precision, planned_for)
+                 settings.get("memory_budget"), fake_mode, precision, planned_for, sharding=sharding)
+
+
+def _auto_devices(cli: Any, planned_for: Optional[str]) -> int:
+    """How many devices ``devices="auto"`` (or -1) means: the configured accelerator's count here, 1 when it is missing."""
+    return 1 if planned_for is not None else max(1, int(type(cli.trainer.accelerator).auto_device_count()))
 
 
 def batch_size_of(batch: Any) -> int:
@@ -398,43 +565,75 @@ def measure(built: Built, batch_size: int) -> Measurement:
 
 @dataclass
 class StaticMemory:
-    """Bytes that checkpointing does not change: weights (and buffers), gradients, optimizer state."""
+    """Bytes that checkpointing does not change, on one device: weights (and buffers), gradients, optimizer state,
+    each device's share when the configured strategy shards them (``sharding``; ``unsharded``: the whole)."""
 
     weights: int
     gradients: int
     optimizer_state: Optional[int]
     optimizer: str
+    sharding: Sharding = field(default_factory=Sharding)
+    unsharded: Optional[int] = None
 
     @property
     def total(self) -> int:
         return self.weights + self.gradients + (self.optimizer_state or 0)
 
 
+def sharded_bytes(tensors: Iterable[Optional[torch.Tensor]], shards: int) -> int:
+    """Bytes one device holds of ``tensors`` when each is split along its first dimension over ``shards`` devices,
+    as ``fully_shard`` splits parameters: rows padded to a multiple of ``shards`` (the largest share); 0-d tensors
+    whole; each storage once. With ``shards=1``: :func:`~lightning_ckpt.profiling.tensor_bytes`.
+
+    Example::
+
+        >>> sharded_bytes([torch.zeros(10, 4), torch.zeros(())], 4)  # 3 of 10 rows of 4 float32; a whole scalar
+        52
+    """
+    seen: set[tuple[Any, int]] = set()
+    total = 0
+    for tensor in tensors:
+        if tensor is None or tensor.device.type == "meta" or storage_key(tensor) in seen:
+            continue
+        seen.add(storage_key(tensor))
+        nbytes, rows = tensor.untyped_storage().nbytes(), (tensor.shape[0] if tensor.dim() else 0)
+        total += nbytes if rows == 0 or shards == 1 else -(-rows // shards) * nbytes // rows
+    return total
+
+
 def static_memory(built: Built) -> StaticMemory:
-    """Count weights and gradients, and the optimizer state after one step on zero gradients.
+    """Count weights and gradients, and the optimizer state after one step on zero gradients: one device's share
+    under the configured strategy (:attr:`Built.sharding`).
 
     The optimizer comes from the module's ``configure_optimizers``; its step changes the weights (Adam's weight
     decay), so this runs after everything else has been measured.
     """
-    module = built.module
+    module, sharding = built.module, built.sharding
     params = list(module.parameters())
-    weights = tensor_bytes([*params, *module.buffers()])
-    gradients = tensor_bytes(p for p in params if p.requires_grad)
+    trainable = [p for p in params if p.requires_grad]
+    buffers = tensor_bytes(module.buffers())
+
+    def share(weights: int, states: int, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[int, int, int]:
+        moments = [t for o in optimizers for state in o.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        return (sharded_bytes(params, weights) + buffers, sharded_bytes(trainable, states), sharded_bytes(moments, states))
+
     try:
         with built.mode():
             optimizers = _optimizers(module.configure_optimizers())
-            for p in params:
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
             for optimizer in optimizers:
                 optimizer.step()
     except Exception as err:  # noqa: BLE001 - a configure_optimizers that needs the Trainer, a closure, ...
-        return StaticMemory(weights, gradients, None, f"unknown: configure_optimizers or its step failed ({err})")
+        weights, gradients, _ = share(sharding.weights, sharding.states, [])
+        return StaticMemory(weights, gradients, None, f"unknown: configure_optimizers or its step failed ({err})",
+                            sharding)
     finally:
         for p in params:
             p.grad = None
     names = ", ".join(type(o).__name__ for o in optimizers) or "none"
-    return StaticMemory(weights, gradients, optimizer_state_bytes(optimizers), names)
+    return StaticMemory(*share(sharding.weights, sharding.states, optimizers), names, sharding,
+                        sum(share(1, 1, optimizers)))
 
 
 def _optimizers(configured: Any) -> list[torch.optim.Optimizer]:
@@ -499,6 +698,7 @@ class SettingRow:
     fixed_bytes: Optional[float] = None  # activations = fixed_bytes + per_sample_bytes * batch
     per_sample_bytes: Optional[float] = None
     largest_batch: Optional[int] = None
+    predicted_step_seconds: Optional[float] = None  # with a device's time model (not yet: always None)
 
 
 def fit_line(x1: int, y1: int, x2: int, y2: int) -> tuple[float, float]:
@@ -545,6 +745,32 @@ def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], of
     return rows
 
 
+def planner_front(main: Measurement, offload: bool, lowest: int, points: int = 16) -> list[dict[str, int]]:
+    """The planner's plans for ``points`` budgets from ``lowest`` bytes up to the activations without checkpointing,
+    each ``{budget_bytes, activation_bytes, recompute_flops}``; budgets it cannot meet are left out, equal plans kept once.
+
+    Example::
+
+        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> [(p["activation_bytes"], p["recompute_flops"]) for p in planner_front(Measurement(8, costs, 100), False, 140, 4)]
+        [(140, 200), (260, 20), (380, 10), (500, 0)]
+    """
+    baseline, _ = predict(main.costs, main.outside_bytes, {}, offload)
+    front: list[dict[str, int]] = []
+    for i in range(points):
+        budget = round(lowest + (baseline - lowest) * i / max(1, points - 1))
+        try:
+            plan = make_plan(main.costs, main.outside_bytes, max(1, budget), offload=offload)
+        except ValueError:
+            continue
+        point = {"budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes,
+                 "recompute_flops": plan.recompute_flops}
+        if not front or (front[-1]["activation_bytes"], front[-1]["recompute_flops"]) != (plan.planned_bytes,
+                                                                                         plan.recompute_flops):
+            front.append(point)
+    return front
+
+
 # ------------------------------------------------------------------------------------------------ reporting
 
 
@@ -571,7 +797,7 @@ def where_measured(built: Built) -> list[str]:
         f" {built.planned_for!r}, which is not available here, so the trainer was built with"
         f" {', '.join(a.split('.', 1)[1] for a in PLANNING_TRAINER)} for planning, precision kept ({name})."
         " PyTorch without CUDA cannot run autograd on fake CUDA tensors, so the step ran on fake CPU tensors with"
-        " CPU kernels' shapes and dtypes; static memory is one device's, unsharded.",
+        " CPU kernels' shapes and dtypes; static memory is one device's share (see Static memory).",
         "",
     ]
     if _CPU_FLASH in built.attention_kernels:
@@ -590,6 +816,22 @@ def where_measured(built: Built) -> list[str]:
                   " flash kernel supports dropout and saves only a log-sum-exp per row, so the target may hold less"
                   " than planned. A model that picks its attention implementation by device may differ too.", ""]
     return lines
+
+
+def sharding_lines(static: StaticMemory) -> list[str]:
+    """Report paragraph: whether, and how, the figures above are one device's share of sharded static memory."""
+    s = static.sharding
+    if s.states == 1 and s.weights == 1:
+        text = (f"Not sharded (strategy {s.strategy!r}, {s.world} device{'s' * (s.world > 1)} in all: devices x"
+                " num_nodes): every device holds all of it." + (f" Note: {s.note}." if s.note else ""))
+        return [text, ""]
+    unsharded = "" if static.unsharded is None else f" ({format_bytes(static.unsharded)} unsharded)"
+    what = (f"parameters, gradients and optimizer state over {s.states} devices" if s.weights == s.states else
+            f"gradients and optimizer state over {s.states} devices, parameters over {s.weights}")
+    return [f"**One device's share{unsharded}:** strategy {s.strategy!r} shards {what}"
+            f" ({s.world} in all: devices x num_nodes), rows padded as `fully_shard` pads them; buffers and 0-d"
+            " optimizer state (step counters) are whole on every device. The command launches no process: it plans"
+            " one device's share, and the largest batch is per device." + (f" Note: {s.note}." if s.note else ""), ""]
 
 
 def render(title: str, built: Built, main: Measurement, plan: Optional[CheckpointPlan], plan_error: Optional[str],
@@ -671,12 +913,96 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
         "|---:|---:|---:|---|---:|",
         f"| {_b(static.weights)} | {_b(static.gradients)} | {state} | {static.optimizer} | {format_bytes(static.total)} |",
         "",
+        *sharding_lines(static),
         f"Optimizer state counted after one optimizer step. Without checkpointing, activations are"
         f" {100 * none_bytes / (none_bytes + static.total):.0f}% of static memory plus activations"
         + (": checkpointing cannot save much here; shard the weights and optimizer state (FSDP) or train fewer"
            " parameters (PEFT)." if none_bytes < static.total else "."),
     ]
     return "\n".join(lines) + "\n"
+
+
+def report_data(title: str, built: Built, main: Measurement, plan: Optional[CheckpointPlan], plan_error: Optional[str],
+                budget: object, rows: Sequence[SettingRow], static: StaticMemory, device_memory: Optional[int],
+                batch_sizes: Sequence[int], front: Sequence[Mapping[str, int]]) -> dict[str, Any]:
+    """Every figure of the report as plain data (``plan.json``; the keys are listed in the module docstring)."""
+    s = static.sharding
+    return {
+        "config": title,
+        "model": type(built.module).__name__,
+        "fake": built.fake_mode is not None,
+        "planned_for": built.planned_for,
+        "batch_sizes": list(batch_sizes),
+        "batch_size": main.batch_size,
+        "memory_budget": budget,
+        "device_memory": device_memory,
+        "outside_bytes": main.outside_bytes,
+        "static_bytes_per_device": static.total,
+        "static": {"weights_bytes": static.weights, "gradient_bytes": static.gradients,
+                   "optimizer_state_bytes": static.optimizer_state, "optimizer": static.optimizer,
+                   "unsharded_bytes": static.unsharded, "strategy": s.strategy, "world": s.world,
+                   "weight_shards": s.weights, "state_shards": s.states, "note": s.note},
+        "layers": [{"name": c.name, "class": c.cls, "none_bytes": c.none_bytes,
+                    "full_bytes": c.device_bytes("full", built.offload),
+                    "selective_bytes": c.device_bytes("selective", built.offload), "full_flops": c.full_flops,
+                    "selective_flops": c.selective_flops} for c in main.costs],
+        "settings": [{"name": r.name, "description": SETTINGS.get(r.name, r.name), "checkpointed_layers": r.layers,
+                      "activation_bytes": r.activation_bytes, "recompute_flops": r.recompute_flops,
+                      "predicted_step_seconds": r.predicted_step_seconds, "fixed_bytes": r.fixed_bytes,
+                      "per_sample_bytes": r.per_sample_bytes, "largest_batch": r.largest_batch} for r in rows],
+        "plan": None if plan is None else {
+            "layers": dict(plan.layers),
+            # Today every checkpointed layer's inputs go to the host when offload is on.
+            "offloaded": [n for n, m in plan.layers.items() if m != "none"] if plan.offload else [],
+            "budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes,
+            "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops},
+        "plan_error": plan_error,
+        "front": [dict(p) for p in front],
+    }
+
+
+def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
+    """Activations against recompute cost (predicted step time when every setting has one, else recompute FLOPs)
+    of every setting in ``data`` (:func:`report_data`), the planner's front over budgets as a line and the chosen
+    plan as a star; saved as a PNG. Returns the figure (``None`` without matplotlib). Points are in bytes and FLOPs
+    (or seconds), the axes' labels formatted for people.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import EngFormatter, MaxNLocator
+    except ImportError:
+        print("plan: the plot needs matplotlib (`pip install matplotlib`); wrote the report only.", file=sys.stderr)
+        return None
+    settings = data["settings"]
+    timed = all(s["predicted_step_seconds"] is not None for s in settings)
+    cost = "predicted_step_seconds" if timed else "recompute_flops"
+    fig = Figure(figsize=(6.5, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    front = [p for p in data["front"] if p.get(cost) is not None]
+    if front:
+        front = sorted(front, key=lambda p: p[cost])
+        ax.plot([p[cost] for p in front], [p["activation_bytes"] for p in front], ".-", color="tab:gray", alpha=0.6,
+                label="planner's front over budgets")
+    for s in settings:
+        chosen = s["name"] == "plan"
+        ax.scatter([s[cost]], [s["activation_bytes"]], marker="*" if chosen else "o", s=160 if chosen else 40,
+                   color="tab:red" if chosen else "black" if s["name"] == "none" else "tab:blue", zorder=3,
+                   label=s["name"])
+        ax.annotate("plan (chosen)" if chosen else s["name"], (s[cost], s["activation_bytes"]),
+                    textcoords="offset points", xytext=(5, 5), fontsize=9)
+    ax.xaxis.set_major_locator(MaxNLocator(5))
+    ax.xaxis.set_major_formatter(EngFormatter(unit="s" if timed else "FLOP"))
+    ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
+    ax.set_xlabel("predicted step time" if timed else "recompute per step")
+    ax.set_ylabel("activations held for backward, per device (MB = 10⁶ B)")
+    ax.legend(handles=ax.lines, loc="upper right", fontsize=8)
+    ax.set_title(f"Checkpointing plan: activations vs recompute\n{data['config']}", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    return fig
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -720,11 +1046,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
     report = render(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
                     batch_sizes)
+    front = planner_front(main_m, built.offload, min(r.activation_bytes for r in rows))
+    data = report_data(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
+                       batch_sizes, front)
     out_dir = (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan.md").write_text(report)
+    (out_dir / "plan.json").write_text(json.dumps(data, indent=1) + "\n")
+    drawn = plot(data, out_dir / "plan.png") is not None
     print(report)
-    print(f"plan: wrote {out_dir / 'plan.md'}", flush=True)
+    print(f"plan: wrote {out_dir / 'plan.md'}, plan.json" + (" and plan.png" if drawn else ""), flush=True)
     if plan is None:
         print(f"plan: memory_budget={budget!r} cannot be met; see 'No plan' above.", file=sys.stderr)
         return 1

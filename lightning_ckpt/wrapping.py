@@ -18,8 +18,9 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -123,24 +124,43 @@ class CheckpointedForward:
         _refuse_caches(module, leaves)
         call = self.state.begin()
         with OffloadToHost() if self.options.offload else nullcontext():
-            out = checkpoint(_replaying(run, call) if call.needs_replay else run, *flat, **torch_kwargs)
+            out = checkpoint(_recomputing(run, call if call.needs_replay else None), *flat, **torch_kwargs)
         self.state.end(call)
         return out
 
 
-def _replaying(run: Callable[..., Any], call: CallState) -> Callable[..., Any]:
-    """``run`` for checkpoint: the first call is the forward, every later call a recompute under ``call``'s state."""
+def _recomputing(run: Callable[..., Any], call: CallState | None) -> Callable[..., Any]:
+    """``run`` for checkpoint: the first call is the forward, every later call a recompute, marked for
+    :func:`in_recompute` and run under ``call``'s replayed state (when given)."""
     calls = 0
 
-    def replaying_run(*flat: Any) -> Any:
+    def recomputing_run(*flat: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 1:
             return run(*flat)
-        with call.replayed():
+        with _marked_recompute(), call.replayed() if call is not None else nullcontext():
             return run(*flat)
 
-    return replaying_run
+    return recomputing_run
+
+
+_recompute_state = threading.local()
+
+
+def in_recompute() -> bool:
+    """Whether this thread is inside a checkpointed layer's recompute (torch's checkpoint re-running the layer's
+    forward in backward), for counters that tell recomputed work apart (``MemoryMonitor``'s FLOP share)."""
+    return getattr(_recompute_state, "depth", 0) > 0
+
+
+@contextmanager
+def _marked_recompute() -> Iterator[None]:
+    _recompute_state.depth = getattr(_recompute_state, "depth", 0) + 1
+    try:
+        yield
+    finally:  # also when checkpoint stops the recompute early (it raises inside `run`)
+        _recompute_state.depth -= 1
 
 
 def _is_container(node: Any) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from pathlib import Path
 
@@ -11,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_ckpt import plan_command
 from lightning_ckpt.cli import main as cli_main
-from lightning_ckpt.plan_command import batch_of_size, build, would_not_fit
+from lightning_ckpt.plan_command import batch_of_size, build, largest_batch, sharding_of, would_not_fit
 from lightning_ckpt.planner import make_plan
 from lightning_ckpt.profiling import SavedTensorCounter
 from lightning_ckpt.wrapping import apply_checkpointing
@@ -39,9 +41,15 @@ def num(cell: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def real_report(tmp_path_factory):
+def real_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan_real")
     rc = plan_command.main([*ARGS, "--output-dir", str(out)])
+    return rc, out
+
+
+@pytest.fixture(scope="module")
+def real_report(real_dir):
+    rc, out = real_dir
     return rc, (out / "plan.md").read_text()
 
 
@@ -83,6 +91,114 @@ def test_plan_on_tiny_config_adds_up(real_report, tmp_path, capsys):
     [static] = table(report, "Static memory")
     assert [num(c) for c in static[:3]] == [weights, weights, 2 * weights + 4 * len(params)]
     assert static[3] == "AdamW"
+
+
+def test_plan_json_holds_every_figure_of_the_report(real_dir):
+    rc, out = real_dir
+    report, data = (out / "plan.md").read_text(), json.loads((out / "plan.json").read_text())
+    layers = table(report, "Layers")
+    assert [layer["name"] for layer in data["layers"]] == [r[0] for r in layers[:-1]]
+    for layer, row in zip(data["layers"], layers):
+        assert [layer[k] for k in ("none_bytes", "full_bytes", "selective_bytes", "full_flops", "selective_flops")] == [
+            num(c) for c in row[2:7]]
+    assert data["outside_bytes"] == num(layers[-1][2])
+    assert data["plan"]["layers"] == {r[0]: r[7] for r in layers[:-1]} and data["plan"]["offloaded"] == []
+    settings = table(report, "Settings")
+    assert [s["name"] for s in data["settings"]] == [r[0] for r in settings]
+    assert {"none", "every_layer", "selective", "plan"} <= {s["name"] for s in data["settings"]}
+    for setting, row in zip(data["settings"], settings):
+        assert setting["checkpointed_layers"] == num(row[1])
+        assert setting["activation_bytes"] == num(row[2]) and setting["recompute_flops"] == num(row[5])
+        assert round(setting["fixed_bytes"]) == num(row[7]) and round(setting["per_sample_bytes"]) == num(row[8])
+        assert setting["largest_batch"] == int(row[9])
+        assert setting["predicted_step_seconds"] is None  # no time model yet
+    plan = next(s for s in data["settings"] if s["name"] == "plan")
+    assert (plan["activation_bytes"], plan["recompute_flops"]) == (data["plan"]["activation_bytes"],
+                                                                 data["plan"]["recompute_flops"])
+    [static] = table(report, "Static memory")
+    assert data["static_bytes_per_device"] == sum(num(c) for c in static[:3]) == data["static"]["unsharded_bytes"]
+    assert data["device_memory"] == DEVICE_MEMORY and data["batch_sizes"] == [4, 8]
+
+
+def test_plan_png_draws_every_setting_and_the_front_with_the_plan_marked(real_dir):
+    _, out = real_dir
+    data = json.loads((out / "plan.json").read_text())
+    png = (out / "plan.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    fig = plan_command.plot(data, out / "again.png")
+    [ax] = fig.axes
+    drawn = {c.get_label(): c for c in ax.collections}
+    assert list(drawn) == [s["name"] for s in data["settings"]]
+    for setting in data["settings"]:  # no time model yet: recompute FLOPs across, activation bytes up
+        assert drawn[setting["name"]].get_offsets().tolist() == [[setting["recompute_flops"], setting["activation_bytes"]]]
+    sizes = {name: c.get_sizes()[0] for name, c in drawn.items()}
+    assert sizes.pop("plan") > max(sizes.values())  # the chosen plan stands out
+    assert "plan (chosen)" in [t.get_text() for t in ax.texts]
+    [front] = ax.lines
+    points = sorted((p["recompute_flops"], p["activation_bytes"]) for p in data["front"])
+    assert front.get_xydata().tolist() == [list(p) for p in points] and len(points) > 3
+    # The front is the planner's plans over budgets: the plan for the run's budget is one of its points.
+    assert (data["plan"]["recompute_flops"], data["plan"]["activation_bytes"]) in points
+    assert ax.get_xlabel() == "recompute per step"
+
+
+def test_argument_abbreviations_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan_command.main(["--config", str(TINY), "--device-mem", "80GiB"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --device-mem" in capsys.readouterr().err
+
+
+def test_sharded_strategy_divides_static_memory_over_the_data_parallel_devices(real_dir, tmp_path, capsys):
+    _, out = real_dir
+    whole = json.loads((out / "plan.json").read_text())
+    rc, _ = run_plan([*ARGS, "--trainer.strategy=fsdp_ckpt", "--trainer.devices=4"], tmp_path, capsys)
+    assert rc == 0
+    data, report = json.loads((tmp_path / "plan.json").read_text()), (tmp_path / "plan.md").read_text()
+    # Each parameter's rows split over 4 devices (padded), its gradient and AdamW moments alike; step counters whole.
+    params = list(build(TINY, fake=False).module.parameters())
+    share = sum(4 * math.ceil(p.shape[0] / 4) * p[0].numel() for p in params)
+    assert [data["static"][k] for k in ("weights_bytes", "gradient_bytes", "optimizer_state_bytes")] == [
+        share, share, 2 * share + 4 * len(params)]
+    assert data["static_bytes_per_device"] == pytest.approx(whole["static_bytes_per_device"] / 4, rel=0.01)
+    assert data["static"]["unsharded_bytes"] == whole["static_bytes_per_device"]
+    assert (data["static"]["world"], data["static"]["state_shards"]) == (4, 4)
+    [static] = table(report, "Static memory")
+    assert sum(num(c) for c in static[:3]) == data["static_bytes_per_device"]
+    assert "**One device's share" in report and "strategy 'fsdp_ckpt' shards parameters, gradients and optimizer" \
+        " state over 4 devices" in report and "The command launches no process" in report
+    # Activations are per device already; the room left for them grows, and with it the largest batch per device.
+    room = DEVICE_MEMORY - data["static_bytes_per_device"]
+    for sharded, unsharded in zip(data["settings"], whole["settings"]):
+        assert sharded["activation_bytes"] == unsharded["activation_bytes"]
+        assert sharded["largest_batch"] == largest_batch(sharded["fixed_bytes"], sharded["per_sample_bytes"], room)
+        assert sharded["largest_batch"] > unsharded["largest_batch"]
+
+
+MP = "lightning.pytorch.strategies.ModelParallelStrategy"
+FSDP = "lightning.pytorch.strategies.FSDPStrategy"
+
+
+@pytest.mark.parametrize(("strategy", "devices", "nodes", "weights", "states", "note"), [
+    ("auto", 8, 2, 1, 1, ""),
+    ("ddp", 8, 2, 1, 1, ""),
+    ("fsdp_ckpt", 8, 2, 16, 16, ""),
+    ({"class_path": "lightning_ckpt.CheckpointingFSDPStrategy", "init_args": {"tensor_parallel_size": 2}}, 8, 2, 8, 8,
+     "tensor parallelism (tensor_parallel_size=2)"),
+    ("fsdp", 8, 2, 16, 16, ""),
+    ("fsdp_cpu_offload", 8, 2, 16, 16, "`cpu_offload` keeps the shards in host memory"),
+    ({"class_path": FSDP, "init_args": {"sharding_strategy": "HYBRID_SHARD"}}, 8, 2, 8, 8, ""),
+    ({"class_path": FSDP, "init_args": {"sharding_strategy": "SHARD_GRAD_OP"}}, 8, 2, 1, 16, ""),
+    ({"class_path": FSDP, "init_args": {"sharding_strategy": "NO_SHARD"}}, 8, 2, 1, 1, ""),
+    # Lightning's "auto": data parallel over the nodes, tensor parallel over each node's devices
+    ({"class_path": MP}, 8, 2, 2, 2, "tensor parallelism (tensor_parallel_size=8)"),
+    ({"class_path": MP, "init_args": {"data_parallel_size": 4, "tensor_parallel_size": 4}}, 8, 2, 4, 4,
+     "tensor parallelism (tensor_parallel_size=4)"),
+])
+def test_sharding_follows_each_strategy_s_own_rules(strategy, devices, nodes, weights, states, note):
+    sharding = sharding_of(strategy, devices, nodes)
+    assert (sharding.world, sharding.weights, sharding.states) == (devices * nodes, weights, states)
+    assert sharding.note.startswith(note) and bool(sharding.note) == bool(note)
 
 
 def test_report_printed_is_the_report_written(tmp_path, capsys):
