@@ -745,9 +745,11 @@ def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], of
     return rows
 
 
-def planner_front(main: Measurement, offload: bool, lowest: int, points: int = 16) -> list[dict[str, int]]:
+def planner_front(main: Measurement, offload: bool, lowest: int, points: int = 16,
+                  include: Sequence[int] = ()) -> list[dict[str, int]]:
     """The planner's plans for ``points`` budgets from ``lowest`` bytes up to the activations without checkpointing,
-    each ``{budget_bytes, activation_bytes, recompute_flops}``; budgets it cannot meet are left out, equal plans kept once.
+    and for the budgets in ``include`` (the run's own), each ``{budget_bytes, activation_bytes, recompute_flops}``;
+    budgets it cannot meet are left out, equal plans kept once.
 
     Example::
 
@@ -757,8 +759,8 @@ def planner_front(main: Measurement, offload: bool, lowest: int, points: int = 1
     """
     baseline, _ = predict(main.costs, main.outside_bytes, {}, offload)
     front: list[dict[str, int]] = []
-    for i in range(points):
-        budget = round(lowest + (baseline - lowest) * i / max(1, points - 1))
+    budgets = {round(lowest + (baseline - lowest) * i / max(1, points - 1)) for i in range(points)} | set(include)
+    for budget in sorted(budgets):
         try:
             plan = make_plan(main.costs, main.outside_bytes, max(1, budget), offload=offload)
         except ValueError:
@@ -1046,7 +1048,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
     report = render(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
                     batch_sizes)
-    front = planner_front(main_m, built.offload, min(r.activation_bytes for r in rows))
+    front = planner_front(main_m, built.offload, min(r.activation_bytes for r in rows),
+                          include=[plan.budget_bytes] if plan is not None else [])
     data = report_data(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
                        batch_sizes, front)
     out_dir = (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve()

@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_ckpt import plan_command
