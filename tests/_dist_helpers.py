@@ -1,9 +1,10 @@
-"""Models and 2-process runs for tests/test_strategies.py, importable by spawned processes.
+"""Models and multi-process runs for the distributed tests, importable by spawned processes.
 
-``run_scenarios`` starts two CPU processes (spawn) once and runs many short Trainer fits in them, one
-after another on one gloo process group, the way a cluster launcher runs a script. Each scenario writes
+``run_scenarios`` starts two (or ``world_size``) CPU processes (spawn) once and runs many short Trainer fits in
+them, one after another on one gloo process group, the way a cluster launcher runs a script. Each scenario writes
 its result per rank to ``out_dir/<scenario>.rank<r>.pt``; an exception is recorded, not raised, so a
-refused setting does not stop the other scenarios.
+refused setting does not stop the other scenarios. ``run_as_nodes`` starts this file once per machine instead
+(``NODE_RANK``, ``MASTER_ADDR=127.0.0.1``), as a user starts a script on several machines.
 """
 
 from __future__ import annotations
@@ -604,18 +605,8 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, scenarios: list[tuple[str, dict[str, Any]]], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    import warnings
-
-    warnings.filterwarnings("ignore")
     for name, kwargs in scenarios:
-        start = time.perf_counter()
-        try:
-            result = SCENARIOS[name](**kwargs)
-        except Exception as err:  # recorded for the test to assert on
-            result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-        result["seconds"] = time.perf_counter() - start
-        torch.save(result, Path(out_dir) / f"{name}.rank{rank}.pt")
+        torch.save(_run_scenario(name, kwargs), Path(out_dir) / f"{name}.rank{rank}.pt")
     # Like the strategies' own spawn launcher: destroy the process group, then leave without interpreter
     # finalization, where leftover gloo state can abort the process.
     if torch.distributed.is_initialized():
@@ -686,17 +677,20 @@ def run_as_nodes(scenario: str, out_dir: Path, nodes: int = 2, timeout: float = 
     return results
 
 
-def _run_as_node(scenario: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
+def _run_scenario(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Run one scenario in this process; an exception is recorded in the result, for the test to assert on."""
     import warnings
 
+    torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
+    start = time.perf_counter()
     try:
-        result = SCENARIOS[scenario]()
-    except Exception as err:  # recorded for the test to assert on
+        result = SCENARIOS[name](**kwargs)
+    except Exception as err:
         result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-    torch.save(result, Path(out_dir) / f"{scenario}.node{os.environ['NODE_RANK']}.pt")
+    return {**result, "seconds": time.perf_counter() - start}
 
 
-if __name__ == "__main__":  # one node of `run_as_nodes`
-    _run_as_node(sys.argv[1], sys.argv[2])
+if __name__ == "__main__":  # one node of `run_as_nodes`: python _dist_helpers.py SCENARIO OUT_DIR
+    name, out = sys.argv[1:3]
+    torch.save(_run_scenario(name, {}), Path(out) / f"{name}.node{os.environ['NODE_RANK']}.pt")

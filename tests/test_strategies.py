@@ -2,7 +2,8 @@
 
 The distributed runs use 2 CPU processes with gloo. Most of them share one spawned pair of processes
 (``runs`` below: many short fits on one process group, as under a cluster launcher); the two
-``test_spawn_*`` tests use the strategies' own ``start_method="spawn"`` launcher from this process.
+``test_spawn_*`` tests use the strategies' own ``start_method="spawn"`` launcher from this process, and the
+two-node tests start two separate processes as two machines on loopback (``node_runs``).
 
 Weights alone cannot show that checkpointing survived the wrapping: a model trains to the same weights with or
 without it. So every distributed run also counts, per rank, how often the block's forward ran in training
