@@ -15,7 +15,7 @@ from typing import Any, Generic, Optional, TypeVar, Union, overload
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy, Strategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -381,7 +381,8 @@ def check_lightning_strategy(strategy: Strategy) -> None:
 
     Lightning's ``FSDPStrategy(activation_checkpointing_policy=...)`` (or the deprecated
     ``activation_checkpointing=...``) wraps layers in torch's ``CheckpointWrapper`` after sharding; with
-    :class:`GradientCheckpointing` as well, layers would be recomputed twice.
+    :class:`GradientCheckpointing` as well, layers would be recomputed twice. ``DeepSpeedStrategy`` is refused
+    too: DeepSpeed brings its own activation checkpointing, and the callback is not verified under its engine.
 
     Example::
 
@@ -393,6 +394,15 @@ def check_lightning_strategy(strategy: Strategy) -> None:
             "`FSDPStrategy(activation_checkpointing_policy=...)` and the `GradientCheckpointing` callback would both"
             " checkpoint the model, recomputing layers twice. Remove `activation_checkpointing_policy` (the callback"
             " checkpoints inside the FSDP units when `auto_wrap_policy` wraps the layer class), or remove the callback."
+        )
+    if isinstance(strategy, DeepSpeedStrategy):  # Lightning's class imports without deepspeed installed
+        raise ValueError(
+            "`GradientCheckpointing` does not support `DeepSpeedStrategy`: DeepSpeed checkpoints activations its own"
+            " way, and torch's checkpoint under its engine (ZeRO partitioning) is not verified by this package. Remove"
+            " the callback and use DeepSpeed's activation checkpointing: call `deepspeed.checkpointing.checkpoint(block,"
+            " x)` in your model's forward and set the `activation_checkpointing` section of the DeepSpeed config (in"
+            " Lightning: `DeepSpeedStrategy(partition_activations=True, cpu_checkpointing=True,"
+            " contiguous_memory_optimization=True)`). Or keep the callback and shard with `strategy='fsdp_ckpt'`."
         )
 
 

@@ -511,7 +511,37 @@ class MemoryMonitor(Callback):
 def _gather(trainer: pl.Trainer, local: torch.Tensor) -> torch.Tensor:
     """``[world_size, n]``: every rank's ``local`` vector (one collective)."""
     on_device = local.to(trainer.strategy.root_device)
+    if on_device.device.type == "cpu" and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return all_gather_released(on_device).reshape(-1, local.numel())
     return trainer.strategy.all_gather(on_device).reshape(-1, local.numel()).cpu()
+
+
+def all_gather_released(tensor: torch.Tensor, timeout: float = 10.0) -> torch.Tensor:
+    """``[world_size, *tensor.shape]``: ``tensor`` from every rank of the default process group, returned only once
+    the process group has let go of the tensors it was given (at most ``timeout`` seconds after the collective).
+
+    Gloo runs a collective on a worker thread, which drops its references to the input and output tensors only
+    *after* the caller has returned. Dropping the last C++ reference to a tensor that Python created takes the GIL.
+    When the summary gathered at the end of ``fit`` is the last thing a process does, the interpreter can start
+    shutting down first: the worker thread, waiting for the GIL, is then ended mid-destructor and the process aborts
+    ("terminate called without an active exception"), although training finished. Waiting here (the GIL released,
+    usually well under a millisecond) takes that race away.
+
+    Example::
+
+        >>> all_gather_released(torch.tensor([1.0, 2.0]))  # one process, no process group: just this rank
+        tensor([[1., 2.]])
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor.unsqueeze(0)
+    outputs = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(outputs, tensor)
+    held = [tensor, *outputs]
+    deadline = time.monotonic() + timeout
+    while any(t._use_count() > 1 for t in held) and time.monotonic() < deadline:
+        time.sleep(1e-4)
+    return torch.stack(outputs)
 
 
 def _reduce_over_ranks(trainer: pl.Trainer, local: torch.Tensor) -> dict[str, float]:

@@ -26,6 +26,7 @@ import atexit
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -481,8 +482,21 @@ def _destroy_process_group_at_exit() -> None:
     """Destroy the process group when the interpreter exits (Lightning itself only does this for nccl)."""
     global _exit_hook_registered
     if not _exit_hook_registered:
-        atexit.register(_destroy_dist_connection)
+        atexit.register(_release_process_group)
         _exit_hook_registered = True
+
+
+def _release_process_group(grace_seconds: float = 0.05) -> None:
+    """Let the process group's worker threads finish, then destroy it; run at exit, before interpreter shutdown.
+
+    Gloo's worker threads drop a finished collective's tensors after the caller has returned, and need the GIL to
+    do it. A worker still doing so when the interpreter starts shutting down is ended mid-destructor, and the
+    whole process aborts ("terminate called without an active exception") although training finished. Gloo has
+    no call that waits for its workers, so this sleeps briefly (the GIL released) before destroying the group.
+    """
+    if _distributed_is_initialized():
+        time.sleep(grace_seconds)
+        _destroy_dist_connection()
 
 
 def _register(registry: _StrategyRegistry, name: str, cls: type, description: str, **init_params: Any) -> None:

@@ -1,9 +1,10 @@
-"""Models and 2-process runs for tests/test_strategies.py, importable by spawned processes.
+"""Models and multi-process runs for the distributed tests, importable by spawned processes.
 
-``run_scenarios`` starts two CPU processes (spawn) once and runs many short Trainer fits in them, one
-after another on one gloo process group, the way a cluster launcher runs a script. Each scenario writes
+``run_scenarios`` starts two (or ``world_size``) CPU processes (spawn) once and runs many short Trainer fits in
+them, one after another on one gloo process group, the way a cluster launcher runs a script. Each scenario writes
 its result per rank to ``out_dir/<scenario>.rank<r>.pt``; an exception is recorded, not raised, so a
-refused setting does not stop the other scenarios.
+refused setting does not stop the other scenarios. ``run_as_nodes`` starts this file once per machine instead
+(``NODE_RANK``, ``MASTER_ADDR=127.0.0.1``), as a user starts a script on several machines.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -117,6 +117,58 @@ class ShardsItselfGPT(SeededGPT):
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+
+
+class TensorParallelMLP(pl.LightningModule):
+    """An input layer, ``n_layer`` MLP blocks and a head, for 2-D parallelism (tensor parallel x FSDP).
+
+    Under Lightning's ``ModelParallelStrategy``, ``configure_model`` splits each block's two linear layers over the
+    ``tensor_parallel`` mesh (column-wise, then row-wise: one all-reduce per block) and shards each block, then the
+    input layer and the head, with FSDP2 over the ``data_parallel`` mesh. Data-parallel rank ``r`` of ``d`` reads
+    samples ``r, r + d, ...`` in batches of ``batch_size // d``, so its batch ``k`` is its share of batch ``k`` of
+    one process. In one process (no device mesh) nothing is split: the reference.
+    """
+
+    def __init__(self, n_layer: int = 2, width: int = 16, batch_size: int = 8, num_samples: int = 32) -> None:
+        super().__init__()
+        self.batch_size, self.num_samples = batch_size, num_samples
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(MLPBlock(width, dropout=0.0) for _ in range(n_layer))
+        self.head = nn.Linear(width, 1)
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if self.device_mesh is None or fsdp_units(self):
+            return
+        tensor_parallel, data_parallel = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        for block in self.blocks:
+            parallelize_module(block, tensor_parallel, {"mlp.0": ColwiseParallel(), "mlp.3": RowwiseParallel()})
+            fully_shard(block, mesh=data_parallel)
+        fully_shard(self.embed, mesh=data_parallel)
+        fully_shard(self.head, mesh=data_parallel)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.mse_loss(self.head(h), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(self.num_samples, 8, generator=gen),
+                             torch.randn(self.num_samples, 1, generator=gen))
+        if self.device_mesh is None:
+            return DataLoader(data, batch_size=self.batch_size)
+        rank, ranks = self.device_mesh["data_parallel"].get_local_rank(), self.device_mesh["data_parallel"].size()
+        return DataLoader(torch.utils.data.Subset(data, range(rank, self.num_samples, ranks)),
+                          batch_size=self.batch_size // ranks)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -247,17 +299,23 @@ def _trainer(strategy: Any, callbacks: list[Callback] = (), **kwargs: Any) -> Tr
     return Trainer(strategy=strategy, callbacks=list(callbacks), **defaults)
 
 
-def _fit_two_heads(strategy: Any, callback: Optional[GradientCheckpointing], static: bool = False) -> dict[str, Any]:
+def _fit_two_heads(strategy: Any, callback: Optional[GradientCheckpointing], static: bool = False,
+                   **trainer_kwargs: Any) -> dict[str, Any]:
     seed_everything(0)
     model = TwoHeads(static=static)
     record = RecordTraining(MLPBlock)
-    trainer = _trainer(strategy, [callback, record] if callback is not None else [record])
+    trainer = _trainer(strategy, [callback, record] if callback is not None else [record], **trainer_kwargs)
     try:
         trainer.fit(model)
     except ValueError as err:  # a refused setting: record it with how many steps ran before it
         return {"error": f"{type(err).__name__}: {err}", "steps": model.steps_run}
     checkpointed = callback.checkpointed_layers if callback is not None else []
-    return {"weights": full_weights(model), "steps": model.steps_run, "checkpointed": checkpointed, **record.results()}
+    return {"weights": full_weights(model), "steps": model.steps_run, "checkpointed": checkpointed,
+            **_ranks(trainer), **record.results()}
+
+
+def _ranks(trainer: Trainer) -> dict[str, int]:
+    return {"global_rank": trainer.global_rank, "node_rank": trainer.node_rank, "world_size": trainer.world_size}
 
 
 def ddp_two_heads_reference() -> dict[str, Any]:
@@ -298,7 +356,7 @@ def _fit_gpt(model: GPT, strategy: Any, callbacks: list[Callback], **trainer_kwa
     trainer = _trainer(strategy, [*callbacks, counter, record], **trainer_kwargs)
     trainer.fit(model, CountingDataModule(**DATA_ARGS), ckpt_path=ckpt_path)
     return {"weights": full_weights(model), "counts": counter.counts, "units": fsdp_units(model),
-            "strategy": type(trainer.strategy).__name__, "steps": record.steps, **record.results()}
+            "strategy": type(trainer.strategy).__name__, "steps": record.steps, **_ranks(trainer), **record.results()}
 
 
 def gpt_ddp_reference() -> dict[str, Any]:
@@ -376,36 +434,43 @@ def gpt_fsdp_sharded_resumed(ckpt_dir: str) -> dict[str, Any]:
                     [GradientCheckpointing()], max_epochs=2, ckpt_path=path)
 
 
-@contextmanager
-def _as_two_nodes(rank: int) -> Iterator[None]:
-    """Each process plays one node with one device (NODE_RANK=rank, LOCAL_RANK=0)."""
-    saved = {key: os.environ[key] for key in ("NODE_RANK", "LOCAL_RANK")}
-    os.environ.update(NODE_RANK=str(rank), LOCAL_RANK="0")
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-def ddp_two_heads_two_nodes() -> dict[str, Any]:
-    with _as_two_nodes(int(os.environ["LOCAL_RANK"])):
-        seed_everything(0)
-        model = TwoHeads()
-        callback = GradientCheckpointing()
-        record = RecordTraining(MLPBlock)
-        trainer = _trainer(CheckpointingDDPStrategy(find_unused_parameters=True), [callback, record], devices=1,
-                           num_nodes=2)
-        trainer.fit(model)
-        return {"weights": full_weights(model), "global_rank": trainer.global_rank, "node_rank": trainer.node_rank,
-                "checkpointed": callback.checkpointed_layers, "steps": model.steps_run, **record.results()}
-
-
-def gpt_fsdp_two_nodes() -> dict[str, Any]:
-    with _as_two_nodes(int(os.environ["LOCAL_RANK"])):
-        seed_everything(0)
-        result = _fit_gpt(SeededGPT(**GPT_ARGS), CheckpointingFSDPStrategy(), [GradientCheckpointing()], devices=1,
+def ddp_two_heads_one_device_per_node() -> dict[str, Any]:
+    """Run on each of two nodes (``run_as_nodes``): Lightning's own multi-node setup, one device each."""
+    return _fit_two_heads(CheckpointingDDPStrategy(find_unused_parameters=True), GradientCheckpointing(), devices=1,
                           num_nodes=2)
-        return result
+
+
+def gpt_fsdp_one_device_per_node() -> dict[str, Any]:
+    seed_everything(0)
+    callback = GradientCheckpointing()
+    result = _fit_gpt(SeededGPT(**GPT_ARGS), "fsdp_ckpt", [callback], devices=1, num_nodes=2)
+    return {**result, "checkpointed": callback.checkpointed_layers}
+
+
+def model_parallel_2d_checkpointed(accelerator: str = "cpu") -> dict[str, Any]:
+    """``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)``, a TP plan and the callback: 4 ranks."""
+    seed_everything(0)
+    model = TensorParallelMLP()
+    callback = GradientCheckpointing(layer_cls=MLPBlock)
+    record = RecordTraining(MLPBlock)
+    trainer = _trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2), [callback, record],
+                       accelerator=accelerator, devices=4, use_distributed_sampler=False)
+    trainer.fit(model)
+    from torch.distributed.tensor import DTensor
+
+    meshes = {name: list(p.device_mesh.mesh_dim_names or ()) for name, p in model.named_parameters()
+              if isinstance(p, DTensor)}
+    return {"weights": full_weights(model), "steps": record.steps, "checkpointed": callback.checkpointed_layers,
+            "meshes": meshes, **_ranks(trainer), **record.results()}
+
+
+def model_parallel_2d_reference(accelerator: str = "cpu") -> dict[str, Any]:
+    """The same training in one process, nothing split and nothing checkpointed (run in the test's own process)."""
+    seed_everything(0)
+    model = TensorParallelMLP()
+    record = RecordTraining(MLPBlock)
+    _trainer("auto", [record], accelerator=accelerator, devices=1).fit(model)
+    return {"weights": full_weights(model), "steps": record.steps, **record.results()}
 
 
 class _RecordingBudgetCallback(GradientCheckpointing):
@@ -519,9 +584,10 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
               ddp_two_heads_reentrant_default_flags, ddp_static_reference, ddp_static_reentrant, gpt_ddp_reference,
               gpt_fsdp_plain, gpt_fsdp_checkpointed, gpt_fsdp_checkpointed_configure_model,
               gpt_model_parallel_with_callback, gpt_fsdp_bf16, gpt_fsdp_two_epochs_saving, gpt_fsdp_resumed,
-              gpt_fsdp_sharded_saving, gpt_fsdp_sharded_resumed, ddp_two_heads_two_nodes, gpt_fsdp_two_nodes,
+              gpt_fsdp_sharded_saving, gpt_fsdp_sharded_resumed, ddp_two_heads_one_device_per_node,
+              gpt_fsdp_one_device_per_node,
               placement_checks, ddp_memory_budget_ranks_differ, fsdp_memory_budget_ranks_differ,
-              fsdp_memory_budget_reference, fsdp_recorder_layer_not_a_unit)
+              fsdp_memory_budget_reference, fsdp_recorder_layer_not_a_unit, model_parallel_2d_checkpointed)
 }
 
 
@@ -536,21 +602,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, scenarios: list[tuple[str, dict[str, Any]]], out_dir: str) -> None:
+def _worker(rank: int, world_size: int, port: int, scenarios: list[tuple[str, dict[str, Any]]], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
-                      WORLD_SIZE=str(WORLD_SIZE))
-    torch.set_num_threads(1)
-    import warnings
-
-    warnings.filterwarnings("ignore")
+                      WORLD_SIZE=str(world_size))
     for name, kwargs in scenarios:
-        start = time.perf_counter()
-        try:
-            result = SCENARIOS[name](**kwargs)
-        except Exception as err:  # recorded for the test to assert on
-            result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-        result["seconds"] = time.perf_counter() - start
-        torch.save(result, Path(out_dir) / f"{name}.rank{rank}.pt")
+        torch.save(_run_scenario(name, kwargs), Path(out_dir) / f"{name}.rank{rank}.pt")
     # Like the strategies' own spawn launcher: destroy the process group, then leave without interpreter
     # finalization, where leftover gloo state can abort the process.
     if torch.distributed.is_initialized():
@@ -562,12 +618,12 @@ def _worker(rank: int, port: int, scenarios: list[tuple[str, dict[str, Any]]], o
 
 
 def run_scenarios(
-    scenarios: list[tuple[str, dict[str, Any]]], out_dir: Path, timeout: float = 300.0
+    scenarios: list[tuple[str, dict[str, Any]]], out_dir: Path, timeout: float = 300.0, world_size: int = WORLD_SIZE
 ) -> dict[str, list[dict[str, Any]]]:
-    """Run ``scenarios`` in 2 spawned processes; return ``{name: [rank0_result, rank1_result]}``."""
+    """Run ``scenarios`` in ``world_size`` spawned processes; return ``{name: [rank0_result, rank1_result, ...]}``."""
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(_worker, args=(free_port(), scenarios, str(out_dir)), nprocs=WORLD_SIZE,
+    context = mp.start_processes(_worker, args=(world_size, free_port(), scenarios, str(out_dir)), nprocs=world_size,
                                  start_method="spawn", join=False)
     deadline = time.monotonic() + timeout
     try:
@@ -578,5 +634,63 @@ def run_scenarios(
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    return {name: [torch.load(out_dir / f"{name}.rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    return {name: [torch.load(out_dir / f"{name}.rank{r}.pt", weights_only=False) for r in range(world_size)]
             for name, _ in scenarios}
+
+
+_LAUNCHER_VARIABLES = ("LOCAL_RANK", "RANK", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                       "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_as_nodes(scenario: str, out_dir: Path, nodes: int = 2, timeout: float = 300.0) -> list[dict[str, Any]]:
+    """Run ``scenario`` as ``nodes`` machines of one device each, on loopback; return each node's result.
+
+    As a user starts the same script on every machine: each process is started on its own (not spawned), told
+    its node by ``NODE_RANK`` and where node 0 listens by ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT``, and
+    Lightning's ``Trainer(num_nodes=..., devices=1)`` sets up the process group. The processes end the way a
+    script does, through interpreter shutdown, and each result holds its ``returncode`` and ``output``.
+    """
+    env = {key: value for key, value in os.environ.items() if key not in _LAUNCHER_VARIABLES}
+    here = str(Path(__file__).parent)
+    # One thread, as each of the spawned ranks gets (Lightning gives a lone process per machine every core).
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")])))
+    processes = [
+        subprocess.Popen([sys.executable, __file__, scenario, str(out_dir)], env={**env, "NODE_RANK": str(node)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in range(nodes)
+    ]
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    results = []
+    for node, (process, output) in enumerate(zip(processes, outputs)):
+        path = out_dir / f"{scenario}.node{node}.pt"
+        result = torch.load(path, weights_only=False) if path.exists() else {"error": "no result written"}
+        results.append({**result, "returncode": process.returncode, "output": output[-4000:]})
+    return results
+
+
+def _run_scenario(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Run one scenario in this process; an exception is recorded in the result, for the test to assert on."""
+    import warnings
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    start = time.perf_counter()
+    try:
+        result = SCENARIOS[name](**kwargs)
+    except Exception as err:
+        result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    return {**result, "seconds": time.perf_counter() - start}
+
+
+if __name__ == "__main__":  # one node of `run_as_nodes`: python _dist_helpers.py SCENARIO OUT_DIR
+    name, out = sys.argv[1:3]
+    torch.save(_run_scenario(name, {}), Path(out) / f"{name}.node{os.environ['NODE_RANK']}.pt")

@@ -32,6 +32,7 @@ from lightning_ckpt.monitor import (
     STEP_SEC,
     TOKENS_PER_SEC,
     MemoryMonitor,
+    all_gather_released,
 )
 from lightning_ckpt.offload import FakeStreams, OffloadEngine, default_engine, use_engine
 
@@ -330,3 +331,36 @@ def test_two_processes_log_one_value_per_key_aggregated_over_ranks(tmp_path):
             assert row[key] == pytest.approx(max(ranks[0][key], ranks[1][key]), rel=1e-9)
         # each rank sees BATCH samples per step; together twice that per (slowest) step time
         assert ranks[0][SAMPLES_PER_SEC] == pytest.approx(BATCH / ranks[0][STEP_SEC], rel=1e-9)
+
+
+def test_gather_returns_only_after_the_process_group_let_go_of_its_tensors(monkeypatch):
+    """Gloo drops a finished collective's tensors on its worker thread after the call has returned; if the process
+    exits meanwhile (the summary is gathered at the very end of fit), that thread aborts it. Here a stand-in
+    collective keeps C++ references (autograd saved tensors, as gloo's work holds at::Tensors) for 0.3 s on a thread.
+    """
+    import threading
+
+    released = threading.Event()
+
+    def all_gather_released_late(outputs, tensor):
+        for rank, out in enumerate(outputs):
+            out.copy_(tensor + rank)
+        weight = torch.ones_like(tensor, requires_grad=True)
+        held = [weight * t for t in (tensor, *outputs)]  # each saves `t` for backward: a C++ reference
+
+        def worker():
+            time.sleep(0.3)
+            held.clear()
+            released.set()
+
+        threading.Thread(target=worker, daemon=True).start()
+
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather", all_gather_released_late)
+    local = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    gathered = all_gather_released(local)
+    assert released.is_set()  # it waited for the "worker"
+    assert local._use_count() == 1
+    assert torch.equal(gathered, torch.tensor([[1.0, 2.0], [2.0, 3.0]], dtype=torch.float64))

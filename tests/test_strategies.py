@@ -2,7 +2,8 @@
 
 The distributed runs use 2 CPU processes with gloo. Most of them share one spawned pair of processes
 (``runs`` below: many short fits on one process group, as under a cluster launcher); the two
-``test_spawn_*`` tests use the strategies' own ``start_method="spawn"`` launcher from this process.
+``test_spawn_*`` tests use the strategies' own ``start_method="spawn"`` launcher from this process, and the
+two-node tests start two separate processes as two machines on loopback (``node_runs``).
 
 Weights alone cannot show that checkpointing survived the wrapping: a model trains to the same weights with or
 without it. So every distributed run also counts, per rank, how often the block's forward ran in training
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist_helpers import GPT_ARGS, MLPBlock, RecordTraining, SeededGPT, TwoHeads, run_scenarios
+from _dist_helpers import GPT_ARGS, MLPBlock, RecordTraining, SeededGPT, TwoHeads, run_as_nodes, run_scenarios
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, StrategyRegistry
 from torch import nn
@@ -37,8 +38,7 @@ SCENARIOS = [
     "ddp_two_heads_reentrant_default_flags", "ddp_static_reference", "ddp_static_reentrant",
     "gpt_ddp_reference", "gpt_fsdp_plain", "gpt_fsdp_checkpointed", "gpt_fsdp_checkpointed_configure_model",
     "gpt_model_parallel_with_callback", "gpt_fsdp_bf16", "gpt_fsdp_two_epochs_saving", "gpt_fsdp_resumed",
-    "gpt_fsdp_sharded_saving", "gpt_fsdp_sharded_resumed", "ddp_two_heads_two_nodes", "gpt_fsdp_two_nodes",
-    "placement_checks",
+    "gpt_fsdp_sharded_saving", "gpt_fsdp_sharded_resumed", "placement_checks",
 ]
 
 
@@ -365,19 +365,34 @@ def test_fsdp_sharded_checkpoint_round_trip_restores_training_exactly(runs):
     assert_same_weights(full[0]["weights"], ok(runs, "gpt_fsdp_two_epochs_saving")[0]["weights"], rtol=0, atol=0)
 
 
-def test_two_nodes_of_one_device_each_train_like_one_node_of_two(runs):
-    ddp = ok(runs, "ddp_two_heads_two_nodes")
-    assert [r["global_rank"] for r in ddp] == [0, 1] and [r["node_rank"] for r in ddp] == [0, 1]
-    assert ddp[0]["checkpointed"] == TRUNK
-    assert_each_rank_ran(ddp, n_layer=3, checkpointed=True)
-    assert_checkpointed_in_training(ddp, TRUNK)
-    fsdp = ok(runs, "gpt_fsdp_two_nodes")
-    assert_each_rank_ran(fsdp, GPT_ARGS["n_layer"], checkpointed=True)
-    assert_checkpointing_inside_units(fsdp, GPT_BLOCKS)
+@pytest.fixture(scope="module")
+def node_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("node_runs")
+    return {name: run_as_nodes(name, out) for name in ("ddp_two_heads_one_device_per_node",
+                                                       "gpt_fsdp_one_device_per_node")}
+
+
+@pytest.mark.parametrize(("scenario", "one_node", "blocks", "fsdp"), [
+    ("ddp_two_heads_one_device_per_node", "ddp_two_heads_checkpointed", TRUNK, False),
+    ("gpt_fsdp_one_device_per_node", "gpt_fsdp_checkpointed", GPT_BLOCKS, True),
+])
+def test_two_nodes_of_one_device_train_like_one_node_of_two(runs, node_runs, scenario, one_node, blocks, fsdp):
+    """Two processes started as two machines (NODE_RANK, MASTER_ADDR=127.0.0.1, ``num_nodes=2``, one device each)."""
+    nodes = node_runs[scenario]
+    for node, result in enumerate(nodes):
+        assert result["returncode"] == 0, f"node {node} exited with {result['returncode']}:\n{result['output']}"
+    nodes = ok(node_runs, scenario)
+    assert [(r["node_rank"], r["global_rank"], r["world_size"]) for r in nodes] == [(0, 0, 2), (1, 1, 2)]
+    assert nodes[0]["checkpointed"] == blocks
+    assert_each_rank_ran(nodes, n_layer=len(blocks), checkpointed=True)  # the recompute ran on every node
+    if fsdp:
+        assert_checkpointing_inside_units(nodes, blocks)
+    else:
+        assert_checkpointed_in_training(nodes, blocks)
+    reference = ok(runs, one_node)
+    assert [r["steps"] for r in nodes] == [r["steps"] for r in reference]
     for rank in (0, 1):
-        expected = ok(runs, "ddp_two_heads_checkpointed")[rank]["weights"]
-        assert_same_weights(ddp[rank]["weights"], expected, rtol=0, atol=0)
-        assert_same_weights(fsdp[rank]["weights"], ok(runs, "gpt_fsdp_checkpointed")[rank]["weights"], rtol=0, atol=0)
+        assert_same_weights(nodes[rank]["weights"], reference[rank]["weights"], rtol=0, atol=0)
 
 
 def test_fsdp_units_inside_a_checkpointed_layer_get_a_warning(runs):
