@@ -116,8 +116,9 @@ class DeviceProfile:
 
         A square matmul (BF16 on an accelerator, float32 on the CPU) for ``matmul_flops``; a large device copy
         (read and write) for ``memory_bandwidth``; copies between pinned host memory and the device for
-        ``host_bandwidth`` (on the CPU: the memory bandwidth); a run of tiny ops for ``op_overhead``, and the
-        same ops under a selective-checkpoint policy for ``policy_overhead``. Each figure is a median.
+        ``host_bandwidth`` (on the CPU: the memory bandwidth); a chain of tiny ops trained plainly, fully and
+        selectively checkpointed for ``op_overhead`` (what one more op in the recompute costs) and
+        ``policy_overhead`` (what each op under a policy costs on top). Each figure is a median.
         """
         device = torch.device(device) if device is not None else _default_device()
         budget = min(float(seconds), 5.0) / 5
@@ -135,11 +136,8 @@ class DeviceProfile:
             up = _median_seconds(lambda: big.copy_(pinned, non_blocking=True), device, budget / 2)
             down = _median_seconds(lambda: pinned.copy_(big, non_blocking=True), device, budget / 2)
             host = big.numel() / max(up, down)
-        tiny = torch.zeros(1, device=device)
-        ops = 50
-        plain = _median_seconds(lambda: [tiny.add(1.0) for _ in range(ops)], device, budget) / ops
-        under_policy = _median_seconds(lambda: _under_policy(tiny, ops), device, budget) / ops
-        return cls(matmul, memory, host, plain, name=f"measured {device}", policy_overhead=max(0.0, under_policy - plain))
+        per_op, under_policy = _overheads(device, budget)
+        return cls(matmul, memory, host, per_op, name=f"measured {device}", policy_overhead=under_policy)
 
     @property
     def per_op_under_policy(self) -> float:
@@ -189,11 +187,25 @@ def _median_seconds(fn: Callable[[], Any], device: torch.device, budget: float) 
     return statistics.median(times)
 
 
-def _under_policy(tensor: torch.Tensor, ops: int) -> None:
-    """``ops`` tiny ops dispatched through torch's selective-checkpoint caching mode, as under a policy."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+def _overheads(device: torch.device, budget: float, ops: int = 64) -> tuple[float, float]:
+    """``(op_overhead, policy_overhead)``: a chain of ``ops`` one-element ops trained plainly, fully checkpointed
+    (the recompute runs each op once more) and selectively checkpointed with this package's policy (each op also
+    goes through torch's Python dispatch, in forward and in the recompute)."""
+    from torch.utils.checkpoint import checkpoint
 
-    caching, _ = create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE)
-    with caching:
+    from lightning_ckpt.policies import selective_context_fn
+
+    x = torch.ones(1, device=device, requires_grad=True)
+
+    def chain(y: torch.Tensor) -> torch.Tensor:
         for _ in range(ops):
-            tensor.add(1.0)
+            y = torch.sin(y)  # saves its input: the recompute runs the whole chain
+        return y
+
+    def step(**kwargs: Any) -> Callable[[], None]:
+        return lambda: checkpoint(chain, x, use_reentrant=False, **kwargs).backward()
+
+    plain = _median_seconds(lambda: chain(x).backward(), device, budget)
+    full = _median_seconds(step(), device, budget)
+    selective = _median_seconds(step(context_fn=selective_context_fn), device, budget)
+    return max(0.0, (full - plain) / ops), max(0.0, (selective - full) / (2 * ops))

@@ -544,7 +544,8 @@ def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], of
         act, flops = predict(main.costs, main.outside_bytes, layers, offload, kept_ops)
         row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops)
         if device is not None:
-            row.predicted_step_seconds = predict_seconds(main.costs, main.outside_ops, layers, device, offload, kept_ops)[0]
+            row.predicted_step_seconds, _ = predict_seconds(main.costs, main.outside_ops, layers, device, offload,
+                                                            kept_ops)
         if other is not None:
             act2, _ = predict(other.costs, other.outside_bytes, layers, offload, kept_ops)
             row.fixed_bytes, row.per_sample_bytes = fit_line(main.batch_size, act, other.batch_size, act2)
@@ -634,7 +635,8 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
               " | 0 | 0 | | | |", ""]
     if plan is not None and plan.kept_ops:
         lines += ["Op-level choices (`ops`): which op outputs each layer keeps and which ops it recomputes:", "",
-                  *[f"- {c.name}: {describe(c.ops, plan.kept_ops[c.name])}" for c in main.costs if c.name in plan.kept_ops],
+                  *[f"- {name}: {describe(c.ops, plan.kept_ops[name])}" for c in main.costs
+                    for name in [c.name] if name in plan.kept_ops],
                   ""]
     lines += [f"## Plan for memory_budget={budget!r}", ""]
     if plan is not None:
@@ -789,7 +791,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out_dir = (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan.md").write_text(report)
-    (out_dir / "plan.json").write_text(json.dumps(plan_json(main_m, plan, budget, rows, static, profile), indent=2) + "\n")
+    figures = plan_json(main_m, plan, budget, rows, static, profile)
+    (out_dir / "plan.json").write_text(json.dumps(figures, indent=2) + "\n")
     print(report)
     print(f"plan: wrote {out_dir / 'plan.md'} and plan.json", flush=True)
     if plan is None:

@@ -231,8 +231,9 @@ class LayerCostRecorder:
     under a saved-tensor counter and :class:`~lightning_ckpt.profiling.OpRecordMode`, with the RNG forked and the
     layer's buffers restored; its result is dropped at once. The op records give the selective point (inputs and
     the outputs of matmul/attention/convolution ops; with ``selective=False`` it is the un-checkpointed one) and
-    the layer's op-level curve (:mod:`lightning_ckpt.op_curve`). ``held_bytes`` is what the fully checkpointed step itself held for backward. The re-runs are hidden
-    from counters outside (:func:`~lightning_ckpt.profiling.hidden_from_counters`): a monitor counting the step
+    the layer's op-level curve (:mod:`lightning_ckpt.op_curve`); with ``outside_ops=True`` the step's ops outside
+    the layers are recorded too (:attr:`outside_ops`, for a predicted step time). ``held_bytes`` is what the fully
+    checkpointed step itself held for backward. The re-runs are hidden from counters outside (:func:`~lightning_ckpt.profiling.hidden_from_counters`): a monitor counting the step
     sees the step's bytes only.
 
     Under FSDP2 each layer must be its own unit (as ``fully_shard`` per layer, or the ``fsdp_ckpt`` strategy,
@@ -524,7 +525,7 @@ def extra_seconds(cost: LayerCost, choice: Choice, keep: Sequence[int], device: 
     transfer = 2 * device.transfer_seconds(cost.offloadable_bytes) if offload else 0.0
     if not cost.ops:
         return cost.flops(choice, keep) / device.matmul_flops + transfer
-    kept = set(keep) if choice == "ops" else {i for i, r in enumerate(cost.ops) if r.heavy} if choice == "selective" else set()
+    kept = {"ops": set(keep), "selective": {i for i, r in enumerate(cost.ops) if r.heavy}}.get(choice, set())
     recomputed = [r for i, r in enumerate(cost.ops) if r.recomputed_if_dropped and i not in kept]
     seconds = sum(device.record_seconds(r, cost.calls) for r in recomputed)
     if choice != "full":
@@ -655,8 +656,9 @@ class CheckpointPlan:
 
     def step_time_text(self) -> str:
         """``'+12% step time (41.0 ms vs 36.6 ms on h100-sxm)'``."""
-        return (f"+{100 * (self.step_time_increase or 0.0):.0f}% step time ({1000 * (self.predicted_step_seconds or 0):.1f} ms"
-                f" vs {1000 * (self.baseline_step_seconds or 0):.1f} ms without checkpointing on {self.device})")
+        plan, base = 1000 * (self.predicted_step_seconds or 0.0), 1000 * (self.baseline_step_seconds or 0.0)
+        return (f"+{100 * (self.step_time_increase or 0.0):.0f}% step time ({plan:.1f} ms vs {base:.1f} ms without"
+                f" checkpointing on {self.device})")
 
     def _ops_line(self, cost: LayerCost) -> str:
         """What an op-level choice holds, costs, keeps and recomputes."""
