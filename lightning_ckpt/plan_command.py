@@ -27,8 +27,12 @@ Example::
     lightning-ckpt plan --config configs/tiny.yaml --trainer.accelerator=cuda --trainer.precision=bf16-mixed \
         --model.init_args.n_embd=4096 --model.init_args.n_layer=32 --device-memory 80GiB
 
+With ``--device`` (a preset such as ``h100-sxm``, or ``auto``: the accelerator the step runs on, measured) the
+plan minimises the predicted step time on that device, and every setting gets its predicted step time
+(:func:`~lightning_ckpt.planner.predict_seconds`).
+
 It prints a Markdown report and writes it to ``plan.md`` in ``--output-dir`` (default
-``lightning_ckpt_plan/<config name>``). Exit status: 0, 1 when the budget cannot be met (the report says
+``lightning_ckpt_plan/<config name>``), and every figure to ``plan.json`` (keys: :func:`plan_json`). Exit status: 0, 1 when the budget cannot be met (the report says
 what can), 2 for a usage error.
 """
 
