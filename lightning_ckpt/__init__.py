@@ -3,6 +3,7 @@
 import logging
 
 from lightning_ckpt.callback import GradientCheckpointing
+from lightning_ckpt.device_profile import DeviceProfile
 from lightning_ckpt.monitor import MemoryMonitor
 from lightning_ckpt.planner import CheckpointPlan, plan_checkpointing
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy
@@ -12,6 +13,7 @@ __all__ = [
     "CheckpointPlan",
     "CheckpointingDDPStrategy",
     "CheckpointingFSDPStrategy",
+    "DeviceProfile",
     "GradientCheckpointing",
     "MemoryMonitor",
     "apply_checkpointing",

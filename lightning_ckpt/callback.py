@@ -551,7 +551,8 @@ def _report_plan(trainer: pl.Trainer, plan: CheckpointPlan, memory_budget: objec
         f"GradientCheckpointing: memory_budget={memory_budget!r}: checkpointing {n} of {len(plan.layers)} layers;"
         f" activations {format_bytes(plan.planned_bytes)} predicted against a budget of {format_bytes(plan.budget_bytes)}"
         f" ({pct:.0f}% of {format_bytes(plan.baseline_bytes)} without checkpointing); {format_flops(plan.recompute_flops)}"
-        " recomputed per step" + (f" ({auto})" if auto is not None else "")
+        " recomputed per step" + (f"; {plan.step_time_text()}" if plan.predicted_step_seconds is not None else "")
+        + (f" ({auto})" if auto is not None else "")
     )
     table = str(plan) + (f"\n{auto}" if auto is not None else "")
     sent = False

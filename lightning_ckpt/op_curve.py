@@ -24,8 +24,8 @@ Example::
     >>> import torch
     >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
     >>> records = record_ops(mlp, torch.randn(4, 8, requires_grad=True))
-    >>> [(r.op, r.kind) for r in records]
-    [('aten.t.default', 'recompute'), ('aten.addmm.default', 'free'), ('aten.tanh.default', 'free'), ('aten.t.default', 'recompute'), ('aten.addmm.default', 'after')]
+    >>> [(r.op.split(".")[1], r.kind) for r in records]  # t: a view; the last addmm runs after the last save
+    [('t', 'recompute'), ('addmm', 'free'), ('tanh', 'free'), ('t', 'recompute'), ('addmm', 'after')]
     >>> [(p.keep, p.bytes, p.flops) for p in op_curve(records)]  # keep nothing; the first matmul; the tanh too
     [((), 0, 2176), ((1,), 512, 128), ((1, 2), 1024, 0)]
     >>> describe(records, (1,))
@@ -35,7 +35,6 @@ Example::
 from __future__ import annotations
 
 import functools
-import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -96,7 +95,8 @@ def op_records(runs: Sequence[OpRun], last_position: int, outputs: Iterable[tupl
     for i, run in enumerate(runs):
         if run.position > last_position:
             kinds[i] = "after"
-    random = [i for i, run in enumerate(runs) if kinds[i] != "after" and torch.Tag.nondeterministic_seeded in run.op.tags]
+    seeded = torch.Tag.nondeterministic_seeded
+    random = [i for i, run in enumerate(runs) if kinds[i] != "after" and seeded in run.op.tags]
     together: OpKind = "recompute" if any(kinds[i] == "recompute" for i in random) else "random"
     for i in random:
         kinds[i] = together
@@ -154,16 +154,17 @@ def op_curve(records: tuple[OpRecord, ...]) -> tuple[CurvePoint, ...]:
     beyond. The first point keeps nothing (full checkpointing); every point is reachable as it stands.
     """
     full = sum(r.flops for r in records if r.recomputed_if_dropped)
-    front: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, ())]  # (bytes, flops saved, kept), bytes ascending
+    # (bytes, -flops saved, kept), bytes ascending: tuples sort without a key, and two sorted runs merge in one pass
+    front: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, ())]
     for nbytes, saved, keep in sorted(_items(records), key=lambda item: -item[1] / max(item[0], 1)):
-        grown = [(b + nbytes, s + saved, k + keep) for b, s, k in front]
-        merged, front = heapq.merge(front, grown, key=lambda p: (p[0], -p[1])), []
-        for point in merged:  # bytes ascending: keep a point only if it saves more than every cheaper one
-            if not front or point[1] > front[-1][1]:
+        merged = sorted(front + [(b + nbytes, s - saved, k + keep) for b, s, k in front])
+        front = []
+        for point in merged:  # keep a point only if it saves more than every point with fewer bytes
+            if not front or point[1] < front[-1][1]:
                 front.append(point)
         if len(front) > _MAX_CURVE_POINTS:
             front = _thin(front, _MAX_CURVE_POINTS)
-    return tuple(CurvePoint(tuple(sorted(k)), b, full - s) for b, s, k in front)
+    return tuple(CurvePoint(tuple(sorted(k)), b, full + s) for b, s, k in front)
 
 
 def _thin(front: list[Any], n: int) -> list[Any]:
@@ -174,7 +175,7 @@ def _thin(front: list[Any], n: int) -> list[Any]:
     best: dict[int, Any] = {}
     for point in front[1:-1]:
         slot = int((point[0] - lo) / width)
-        if slot not in best or point[1] > best[slot][1]:
+        if slot not in best or point[1] < best[slot][1]:
             best[slot] = point
     return [front[0], *(best[s] for s in sorted(best)), front[-1]]
 

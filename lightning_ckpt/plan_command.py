@@ -35,6 +35,10 @@ Example::
     lightning-ckpt plan --config configs/tiny.yaml --trainer.accelerator=cuda --trainer.precision=bf16-mixed \
         --model.init_args.n_embd=4096 --model.init_args.n_layer=32 --device-memory 80GiB
 
+With ``--device`` (a preset such as ``h100-sxm``, or ``auto``: the accelerator the step runs on, measured) the
+plan minimises the predicted step time on that device, and every setting gets its predicted step time
+(:func:`~lightning_ckpt.planner.predict_seconds`).
+
 It prints a Markdown report and writes it to ``plan.md`` in ``--output-dir`` (default
 ``lightning_ckpt_plan/<config name>``), with every figure in ``plan.json`` and a plot in ``plan.png``.
 Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 for a usage error.
@@ -44,7 +48,8 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
 - ``config``, ``model``: the config file's name and the LightningModule's class; ``fake``: measured under
   FakeTensorMode; ``planned_for``: the configured accelerator when it is missing here, else ``null``.
 - ``batch_size``: the measured batch; ``batch_sizes``: both measured with ``--device-memory``.
-- ``memory_budget``: as given (a fraction or bytes); ``device_memory``: ``--device-memory`` in bytes.
+- ``memory_budget``: as given (a fraction or bytes); ``device_memory``: ``--device-memory`` in bytes;
+  ``device``: the ``--device`` profile's name, or ``null``.
 - ``outside_bytes``: activations held outside the matched layers (embeddings, head, loss), part of every setting.
 - ``static_bytes_per_device``: weights, gradients and optimizer state one device holds.
 - ``static``: ``weights_bytes`` (parameters and buffers), ``gradient_bytes``, ``optimizer_state_bytes``
@@ -56,12 +61,13 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
 - ``settings``: per setting ``{name, description, checkpointed_layers, activation_bytes, recompute_flops,
   predicted_step_seconds, fixed_bytes, per_sample_bytes, largest_batch}``, names ``none``, ``every_4th``,
   ``every_2nd``, ``every_layer``, ``selective`` and ``plan`` (when the budget can be met).
-  ``predicted_step_seconds``: ``null`` (no device time model yet). ``fixed_bytes`` and ``per_sample_bytes``: the fit
+  ``predicted_step_seconds``: on the ``--device`` profile, ``null`` without one. ``fixed_bytes`` and ``per_sample_bytes``: the fit
   ``activations = fixed + per_sample x batch`` and ``largest_batch`` the largest batch per device that fits in
   ``device_memory`` with the static memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when
   activations do not grow with the batch).
-- ``plan``: ``{layers, offloaded, budget_bytes, activation_bytes, host_bytes, recompute_flops}``: each layer's mode,
-  the layers whose held tensors go to host memory, the budget in bytes and the plan's predictions; ``null`` with
+- ``plan``: ``{layers, offloaded, kept_ops, budget_bytes, activation_bytes, host_bytes, recompute_flops,
+  predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
+  memory, the op outputs an ``ops`` layer keeps, the budget in bytes and the plan's predictions; ``null`` with
   ``plan_error`` saying why when the budget cannot be met.
 - ``front``: the planner's plans for budgets from the least setting up to no checkpointing, each
   ``{budget_bytes, activation_bytes, recompute_flops}`` (what ``plan.png`` draws as a line).
@@ -97,8 +103,9 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_ckpt.callback import GradientCheckpointing
 from lightning_ckpt.cli_builder import run_cli
-from lightning_ckpt.op_curve import describe
-from lightning_ckpt.planner import CheckpointPlan, LayerCost, make_plan, measure_layer_costs, predict
+from lightning_ckpt.device_profile import PRESET_NAMES, DeviceProfile
+from lightning_ckpt.op_curve import OpRecord, describe
+from lightning_ckpt.planner import CheckpointPlan, LayerCost, make_plan, measure_step, predict, predict_seconds
 from lightning_ckpt.profiling import format_bytes, storage_key, tensor_bytes
 from lightning_ckpt.selection import parse_memory_budget
 from lightning_ckpt.strategies import CheckpointingFSDPStrategy
@@ -177,11 +184,15 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                              f" the config's GradientCheckpointing memory_budget, else {DEFAULT_BUDGET}")
     parser.add_argument("--device-memory", default=None,
                         help="memory of the target device (80GiB): also print the largest batch size each setting fits")
+    parser.add_argument("--device", default=None,
+                        help="plan for the least predicted step time on this device: a preset"
+                             f" ({', '.join(PRESET_NAMES)}) or 'auto' (measure the accelerator the step runs on);"
+                             " default: the fewest recompute FLOPs, no step times")
     parser.add_argument("--fake", action="store_true",
                         help="measure under FakeTensorMode: no memory allocated (default when the model would not fit"
                              " this machine)")
     parser.add_argument("--output-dir", type=Path, default=None,
-                        help="where to write plan.md (default: lightning_ckpt_plan/<config name>)")
+                        help="where to write plan.md and plan.json (default: lightning_ckpt_plan/<config name>)")
     args, extra = parser.parse_known_args(list(argv))
     bad = [a for a in extra if a.startswith("-") and not a.startswith(_CLI_PREFIXES)]
     if bad or (extra and not extra[0].startswith("-")):
@@ -198,6 +209,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         except (TypeError, ValueError):
             parser.error(f"--memory-budget {args.memory_budget}: pass a fraction in (0, 1] of the activations without"
                          " checkpointing, such as 0.3, or bytes, such as 2GiB or 500000000")
+    if args.device is not None and args.device != "auto" and args.device not in PRESET_NAMES:
+        parser.error(f"--device {args.device}: pass a preset ({', '.join(PRESET_NAMES)}) or 'auto'")
     if args.device_memory is not None:
         try:
             args.device_memory = parse_bytes_arg(args.device_memory)
@@ -541,6 +554,7 @@ class Measurement:
     batch_size: int
     costs: list[LayerCost]
     outside_bytes: int
+    outside_ops: tuple[OpRecord, ...] = ()  # the step's ops outside the layers (for predicted step times)
 
 
 def measure(built: Built, batch_size: int) -> Measurement:
@@ -559,8 +573,8 @@ def measure(built: Built, batch_size: int) -> Measurement:
 
     with built.mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_LOG_WARNING)
-        costs, outside = measure_layer_costs(module, step, built.layer_cls)
-    return Measurement(batch_size, costs, outside)
+        measured = measure_step(module, step, built.layer_cls)
+    return Measurement(batch_size, measured.costs, measured.outside_bytes, measured.outside_ops)
 
 
 @dataclass
@@ -698,7 +712,7 @@ class SettingRow:
     fixed_bytes: Optional[float] = None  # activations = fixed_bytes + per_sample_bytes * batch
     per_sample_bytes: Optional[float] = None
     largest_batch: Optional[int] = None
-    predicted_step_seconds: Optional[float] = None  # with a device's time model (not yet: always None)
+    predicted_step_seconds: Optional[float] = None  # with a device profile
 
 
 def fit_line(x1: int, y1: int, x2: int, y2: int) -> tuple[float, float]:
@@ -728,14 +742,18 @@ def largest_batch(fixed: float, per_sample: float, room: float) -> Optional[int]
 
 def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], offload: bool,
                  other: Optional[Measurement] = None, room: Optional[int] = None,
-                 kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({})) -> list[SettingRow]:
+                 kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({}),
+                 device: Optional[DeviceProfile] = None) -> list[SettingRow]:
     """Predicted bytes and FLOPs of each setting at ``main``'s batch size; with ``other`` (a second batch size)
-    the linear fit, and with ``room`` (device memory minus static memory) the largest batch that fits. An
-    ``"ops"`` layer keeps the ops at positions ``kept_ops[name]`` (the plan's)."""
+    the linear fit, with ``room`` (device memory minus static memory) the largest batch that fits, and with
+    ``device`` the predicted step time. An ``"ops"`` layer keeps the ops at positions ``kept_ops[name]``."""
     rows = []
     for name, layers in choices.items():
         act, flops = predict(main.costs, main.outside_bytes, layers, offload, kept_ops)
         row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops)
+        if device is not None:
+            row.predicted_step_seconds, _ = predict_seconds(main.costs, main.outside_ops, layers, device, offload,
+                                                            kept_ops)
         if other is not None:
             act2, _ = predict(other.costs, other.outside_bytes, layers, offload, kept_ops)
             row.fixed_bytes, row.per_sample_bytes = fit_line(main.batch_size, act, other.batch_size, act2)
@@ -869,7 +887,8 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
               " | 0 | 0 | | | |", ""]
     if plan is not None and plan.kept_ops:
         lines += ["Op-level choices (`ops`): which op outputs each layer keeps and which ops it recomputes:", "",
-                  *[f"- {c.name}: {describe(c.ops, plan.kept_ops[c.name])}" for c in main.costs if c.name in plan.kept_ops],
+                  *[f"- {name}: {describe(c.ops, plan.kept_ops[name])}" for c in main.costs
+                    for name in [c.name] if name in plan.kept_ops],
                   ""]
     lines += [f"## Plan for memory_budget={budget!r}", ""]
     if plan is not None:
@@ -878,10 +897,13 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
                      f" ({', '.join(f'{k}: {v}' for k, v in plan.layers.items() if v != 'none') or 'none needed'}):"
                      f" activations {format_bytes(plan.planned_bytes)} ({100 * plan.planned_bytes / plan.baseline_bytes:.0f}%"
                      f" of {format_bytes(plan.baseline_bytes)} without checkpointing), budget {format_bytes(plan.budget_bytes)};"
-                     f" recompute {_b(plan.recompute_flops)} FLOP per step.")
+                     f" recompute {_b(plan.recompute_flops)} FLOP per step"
+                     + (f"; {plan.step_time_text()}." if plan.predicted_step_seconds is not None else "."))
     else:
         lines.append(f"No plan: {plan_error}")
     memory_head = f" | largest batch in {format_bytes(device_memory)}" if device_memory is not None else ""
+    timed = rows[0].predicted_step_seconds is not None
+    time_head = f" | predicted step time on {plan.device if plan else 'the device'} | vs none" if timed else ""
     fit_head = " | fixed (B) | per sample (B)" if len(batch_sizes) > 1 else ""
     none_bytes = rows[0].activation_bytes
     lines += [
@@ -889,15 +911,19 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
         "## Settings",
         "",
         f"| setting | checkpointed layers | activations (B) | activations | of none | recompute (FLOP)"
-        f" | static + activations{fit_head}{memory_head} |",
-        "|---|---:|---:|---:|---:|---:|---:" + "|---:" * ((len(batch_sizes) > 1) * 2 + (device_memory is not None)) + "|",
+        f" | static + activations{fit_head}{memory_head}{time_head} |",
+        "|---|---:|---:|---:|---:|---:|---:"
+        + "|---:" * ((len(batch_sizes) > 1) * 2 + (device_memory is not None) + 2 * timed) + "|",
     ]
     for r in rows:
         fit = f" | {_b(r.fixed_bytes)} | {_b(r.per_sample_bytes)}" if len(batch_sizes) > 1 else ""
         fits = (f" | {'unbounded' if r.largest_batch is None else r.largest_batch}" if device_memory is not None else "")
+        step = (f" | {1000 * r.predicted_step_seconds:.2f} ms"
+                f" | +{100 * (r.predicted_step_seconds / rows[0].predicted_step_seconds - 1):.0f}%"
+                if r.predicted_step_seconds is not None and rows[0].predicted_step_seconds else "")
         lines.append(f"| {r.name} | {r.layers} | {_b(r.activation_bytes)} | {format_bytes(r.activation_bytes)}"
                      f" | {100 * r.activation_bytes / none_bytes:.0f}% | {_b(r.recompute_flops)}"
-                     f" | {format_bytes(static.total + r.activation_bytes)}{fit}{fits} |")
+                     f" | {format_bytes(static.total + r.activation_bytes)}{fit}{fits}{step} |")
     lines += ["", "Settings: " + "; ".join(f"{k}: {v}" for k, v in SETTINGS.items() if k in {r.name for r in rows}) + "."]
     if len(batch_sizes) > 1:
         lines.append(f"Activations were measured at batch sizes {batch_sizes[0]} and {batch_sizes[1]} and fitted as"
@@ -926,7 +952,8 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
 
 def report_data(title: str, built: Built, main: Measurement, plan: Optional[CheckpointPlan], plan_error: Optional[str],
                 budget: object, rows: Sequence[SettingRow], static: StaticMemory, device_memory: Optional[int],
-                batch_sizes: Sequence[int], front: Sequence[Mapping[str, int]]) -> dict[str, Any]:
+                batch_sizes: Sequence[int], front: Sequence[Mapping[str, int]],
+                profile: Optional[DeviceProfile] = None) -> dict[str, Any]:
     """Every figure of the report as plain data (``plan.json``; the keys are listed in the module docstring)."""
     s = static.sharding
     return {
@@ -938,6 +965,7 @@ def report_data(title: str, built: Built, main: Measurement, plan: Optional[Chec
         "batch_size": main.batch_size,
         "memory_budget": budget,
         "device_memory": device_memory,
+        "device": profile.name if profile is not None else None,
         "outside_bytes": main.outside_bytes,
         "static_bytes_per_device": static.total,
         "static": {"weights_bytes": static.weights, "gradient_bytes": static.gradients,
@@ -957,7 +985,9 @@ def report_data(title: str, built: Built, main: Measurement, plan: Optional[Chec
             # Today every checkpointed layer's inputs go to the host when offload is on.
             "offloaded": [n for n, m in plan.layers.items() if m != "none"] if plan.offload else [],
             "budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes,
-            "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops},
+            "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops,
+            "kept_ops": plan.kept_ops, "predicted_step_seconds": plan.predicted_step_seconds,
+            "baseline_step_seconds": plan.baseline_step_seconds},
         "plan_error": plan_error,
         "front": [dict(p) for p in front],
     }
@@ -1007,6 +1037,16 @@ def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
     return fig
 
 
+def device_profile(device: Optional[str], built: Built) -> Optional[DeviceProfile]:
+    """The ``--device`` profile: a preset, or ``auto``: the accelerator the step runs on, measured here."""
+    if device is None or device != "auto":
+        return DeviceProfile.preset(device) if device is not None else None
+    if built.planned_for is not None:
+        raise ValueError(f"--device auto measures the accelerator the step runs on, but the config's"
+                         f" {built.planned_for!r} is not here; pass a preset instead ({', '.join(PRESET_NAMES)}).")
+    return DeviceProfile.measure(built.device)
+
+
 # ------------------------------------------------------------------------------------------------ driver
 
 
@@ -1035,23 +1075,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     other = None
     if args.device_memory is not None:
         other = measure(built, size // 2 if size >= 2 else 2)
+    try:
+        profile = device_profile(args.device, built)
+    except ValueError as err:
+        print(f"plan: {err}", file=sys.stderr)
+        return 2
     plan, plan_error = None, None
     try:
-        plan = make_plan(main_m.costs, main_m.outside_bytes, budget, offload=built.offload)
+        plan = make_plan(main_m.costs, main_m.outside_bytes, budget, offload=built.offload, device=profile,
+                         outside_ops=main_m.outside_ops)
     except ValueError as err:
         plan_error = str(err)
     static = static_memory(built)
     room = None if args.device_memory is None else args.device_memory - static.total
     names = [c.name for c in main_m.costs]
     rows = setting_rows(main_m, setting_choices(names, plan), built.offload, other, room,
-                        plan.kept_ops if plan is not None else {})
+                        plan.kept_ops if plan is not None else {}, profile)
     batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
     report = render(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
                     batch_sizes)
     front = planner_front(main_m, built.offload, min(r.activation_bytes for r in rows),
                           include=[plan.budget_bytes] if plan is not None else [])
     data = report_data(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
-                       batch_sizes, front)
+                       batch_sizes, front, profile)
     out_dir = (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan.md").write_text(report)

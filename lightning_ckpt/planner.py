@@ -54,15 +54,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import numpy
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_ckpt.device_profile import DeviceProfile, resolve_device
 from lightning_ckpt.layer_state import buffers_restored
 from lightning_ckpt.op_curve import OpRecord, add_records, describe, op_curve, op_records, spread
 from lightning_ckpt.policies import COMPUTE_HEAVY_OPS, keep_ops_context_fn
@@ -230,8 +231,9 @@ class LayerCostRecorder:
     under a saved-tensor counter and :class:`~lightning_ckpt.profiling.OpRecordMode`, with the RNG forked and the
     layer's buffers restored; its result is dropped at once. The op records give the selective point (inputs and
     the outputs of matmul/attention/convolution ops; with ``selective=False`` it is the un-checkpointed one) and
-    the layer's op-level curve (:mod:`lightning_ckpt.op_curve`). ``held_bytes`` is what the fully checkpointed step itself held for backward. The re-runs are hidden
-    from counters outside (:func:`~lightning_ckpt.profiling.hidden_from_counters`): a monitor counting the step
+    the layer's op-level curve (:mod:`lightning_ckpt.op_curve`); with ``outside_ops=True`` the step's ops outside
+    the layers are recorded too (:attr:`outside_ops`, for a predicted step time). ``held_bytes`` is what the fully
+    checkpointed step itself held for backward. The re-runs are hidden from counters outside (:func:`~lightning_ckpt.profiling.hidden_from_counters`): a monitor counting the step
     sees the step's bytes only.
 
     Under FSDP2 each layer must be its own unit (as ``fully_shard`` per layer, or the ``fsdp_ckpt`` strategy,
@@ -250,10 +252,14 @@ class LayerCostRecorder:
         (32, 32)
     """
 
-    def __init__(self, module: nn.Module, layers: Sequence[tuple[str, nn.Module]], selective: bool = False) -> None:
+    def __init__(self, module: nn.Module, layers: Sequence[tuple[str, nn.Module]], selective: bool = False,
+                 outside_ops: bool = False) -> None:
         self.module = module
         self.layers = list(layers)
         self.selective = selective
+        # The step's ops outside the layers, recorded while neither inside a layer nor re-running one.
+        self._outside: Optional[OpRecordMode] = OpRecordMode() if outside_ops else None
+        self._inside = 0
         fsdp_module = _fsdp2().FSDPModule
         for name, layer in self.layers:
             if not isinstance(layer, fsdp_module) and any(hasattr(p, "to_local") for p in _own_parameters(layer)):
@@ -282,14 +288,26 @@ class LayerCostRecorder:
             return self._params
         return [local_shard(p) for p in self.module.parameters()]
 
+    @property
+    def outside_ops(self) -> tuple[OpRecord, ...]:
+        """The ops the step ran outside the layers (recorded when asked for with ``outside_ops=True``)."""
+        if self._outside is None:
+            return ()
+        return op_records(self._outside.runs, len(self._outside.log), ())
+
     def __enter__(self) -> LayerCostRecorder:
         for name, layer in self.layers:
             hook = self._hook(name, layer)
+            self._handles.append(layer.register_forward_pre_hook(self._enter_layer))
             self._handles.append(layer.register_forward_hook(hook, with_kwargs=True, always_call=False))
         self._step.__enter__()
+        if self._outside is not None:
+            self._outside.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._outside is not None:
+            self._outside.__exit__(*exc)
         self._step.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
@@ -297,9 +315,20 @@ class LayerCostRecorder:
 
     def _hook(self, name: str, layer: nn.Module) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            self._leave_layer()
             if module.training and torch.is_grad_enabled():
                 self._measure(name, layer, args, kwargs)
         return hook
+
+    def _enter_layer(self, module: nn.Module, args: Any) -> None:
+        self._inside += 1
+        if self._outside is not None and self._inside == 1:
+            self._outside_mark = len(self._outside.runs)
+
+    def _leave_layer(self) -> None:
+        self._inside -= 1
+        if self._outside is not None and self._inside == 0:
+            del self._outside.runs[self._outside_mark:]  # the layer's own ops: in its records
 
     def _measure(self, name: str, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         totals = self._totals[name]
@@ -312,9 +341,12 @@ class LayerCostRecorder:
         totals["calls"] += 1
         forward = _plain_forward(layer)
         # What the re-run saves is not the step's: outer counters (a MemoryMonitor's) must not hear of it.
+        mark = len(self._outside.runs) if self._outside is not None else 0
         with _gathered(layer), hidden_from_counters():
             with OpRecordMode() as cost:
                 saved, outputs = self._run(layer, inputs, cost, lambda: forward(*args, **kwargs))
+        if self._outside is not None:
+            del self._outside.runs[mark:]  # the re-run is not the step's
         totals["none"] += saved.bytes
         log = cost.log[:saved.last_save]  # recompute stops after the last saved tensor (early stop)
         totals["fflops"] += sum(flops for flops, _ in log)
@@ -366,13 +398,18 @@ class Option:
     device_bytes: int
     flops: int
     keep: tuple[int, ...] = ()
+    seconds: float = 0.0  # predicted extra step time on a device profile (0 without one)
+
+    def cost(self, timed: bool) -> float:
+        return self.seconds if timed else self.flops
 
 
 def layer_options(cost: LayerCost, modes: Sequence[str] = PLAN_MODES, offload: bool = False,
-                  points: int = CURVE_POINTS) -> list[Option]:
+                  points: int = CURVE_POINTS, device: Optional[DeviceProfile] = None) -> list[Option]:
     """``"none"`` first, then each mode in ``modes`` that frees device bytes; ``"ops"``: points of the layer's
-    op-level curve (:func:`~lightning_ckpt.op_curve.op_curve`) other than keeping nothing. An option that holds
-    and costs no less than another is left out (of equals, the first stays).
+    op-level curve (:func:`~lightning_ckpt.op_curve.op_curve`) other than keeping nothing. With a ``device``
+    profile each option is priced in seconds (:func:`extra_seconds`), and its cost is that; else its FLOPs. An
+    option that holds and costs no less than another is left out (of equals, the first stays).
 
     Example::
 
@@ -380,25 +417,27 @@ def layer_options(cost: LayerCost, modes: Sequence[str] = PLAN_MODES, offload: b
         >>> [(o.choice, o.device_bytes, o.flops) for o in layer_options(cost)]
         [('none', 100, 0), ('full', 10, 50), ('selective', 40, 5)]
     """
-    options = [Option("none", cost.none_bytes, 0)]
-    options += [Option(m, cost.device_bytes(m, offload), cost.flops(m)) for m in ("full", "selective") if m in modes]
+    def option(choice: Choice, keep: tuple[int, ...] = ()) -> Option:
+        seconds = extra_seconds(cost, choice, keep, device, offload) if device is not None else 0.0
+        return Option(choice, cost.device_bytes(choice, offload, keep), cost.flops(choice, keep), keep, seconds)
+
+    options = [option("none")] + [option(m) for m in ("full", "selective") if m in modes]  # type: ignore[arg-type]
     if "ops" in modes and cost.ops:
-        for point in spread(op_curve(cost.ops), points)[1:]:  # the first keeps nothing: that is "full"
-            options.append(Option("ops", cost.device_bytes("ops", offload, point.keep),
-                                  cost.flops("ops", point.keep), point.keep))
+        options += [option("ops", p.keep) for p in spread(op_curve(cost.ops), points)[1:]]  # [0] keeps nothing: full
     useful = [o for o in options if o.choice == "none" or o.device_bytes < cost.none_bytes]
+    timed = device is not None
 
     def dominated(i: int, option: Option) -> bool:
-        return any(o.device_bytes <= option.device_bytes and o.flops <= option.flops
-                   and (j < i or o.device_bytes < option.device_bytes or o.flops < option.flops)
+        return any(o.device_bytes <= option.device_bytes and o.cost(timed) <= option.cost(timed)
+                   and (j < i or o.device_bytes < option.device_bytes or o.cost(timed) < option.cost(timed))
                    for j, o in enumerate(useful) if j != i)
 
     return [option for i, option in enumerate(useful) if not dominated(i, option)]
 
 
-def solve(options: Sequence[Sequence[Option]], need_bytes: int) -> list[Option]:
+def solve(options: Sequence[Sequence[Option]], need_bytes: int, timed: bool = False) -> list[Option]:
     """One option per layer (``options[i][0]`` holding the most) that frees at least ``need_bytes`` of device memory
-    with the least total cost.
+    with the least total cost (``timed``: predicted seconds, else FLOPs).
 
     A multiple-choice knapsack by dynamic programming over freed bytes, quantised to at least 2048 steps
     (``need_bytes`` exactly when smaller). Each option's freed bytes are rounded down, so the result always
@@ -424,7 +463,7 @@ def solve(options: Sequence[Sequence[Option]], need_bytes: int) -> list[Option]:
         step = [min(units, int(f // quantum) if units < need_bytes else f) for f in layer_freed]
         best, pick = padded[units:].copy(), numpy.zeros(units + 1, dtype=numpy.int16)
         for k in range(1, len(opts)):
-            candidate = padded[units - step[k]:2 * units + 1 - step[k]] + float(opts[k].flops)
+            candidate = padded[units - step[k]:2 * units + 1 - step[k]] + float(opts[k].cost(timed))
             better = candidate < best  # strict: ties keep the earlier option
             best[better] = candidate[better]
             pick[better] = k
@@ -433,7 +472,7 @@ def solve(options: Sequence[Sequence[Option]], need_bytes: int) -> list[Option]:
         steps.append(step)
     best = padded[units:]
     if math.isinf(float(best[units])):  # rounding down lost the little slack there was: take the largest saving
-        return [opts[max(range(len(opts)), key=lambda k: (f[k], -opts[k].flops))] for opts, f in zip(options, freed)]
+        return [opts[max(range(len(opts)), key=lambda k: (f[k], -opts[k].cost(timed)))] for opts, f in zip(options, freed)]
     chosen, j = [], units
     for opts, step, pick in zip(reversed(options), reversed(steps), reversed(picks)):
         k = int(pick[j])
@@ -460,6 +499,52 @@ def cheapest_choices(costs: Sequence[LayerCost], need_bytes: int, modes: Sequenc
     return [o.choice for o in solve([layer_options(c, modes, offload) for c in costs], need_bytes)]
 
 
+# ---------------------------------------------------------------------------------------------- time
+
+
+def extra_seconds(cost: LayerCost, choice: Choice, keep: Sequence[int], device: DeviceProfile,
+                  offload: bool = False) -> float:
+    """Predicted extra step time of ``choice`` for one layer on ``device`` (see :mod:`lightning_ckpt.device_profile`).
+
+    Recomputed ops at their predicted time plus ``op_overhead`` each; under a policy (``"selective"``, ``"ops"``)
+    every op of the forward and of the recompute also pays ``policy_overhead`` (torch dispatches each through
+    Python); with ``offload``, the inputs' copy to the host and back, none of it assumed hidden. A layer without
+    op records is priced by its FLOPs at ``matmul_flops``.
+
+    Example::
+
+        >>> from lightning_ckpt.op_curve import OpRecord
+        >>> ops = (OpRecord("aten.mm.default", 64, 10**6, 96), OpRecord("aten.gelu.default", 64, 16, 128))
+        >>> cost = LayerCost("a", "Block", 128, 32, 96, 0, 10**6 + 16, 16, ops=ops)
+        >>> device = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e9, host_bandwidth=1e9, op_overhead=1e-6)
+        >>> [round(1e9 * extra_seconds(cost, c, (0,), device)) for c in ("none", "full", "ops")]  # ns
+        [0, 3128, 5128]
+    """
+    if choice == "none":
+        return 0.0
+    transfer = 2 * device.transfer_seconds(cost.offloadable_bytes) if offload else 0.0
+    if not cost.ops:
+        return cost.flops(choice, keep) / device.matmul_flops + transfer
+    kept = {"ops": set(keep), "selective": {i for i, r in enumerate(cost.ops) if r.heavy}}.get(choice, set())
+    recomputed = [r for i, r in enumerate(cost.ops) if r.recomputed_if_dropped and i not in kept]
+    seconds = sum(device.record_seconds(r, cost.calls) for r in recomputed)
+    if choice != "full":
+        replayed = sum(r.recomputed_if_dropped for r in cost.ops)
+        seconds += (len(cost.ops) + replayed) * cost.calls * device.per_op_under_policy
+    return seconds + transfer
+
+
+def forward_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord], device: DeviceProfile) -> float:
+    """Predicted time of the step's forward without checkpointing: every layer's ops and those outside them."""
+    inside = sum(device.record_seconds(r, c.calls) for c in costs for r in c.ops)
+    return inside + sum(device.record_seconds(r) for r in outside_ops)
+
+
+#: A step without checkpointing is predicted as this many forwards (the backward of a matmul is two matmuls of
+#: its size; an element-wise op's backward reads and writes about twice what its forward does).
+STEP_FORWARDS = 3
+
+
 # --------------------------------------------------------------------------------------------- plan
 
 
@@ -471,7 +556,9 @@ class CheckpointPlan:
     ``"ops"`` layer, ``kept_ops[name]`` lists the positions of the ops whose outputs it keeps (it recomputes the
     others, see :mod:`lightning_ckpt.op_curve`). Bytes are activation bytes held for backward on the device
     (``outside_bytes``: those of everything outside the matched layers, embeddings, head and loss, part of every
-    figure). ``recompute_flops`` is the predicted extra FLOPs per step (see :class:`OpCostMode`).
+    figure). ``recompute_flops`` is the predicted extra FLOPs per step (see :class:`OpCostMode`). Planned for a
+    device profile, ``predicted_step_seconds`` is the step's predicted time with the plan and
+    ``baseline_step_seconds`` without checkpointing, on that profile (``device`` names it); else both are ``None``.
     """
 
     layers: dict[str, str]
@@ -484,6 +571,9 @@ class CheckpointPlan:
     offload: bool = False
     costs: list[LayerCost] = field(default_factory=list)
     kept_ops: dict[str, list[int]] = field(default_factory=dict)
+    predicted_step_seconds: Optional[float] = None
+    baseline_step_seconds: Optional[float] = None
+    device: Optional[str] = None  # the name of the profile the times are predicted on
 
     def apply(self, module: nn.Module, **checkpoint_options: Any) -> list[str]:
         """Checkpoint ``module``'s layers as planned (layers planned ``"none"`` are left or made plain).
@@ -552,9 +642,23 @@ class CheckpointPlan:
             f"plan: {n} of {len(self.layers)} layers checkpointed; activations {format_bytes(self.planned_bytes)}"
             f" ({pct:.0f}% of {format_bytes(self.baseline_bytes)} without checkpointing), budget"
             f" {format_bytes(self.budget_bytes)}; recompute {format_flops(self.recompute_flops)} per step"
-            + (f"; {format_bytes(self.planned_host_bytes)} offloaded to host" if self.offload else ""),
+            + (f"; {format_bytes(self.planned_host_bytes)} offloaded to host" if self.offload else "")
+            + (f"; {self.step_time_text()}" if self.predicted_step_seconds is not None else ""),
         ]
         return "\n".join(lines)
+
+    @property
+    def step_time_increase(self) -> Optional[float]:
+        """Predicted step time with the plan over without checkpointing, less one (``0.12``: 12% slower)."""
+        if self.predicted_step_seconds is None or not self.baseline_step_seconds:
+            return None
+        return self.predicted_step_seconds / self.baseline_step_seconds - 1
+
+    def step_time_text(self) -> str:
+        """``'+12% step time (41.0 ms vs 36.6 ms on h100-sxm)'``."""
+        plan, base = 1000 * (self.predicted_step_seconds or 0.0), 1000 * (self.baseline_step_seconds or 0.0)
+        return (f"+{100 * (self.step_time_increase or 0.0):.0f}% step time ({plan:.1f} ms vs {base:.1f} ms without"
+                f" checkpointing on {self.device})")
 
     def _ops_line(self, cost: LayerCost) -> str:
         """What an op-level choice holds, costs, keeps and recomputes."""
@@ -564,10 +668,12 @@ class CheckpointPlan:
 
 
 def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: object,
-              modes: Sequence[str] = PLAN_MODES, offload: bool = False) -> CheckpointPlan:
+              modes: Sequence[str] = PLAN_MODES, offload: bool = False,
+              device: Union[None, str, DeviceProfile] = None, outside_ops: Sequence[OpRecord] = ()) -> CheckpointPlan:
     """Solve for the cheapest plan from measured costs (what :func:`plan_checkpointing` does after measuring).
 
-    ``memory_budget`` as :func:`plan_checkpointing` takes it. Raises ``ValueError`` if it cannot be met.
+    ``memory_budget`` and ``device`` as :func:`plan_checkpointing` takes them; ``outside_ops``: the ops of the
+    step outside the layers (for the predicted step time). Raises ``ValueError`` if the budget cannot be met.
 
     Example::
 
@@ -577,13 +683,17 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
         ({'l0': 'selective', 'l1': 'selective', 'l2': 'selective', 'l3': 'full'}, 230, 65)
     """
     modes = _validate_modes(modes)
+    profile = resolve_device(device)
     budget = parse_memory_budget(memory_budget)
     if budget is None:
         raise ValueError("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as '2GiB'.")
+    if profile is not None:  # measured on the CPU or on fake tensors, planned for the profile's device
+        costs = [replace(c, offloadable_bytes=c.full_bytes) for c in costs]
     baseline = outside_bytes + sum(c.none_bytes for c in costs)
     budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
     try:
-        chosen = solve([layer_options(c, modes, offload) for c in costs], baseline - budget_bytes)
+        chosen = solve([layer_options(c, modes, offload, device=profile) for c in costs], baseline - budget_bytes,
+                       timed=profile is not None)
     except ValueError:
         raise ValueError(_impossible_message(costs, outside_bytes, baseline, budget_bytes, memory_budget, modes, offload)) from None
     return CheckpointPlan(
@@ -597,7 +707,17 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
         offload=offload,
         costs=list(costs),
         kept_ops={c.name: list(o.keep) for c, o in zip(costs, chosen) if o.choice == "ops"},
+        **_step_seconds(costs, outside_ops, chosen, profile),
     )
+
+
+def _step_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord], chosen: Sequence[Option],
+                  profile: Optional[DeviceProfile]) -> dict[str, Any]:
+    if profile is None:
+        return {}
+    baseline = STEP_FORWARDS * forward_seconds(costs, outside_ops, profile)
+    return {"baseline_step_seconds": baseline, "predicted_step_seconds": baseline + sum(o.seconds for o in chosen),
+            "device": profile.name}
 
 
 def plan_checkpointing(
@@ -607,6 +727,7 @@ def plan_checkpointing(
     layer_cls: LayerClassArg = None,
     modes: Sequence[str] = PLAN_MODES,
     offload: bool = False,
+    device: Union[None, str, DeviceProfile] = None,
 ) -> CheckpointPlan:
     """Measure one step and return the cheapest :class:`CheckpointPlan` whose activations fit ``memory_budget``.
 
@@ -619,11 +740,16 @@ def plan_checkpointing(
         layer_cls: the layers to choose among, as in :func:`~lightning_ckpt.wrapping.apply_checkpointing`.
         modes: the checkpointing modes a layer may get, besides ``"none"``.
         offload: plan for ``offload=True``: checkpointed layers' inputs count as host bytes, not device bytes.
+        device: ``None``, a :class:`~lightning_ckpt.device_profile.DeviceProfile` or a preset name
+            (``"h100-sxm"``): plan for the least predicted step time on that device rather than the fewest FLOPs.
 
-    The plan has the fewest recompute FLOPs among those whose predicted bytes fit: layers that free most
-    bytes per recomputed FLOP go first, whatever their position. FLOPs, not seconds, because they are exact
-    and machine-independent. Raises ``ValueError`` (nothing changed) when even checkpointing every layer
-    would not fit; the message gives the minimum and what else would help.
+    Without ``device`` the plan has the fewest recompute FLOPs among those whose predicted bytes fit: layers
+    (and op outputs) that free most bytes per recomputed FLOP go first, whatever their position; FLOPs are exact
+    and machine-independent. With ``device`` it has the least predicted step time: recomputed matmuls at the
+    device's matmul rate, other ops at its memory bandwidth, and a fixed cost per op recomputed or run under an
+    op-level policy, so on small layers full checkpointing can beat keeping matmul outputs. Tensors measured on
+    the CPU or as fake tensors count as living on that device. Raises ``ValueError`` (nothing changed) when
+    even checkpointing every layer would not fit; the message gives the minimum and what else would help.
     """
     _check_module_and_step(module, step)
     modes = _validate_modes(modes)
@@ -631,8 +757,25 @@ def plan_checkpointing(
         raise TypeError(f"`offload` must be True or False, got {offload!r}.")
     if parse_memory_budget(memory_budget) is None:
         raise ValueError("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as '2GiB'.")
-    costs, outside = measure_layer_costs(module, step, layer_cls, modes)
-    return make_plan(costs, outside, memory_budget, modes, offload)
+    profile = resolve_device(device)
+    measured = measure_step(module, step, layer_cls, modes)
+    return make_plan(measured.costs, measured.outside_bytes, memory_budget, modes, offload, profile, measured.outside_ops)
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """What :func:`measure_step` measured: per-layer costs, the bytes held outside the layers, and the ops run
+    outside them (for a predicted step time)."""
+
+    costs: list[LayerCost]
+    outside_bytes: int
+    outside_ops: tuple[OpRecord, ...] = ()
+
+
+def measure_step(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
+                 modes: Sequence[str] = PLAN_MODES) -> StepMeasurement:
+    """:func:`measure_layer_costs`, with the ops the step ran outside the layers recorded too."""
+    return _measure(module, step, layer_cls, modes, outside_ops=True)
 
 
 def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
@@ -655,6 +798,12 @@ def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: L
         >>> outside  # the inputs of the two Linears, 2 * 4 and 2 * 8 float32
         96
     """
+    measured = _measure(module, step, layer_cls, modes, outside_ops=False)
+    return measured.costs, measured.outside_bytes
+
+
+def _measure(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg, modes: Sequence[str],
+             outside_ops: bool) -> StepMeasurement:
     _check_module_and_step(module, step)
     modes = _validate_modes(modes)
     if not module.training:
@@ -667,14 +816,14 @@ def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: L
     check_no_nesting(module, [name for name, _ in selected])
 
     with _fully_checkpointed(module, selected), torch.random.fork_rng(devices=_cuda_devices(module)), buffers_restored(module):
-        with LayerCostRecorder(module, selected, selective="selective" in modes) as recorder:
+        with LayerCostRecorder(module, selected, selective="selective" in modes, outside_ops=outside_ops) as recorder:
             loss = step()
             del loss  # frees the step's graph
     costs = recorder.costs()
     if not any(c.calls for c in costs):
         raise ValueError(f"`step()` never called a matched layer ({', '.join(n for n, _ in selected[:3])}, ...) in"
                          " training mode with grad enabled: pass a step that runs the model's forward and returns the loss.")
-    return costs, max(0, recorder.held_bytes - sum(c.full_bytes for c in costs))
+    return StepMeasurement(costs, max(0, recorder.held_bytes - sum(c.full_bytes for c in costs)), recorder.outside_ops)
 
 
 def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str, str],
@@ -691,6 +840,30 @@ def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str
     picked = [(c, choices.get(c.name, "none"), kept_ops.get(c.name, ())) for c in costs]
     device = outside_bytes + sum(c.device_bytes(mode, offload, keep) for c, mode, keep in picked)  # type: ignore[arg-type]
     return device, sum(c.flops(mode, keep) for c, mode, keep in picked)  # type: ignore[arg-type]
+
+
+def predict_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord], choices: Mapping[str, str],
+                    device: Union[str, DeviceProfile], offload: bool = False,
+                    kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({})) -> tuple[float, float]:
+    """``(step seconds, step seconds without checkpointing)`` predicted on ``device`` for the layer modes ``choices``
+    (as :func:`predict` takes them); measured tensors count as living on ``device``.
+
+    Example::
+
+        >>> from lightning_ckpt.op_curve import OpRecord
+        >>> ops = (OpRecord("aten.mm.default", 64, 10**9, 96),)
+        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 10**9, 0, ops=ops) for i in range(2)]
+        >>> device = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e12, host_bandwidth=1e9)
+        >>> predict_seconds(costs, (), {"l0": "full"}, device)  # 3 forwards of 2 ms, and 1 ms recomputed
+        (0.007, 0.006)
+    """
+    profile = resolve_device(device)
+    assert profile is not None
+    costs = [replace(c, offloadable_bytes=c.full_bytes) for c in costs]
+    baseline = STEP_FORWARDS * forward_seconds(costs, outside_ops, profile)
+    extra = sum(extra_seconds(c, choices.get(c.name, "none"), kept_ops.get(c.name, ()), profile, offload)  # type: ignore[arg-type]
+                for c in costs)
+    return baseline + extra, baseline
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -764,4 +937,4 @@ def _pct(part: int, whole: int) -> str:
 
 
 __all__ = ["CheckpointPlan", "LayerCost", "LayerCostRecorder", "OpCostMode", "cheapest_choices", "count_cost",
-           "make_plan", "measure_layer_costs", "plan_checkpointing", "predict"]
+           "make_plan", "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_seconds"]

@@ -269,7 +269,8 @@ class OpRecordMode(OpCostMode):
         super().__init__()
         self.runs: list[OpRun] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: Optional[dict] = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func not in _sac_ignored_ops():
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

@@ -267,6 +267,8 @@ def test_fake_build_allocates_no_parameter_memory_and_is_chosen_when_the_model_w
     (["--memory-budget", "1.5"], "--memory-budget 1.5: pass a fraction in (0, 1]"),
     (["--memory-budget", "lots"], "--memory-budget lots: pass a fraction in (0, 1]"),
     (["--device-memory", "0.5"], "--device-memory 0.5: pass the device's memory in bytes, such as 80GiB"),
+    (["--device", "h200-nvl"], "--device h200-nvl: pass a preset (h100-sxm, h100-pcie, a100-80gb, l4, rtx-4090, gh200)"),
+    (["--device-mem", "8MiB"], "unrecognized arguments: --device-mem"),  # no abbreviations: --device is its own flag
 ])
 def test_bad_arguments_exit_2_saying_what_to_pass(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -396,3 +398,37 @@ def test_arguments_that_are_not_lightningcli_overrides_exit_2(capsys):
         plan_command.main(["--config", str(TINY), "--fakes"])
     assert exit_info.value.code == 2
     assert "unrecognized arguments: --fakes (LightningCLI overrides start with --trainer." in capsys.readouterr().err
+
+
+def test_device_prices_every_setting_and_plan_json_holds_the_report(real_report, tmp_path, capsys):
+    """--device: a predicted step time per setting (none is the baseline), the plan minimises it; plan.json
+    holds the report's figures under its documented keys."""
+    from lightning_ckpt import DeviceProfile
+    from lightning_ckpt.planner import predict_seconds
+
+    rc, _ = run_plan([*ARGS, "--device", "l4"], tmp_path, capsys)
+    assert rc == 0
+    report = (tmp_path / "plan.md").read_text()
+    data = json.loads((tmp_path / "plan.json").read_text())
+    settings = {r[0]: r for r in table(report, "Settings")}
+    by_name = {s["name"]: s for s in data["settings"]}
+    assert list(by_name) == list(settings) == ["none", "every_4th", "every_2nd", "every_layer", "selective", "plan"]
+    for name, row in settings.items():
+        assert num(row[2]) == by_name[name]["activation_bytes"] and num(row[5]) == by_name[name]["recompute_flops"]
+        assert row[10] == f"{1000 * by_name[name]['predicted_step_seconds']:.2f} ms"
+        assert int(row[9]) == by_name[name]["largest_batch"]
+    seconds = {name: s["predicted_step_seconds"] for name, s in by_name.items()}
+    assert seconds["none"] == data["plan"]["baseline_step_seconds"]
+    assert seconds["plan"] == pytest.approx(data["plan"]["predicted_step_seconds"])
+    assert seconds["none"] < seconds["every_2nd"] < seconds["every_layer"]
+    assert data["device"] == "l4" and data["plan"]["activation_bytes"] <= data["plan"]["budget_bytes"]
+    assert data["static_bytes_per_device"] == sum(num(c) for c in table(report, "Static memory")[0][:3])
+    # the plan's predicted time is the least among the settings that fit the budget
+    fits = [name for name, s in by_name.items() if s["activation_bytes"] <= data["plan"]["budget_bytes"]]
+    assert seconds["plan"] <= min(seconds[name] for name in fits) * (1 + 1e-9)
+    assert f"+{100 * (seconds['plan'] / seconds['none'] - 1):.0f}% step time" in report
+    # and the same figure from the plain-PyTorch function, from the measured costs
+    measurement = plan_command.measure(build(TINY, fake=False), 8)
+    plan_seconds, base = predict_seconds(measurement.costs, measurement.outside_ops, data["plan"]["layers"],
+                                         DeviceProfile.preset("l4"), kept_ops=data["plan"]["kept_ops"])
+    assert (plan_seconds, base) == pytest.approx((seconds["plan"], seconds["none"]))

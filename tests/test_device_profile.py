@@ -1,0 +1,114 @@
+"""DeviceProfile and planning for the least predicted step time: known answers of the time model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ckpt import DeviceProfile
+from lightning_ckpt.demos import Block, BlockStack
+from lightning_ckpt.planner import (
+    STEP_FORWARDS,
+    extra_seconds,
+    make_plan,
+    measure_step,
+    plan_checkpointing,
+)
+
+PRESETS = {"h100-sxm", "h100-pcie", "a100-80gb", "l4", "rtx-4090", "gh200"}
+
+
+def test_presets_and_an_unknown_name() -> None:
+    for name in PRESETS:
+        profile = DeviceProfile.preset(name)
+        assert profile.name == name
+        assert profile.matmul_flops > 1e14 and profile.memory_bandwidth > 1e11 and profile.host_bandwidth > 1e10
+        assert name in DeviceProfile.__doc__  # its figures and source are documented
+    assert DeviceProfile.preset("h100-sxm").memory_bandwidth > DeviceProfile.preset("h100-pcie").memory_bandwidth
+    with pytest.raises(ValueError) as err:
+        DeviceProfile.preset("h200-nvl")
+    assert all(name in str(err.value) for name in PRESETS)
+    with pytest.raises(ValueError, match="matmul_flops"):
+        DeviceProfile(matmul_flops=0, memory_bandwidth=1e9, host_bandwidth=1e9)
+
+
+def test_measure_on_the_cpu() -> None:
+    profile = DeviceProfile.measure("cpu", seconds=1.0)
+    assert profile.name == "measured cpu"
+    assert profile.op_overhead > 0 and profile.policy_overhead is not None and profile.policy_overhead >= 0
+    # a matmul does far more FLOPs per byte than a copy moves: the rates say the same
+    assert profile.matmul_flops > profile.memory_bandwidth / 8
+
+
+def small_model() -> tuple[BlockStack, torch.Tensor]:
+    torch.manual_seed(0)
+    return BlockStack(32, 32, [Block(32, 4) for _ in range(4)]), torch.randint(0, 32, (4, 16))
+
+
+def time_of(plan, measured, profile: DeviceProfile) -> float:
+    """The extra seconds of ``plan``'s choices on ``profile``."""
+    return sum(extra_seconds(c, plan.layers[c.name], plan.kept_ops.get(c.name, ()), profile) for c in measured.costs)
+
+
+def test_a_plan_for_a_profile_is_never_slower_on_it_than_the_flops_plan() -> None:
+    model, idx = small_model()
+    step = lambda: model(idx).logsumexp(-1).mean()  # noqa: E731
+    measured = measure_step(model, step, Block)
+    for profile in (DeviceProfile.preset("h100-sxm"), DeviceProfile.preset("l4"),
+                    DeviceProfile(1e12, 1e10, 1e9, op_overhead=0.0)):
+        for budget in (0.3, 0.5, 0.7):
+            by_flops = make_plan(measured.costs, measured.outside_bytes, budget)
+            by_time = make_plan(measured.costs, measured.outside_bytes, budget, device=profile,
+                                outside_ops=measured.outside_ops)
+            assert by_time.planned_bytes <= by_time.budget_bytes
+            assert by_time.predicted_step_seconds == pytest.approx(
+                by_time.baseline_step_seconds + time_of(by_time, measured, profile))
+            assert time_of(by_time, measured, profile) <= time_of(by_flops, measured, profile) * (1 + 1e-9)
+            assert by_flops.predicted_step_seconds is None
+
+
+def test_per_op_overhead_steers_small_layers_away_from_op_level_policies() -> None:
+    """Small layers: when each op under a policy costs dispatch time, full checkpointing beats keeping outputs."""
+    model, idx = small_model()
+    step = lambda: model(idx).logsumexp(-1).mean()  # noqa: E731
+    free = DeviceProfile(1e10, 1e10, 1e9, op_overhead=0.0, policy_overhead=0.0)
+    dispatch = DeviceProfile(1e10, 1e10, 1e9, op_overhead=3e-6, policy_overhead=2e-5)
+    cheap = plan_checkpointing(model, step, 0.6, layer_cls=Block, device=free)
+    careful = plan_checkpointing(model, step, 0.6, layer_cls=Block, device=dispatch)
+    assert {"ops", "selective"} & set(cheap.layers.values())
+    assert set(careful.layers.values()) <= {"none", "full"}
+    measured = measure_step(model, step, Block)
+    assert time_of(careful, measured, dispatch) < time_of(cheap, measured, dispatch)
+
+
+def test_baseline_is_three_forwards_of_every_op() -> None:
+    """A single Linear layer: its forward is addmm (and a view); the loss's ops are outside it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+    x = torch.randn(8, 64)
+    profile = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e8, host_bandwidth=1e8, op_overhead=1e-6)
+    measured = measure_step(model, lambda: model(x).sum(), nn.Linear)
+    [cost] = measured.costs
+    assert [r.op for r in cost.ops] == ["aten.t.default", "aten.addmm.default"]
+    assert [r.op for r in measured.outside_ops] == ["aten.tanh.default", "aten.sum.default"]
+    addmm = 2 * 8 * 64 * 64 / 1e9 + 1e-6
+    t = cost.ops[0].io_bytes / 1e8 + 1e-6  # a view: memory-bound by what it "reads", plus the per-op cost
+    tanh = (2 * 8 * 64 * 4) / 1e8 + 1e-6
+    total = (8 * 64 * 4 + 4) / 1e8 + 1e-6
+    plan = make_plan(measured.costs, measured.outside_bytes, 1.0, device=profile, outside_ops=measured.outside_ops)
+    assert plan.baseline_step_seconds == pytest.approx(STEP_FORWARDS * (addmm + t + tanh + total))
+    assert plan.predicted_step_seconds == plan.baseline_step_seconds  # nothing checkpointed
+    assert "+0% step time" in str(plan)
+
+
+def test_cpu_measured_tensors_count_as_on_the_profiled_device() -> None:
+    model, idx = small_model()
+    step = lambda: model(idx).logsumexp(-1).mean()  # noqa: E731
+    measured = measure_step(model, step, Block)
+    assert all(c.offloadable_bytes == 0 for c in measured.costs)  # measured on the CPU
+    on_cpu = make_plan(measured.costs, measured.outside_bytes, 0.5, modes=("full",), offload=True)
+    on_h100 = make_plan(measured.costs, measured.outside_bytes, 0.5, modes=("full",), offload=True, device="h100-sxm")
+    assert on_cpu.planned_host_bytes == 0
+    full = [c for c in measured.costs if on_h100.layers[c.name] == "full"]
+    assert on_h100.planned_host_bytes == sum(c.full_bytes for c in full) > 0
