@@ -89,11 +89,13 @@ class DeviceProfile:
         for field_name in ("matmul_flops", "memory_bandwidth", "host_bandwidth"):
             value = getattr(self, field_name)
             if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"`{field_name}` must be a positive number per second, got {value!r}.")
+                raise ValueError(f"`{field_name}` must be a positive number per second, got {value!r}. Pass the"
+                                 " device's datasheet figure, or start from DeviceProfile.preset('h100-sxm').")
         for field_name in ("op_overhead", "policy_overhead"):
             value = getattr(self, field_name)
             if value is not None and (not isinstance(value, (int, float)) or value < 0):
-                raise ValueError(f"`{field_name}` must be seconds per op (0 or more), got {value!r}.")
+                raise ValueError(f"`{field_name}` must be seconds per op (0 or more), got {value!r}. Pass e.g."
+                                 " 5e-6, or None to leave it out.")
 
     @classmethod
     def preset(cls, name: str) -> DeviceProfile:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_ckpt
-from lightning_ckpt import GradientCheckpointing, MemoryMonitor, apply_checkpointing
+from lightning_ckpt import DeviceProfile, GradientCheckpointing, MemoryMonitor, apply_checkpointing
 from lightning_ckpt.callback import auto_memory_budget
 from lightning_ckpt.cli import main as cli_main
 from lightning_ckpt.compare import measurements
@@ -313,18 +313,33 @@ CASES: dict[str, Case] = {
         lambda: (lambda m: plan_checkpointing(m, step_of(m), 0.01, layer_cls=Block))(blocks()), ValueError,
         "`memory_budget=0.01` asks for at most", "To fit: pass a budget of at least", "but the least reachable is"),
     "plan in eval mode": Case(
-        "planner.measure_layer_costs", lambda: plan_checkpointing(blocks().eval(), lambda: None, 0.5), ValueError,
+        "planner._measure", lambda: plan_checkpointing(blocks().eval(), lambda: None, 0.5), ValueError,
         "the module is in eval mode", "Call `module.train()` first", "measures a training step, but the module is in"
         " eval mode"),
     "plan, no layer matches": Case(
-        "planner.measure_layer_costs", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, layer_cls=nn.Conv2d),
+        "planner._measure", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, layer_cls=nn.Conv2d),
         ValueError, "`layer_cls=<class 'torch.nn.modules.conv.Conv2d'>`", "pass the class of the model's repeated"
         " block", "matches `layer_cls="),
     "step runs no layer": Case(
-        "planner.measure_layer_costs",
+        "planner._measure",
         lambda: plan_checkpointing(blocks(), lambda: torch.zeros((), requires_grad=True), 0.5), ValueError,
         "never called a matched layer (0, 1, ...)", "pass a step that runs the model's forward and returns the loss",
         "never called a matched layer"),
+    "device profile rate": Case(
+        "device_profile.DeviceProfile.__post_init__",
+        lambda: DeviceProfile(matmul_flops=0, memory_bandwidth=1e12, host_bandwidth=1e10), ValueError,
+        "`matmul_flops` must be a positive number per second, got 0", "DeviceProfile.preset('h100-sxm')",
+        "must be a positive number per second"),
+    "device profile overhead": Case(
+        "device_profile.DeviceProfile.__post_init__",
+        lambda: DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e12, host_bandwidth=1e10, op_overhead=-1),
+        ValueError, "got -1", "Pass e.g. 5e-6, or None", "must be seconds per op (0 or more)"),
+    "device preset": Case(
+        "device_profile.DeviceProfile.preset", lambda: DeviceProfile.preset("h200"), ValueError,
+        "Unknown device preset 'h200'", "Known: h100-sxm", "Unknown device preset"),
+    "device type": Case(
+        "device_profile.resolve_device", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, device=3), TypeError,
+        "got 3", "a preset name such as 'h100-sxm'", "`device` must be None, a DeviceProfile or a preset name"),
     "sharded, not per layer": Case(
         "planner.LayerCostRecorder.__init__", sharded_at_the_root_only, ValueError,
         "`0` has sharded (DTensor) parameters", "Shard each layer as its own unit",
@@ -537,6 +552,9 @@ USAGE_ERRORS: dict[str, Usage] = {
         ["plan", "--config", str(TINY), "--memory-budget", "lots"], "plan_command._parse", "--memory-budget lots",
         "pass a fraction in (0, 1] of the activations without checkpointing, such as 0.3, or bytes, such as 2GiB",
         ": pass a fraction in (0, 1]"),
+    "plan, device": Usage(
+        ["plan", "--config", str(TINY), "--device", "h200"], "plan_command._parse", "--device h200",
+        "pass a preset (h100-sxm", ": pass a preset ("),
     "plan, device memory": Usage(
         ["plan", "--config", str(TINY), "--device-memory", "0.5"], "plan_command._parse", "--device-memory 0.5",
         "pass the device's memory in bytes, such as 80GiB", ": pass the device's memory in bytes"),
@@ -609,6 +627,9 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
     "offload.FakeStreams._queue": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
     "offload.FakeStreams._perform": (2, "the offload tests' fake streams report a bug of the offload engine itself"),
     "offload.FakeStreams._check": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
+    "callback.check_lightning_strategy": (1, "DeepSpeed refused at setup: tested from a Trainer in"
+                                               " test_parallelism.py, with a stand-in for deepspeed (not installed)"),
+    "plan_command.device_profile": (1, "`plan --device auto` for an accelerator missing here: printed with exit 2"),
     "planner.solve": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
     "compare.variant_config": (2, "the command's parser refuses these first (usage errors 'compare, planned without a"
                                   " budget' and 'compare, unknown variant'); test_compare calls it directly"),
