@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Generic, Optional, TypeVar, Union, overload
 
@@ -21,7 +21,6 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_ckpt.offload import release_all
 from lightning_ckpt.placement import check_checkpointing_placement
-from lightning_ckpt.op_curve import OpRecord
 from lightning_ckpt.planner import CheckpointPlan, LayerCost, LayerCostRecorder, make_plan
 from lightning_ckpt.profiling import format_bytes, format_flops, optimizer_state_bytes, tensor_bytes
 from lightning_ckpt.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
@@ -524,23 +523,9 @@ def _combine_over_ranks(strategy: Strategy, measured: _Measurement, figures: lis
     if figures:
         combined[len(row)] = int(gathered[:, len(row)].min())
     width = len(_COST_FIELDS)
-    ops = _combine_ops_over_ranks(strategy, measured.costs)
-    costs = [LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, combined[i * width:(i + 1) * width])), ops=layer_ops)
-             for i, (c, layer_ops) in enumerate(zip(measured.costs, ops))]
+    costs = [LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, combined[i * width:(i + 1) * width])), ops=c.ops)
+             for i, c in enumerate(measured.costs)]
     return _Measurement(costs, combined[len(row) - 1]), combined[len(row):]
-
-
-def _combine_ops_over_ranks(strategy: Strategy, costs: Sequence[LayerCost]) -> list[tuple[OpRecord, ...]]:
-    """Each layer's op records with every rank's maximum bytes and FLOPs, so that all ranks solve one plan; where
-    the ranks ran different ops (a data-dependent path), no op-level choice for that layer on any rank."""
-    counts = torch.tensor([len(c.ops) for c in costs], dtype=torch.int64, device=strategy.root_device)
-    gathered_counts = strategy.all_gather(counts).reshape(-1, len(costs))
-    same = (gathered_counts == gathered_counts[0]).all(dim=0).tolist()
-    values = [v for c, ok in zip(costs, same) if ok for r in c.ops for v in (r.bytes, r.flops, r.io_bytes)]
-    local = torch.tensor(values, dtype=torch.int64, device=strategy.root_device)
-    maxima = iter(strategy.all_gather(local).reshape(-1, len(values)).max(dim=0).values.tolist() if values else [])
-    return [tuple(replace(r, bytes=next(maxima), flops=next(maxima), io_bytes=next(maxima)) for r in c.ops) if ok
-            else () for c, ok in zip(costs, same)]
 
 
 def _report_plan(trainer: pl.Trainer, plan: CheckpointPlan, memory_budget: object, auto: Optional[AutoBudget]) -> None:

@@ -240,16 +240,15 @@ def test_auto_arithmetic():
 
 
 class FakeGather:
-    """A strategy of two ranks: each ``all_gather`` stacks this rank's tensor with the other rank's next one in
-    ``others`` (once those are used up, with an equal one)."""
+    """A strategy of two ranks: ``all_gather`` stacks this rank's row with ``other``."""
 
     root_device = torch.device("cpu")
 
-    def __init__(self, *others: torch.Tensor) -> None:
-        self.others = list(others)
+    def __init__(self, other: torch.Tensor) -> None:
+        self.other = other
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.stack([tensor, self.others.pop(0) if self.others else tensor])
+        return torch.stack([tensor, self.other])
 
 
 def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device():
@@ -262,23 +261,6 @@ def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device()
     # and the other way round: this rank's larger outside bytes are kept
     other_row[14] = 3
     assert _combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])[0].outside_bytes == 7
-
-
-def test_op_records_are_combined_with_the_maximum_or_dropped_where_ranks_ran_other_ops():
-    from lightning_ckpt.op_curve import OpRecord
-
-    def ops(*values):
-        return tuple(OpRecord("aten.mul.Tensor", b, f, io) for b, f, io in values)
-
-    mine = _Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5, ops=ops((8, 2, 16), (4, 9, 8))),
-                         LayerCost("b", "B", 200, 5, 30, 0, 60, 6, ops=ops((8, 2, 16)))], 7)
-    row = [v for c in mine.costs for v in (c.none_bytes, c.full_bytes, c.selective_bytes, c.offloadable_bytes,
-                                           c.full_flops, c.selective_flops, c.calls)] + [7]
-    # the other rank: layer a's ops larger in bytes and FLOPs, layer b ran two ops instead of one
-    strategy = FakeGather(torch.tensor(row), torch.tensor([2, 2]), torch.tensor([12, 1, 16, 4, 11, 8]))
-    measured, _ = _combine_over_ranks(strategy, mine, [])
-    assert measured.costs[0].ops == ops((12, 2, 16), (4, 11, 8))
-    assert measured.costs[1].ops == ()  # no op-level choice for it on either rank
 
 
 def test_the_plan_table_reaches_a_logger_that_takes_text(tmp_path):
