@@ -523,7 +523,8 @@ def _combine_over_ranks(strategy: Strategy, measured: _Measurement, figures: lis
     if figures:
         combined[len(row)] = int(gathered[:, len(row)].min())
     width = len(_COST_FIELDS)
-    costs = [LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, combined[i * width:(i + 1) * width])), ops=c.ops)
+    # Without the op records: they are each rank's own, and the callback plans without op-level choices.
+    costs = [LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, combined[i * width:(i + 1) * width])))
              for i, c in enumerate(measured.costs)]
     return _Measurement(costs, combined[len(row) - 1]), combined[len(row):]
 
