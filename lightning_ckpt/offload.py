@@ -522,6 +522,11 @@ class _Handle:
             pass
 
 
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``weight.t()``, which a linear layer saves for backward): it stays put."""
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+
+
 class OffloadEngine:
     """Offloads the tensors saved inside :class:`OffloadToHost` to host memory and brings them back, overlapped.
 
@@ -567,7 +572,7 @@ class OffloadEngine:
     def pack(self, tensor: torch.Tensor, group: int) -> Union[torch.Tensor, _Handle]:
         """Start copying ``tensor`` to host memory and return a handle, or return ``tensor`` if it stays put."""
         nbytes = tensor.numel() * tensor.element_size()
-        if (isinstance(tensor, torch.nn.Parameter) or type(tensor) is not torch.Tensor or tensor.layout != torch.strided
+        if (_is_parameter(tensor) or type(tensor) is not torch.Tensor or tensor.layout != torch.strided
                 or nbytes < max(self.min_bytes, 1) or not self.streams.offloadable(tensor)):
             report_held(tensor, "kept")  # still held where it is; these hooks hide it from outer counters
             self.stats.kept_bytes += nbytes

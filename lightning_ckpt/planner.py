@@ -52,19 +52,21 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal, Optional, Union
 
 import numpy
+import psutil
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_ckpt.device_profile import DeviceProfile, resolve_device
 from lightning_ckpt.layer_state import buffers_restored
+from lightning_ckpt.offload import DEFAULT_MIN_BYTES
 from lightning_ckpt.op_curve import OpRecord, add_records, describe, op_curve, op_records, spread
 from lightning_ckpt.policies import COMPUTE_HEAVY_OPS, keep_ops_context_fn
 from lightning_ckpt.placement import _fsdp2
@@ -114,10 +116,32 @@ class LayerCost:
     selective_flops: int  # recomputed in backward, selectively checkpointed (the cheap ops only)
     calls: int = 1
     ops: tuple[OpRecord, ...] = ()  # its forward op by op, for op-level choices (empty: none possible)
+    input_sizes: tuple[int, ...] = ()  # bytes of each storage in its held inputs (empty: not recorded)
+    saved_sizes: tuple[int, ...] = ()  # bytes of each storage it saves un-checkpointed (empty: not recorded)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ops, tuple) or any(isinstance(r, Mapping) for r in self.ops):  # from a state_dict
             object.__setattr__(self, "ops", tuple(OpRecord(**r) if isinstance(r, Mapping) else r for r in self.ops))
+        for name in ("input_sizes", "saved_sizes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def movable_bytes(self, choice: Choice, min_bytes: int = DEFAULT_MIN_BYTES) -> int:
+        """Bytes the offload engine would move to host memory for ``choice``: for ``"none"`` what the layer saves,
+        else its inputs; storages under ``min_bytes`` stay on the device (without recorded sizes: all of it).
+
+        Example::
+
+            >>> cost = LayerCost("a", "Block", 3000, 1000, 2000, 1000, 10, 1, input_sizes=(1000,),
+            ...                  saved_sizes=(1000, 1500, 500))
+            >>> cost.movable_bytes("none", min_bytes=1000), cost.movable_bytes("full", min_bytes=1000)
+            (2500, 1000)
+        """
+        if choice == "none":
+            sizes, whole = self.saved_sizes, self.none_bytes
+        else:
+            sizes, whole = self.input_sizes, self.offloadable_bytes
+        moved = sum(s for s in sizes if s >= min_bytes) if sizes else whole
+        return moved if choice == "none" else min(moved, self.offloadable_bytes)
 
     def device_bytes(self, choice: Choice, offload: bool = False, keep: Sequence[int] = ()) -> int:
         """Bytes held on the device for ``choice`` (``"ops"``: keeping the op outputs at positions ``keep``);
@@ -128,9 +152,6 @@ class LayerCost:
         if held is None:
             held = self.full_bytes + sum(self.ops[i].bytes for i in keep)
         return held - self.offloadable_bytes if offload else held
-
-    def host_bytes(self, choice: Choice, offload: bool = False) -> int:
-        return self.offloadable_bytes if offload and choice != "none" else 0
 
     def flops(self, choice: Choice, keep: Sequence[int] = ()) -> int:
         if choice == "ops":
@@ -173,11 +194,16 @@ class _LayerRunCounter(_StepCounter):
         super().__init__(exclude=exclude)
         self.cost = cost
         self.last_save = 0
+        self.sizes: list[int] = []  # bytes of each new storage saved, in order
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         # A pack hook runs after the op that saves has been dispatched, so the log ends with that op.
         self.last_save = len(self.cost.log)
-        return super()._pack(tensor)
+        before = self.bytes
+        held = super()._pack(tensor)
+        if self.bytes > before:
+            self.sizes.append(self.bytes - before)
+        return held
 
 
 def _plain_forward(layer: nn.Module) -> Callable[..., Any]:
@@ -276,6 +302,7 @@ class LayerCostRecorder:
         self._totals = {name: dict.fromkeys(("none", "full", "sel", "off", "fflops", "sflops", "calls"), 0)
                         for name, _ in self.layers}
         self._ops: dict[str, Optional[tuple[OpRecord, ...]]] = {}
+        self._sizes: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name, _ in self.layers}
         self._handles: list[Any] = []
 
     @property
@@ -336,6 +363,8 @@ class LayerCostRecorder:
         excluded = {storage_key(p) for p in self._resident()}
         inputs_held = [t for t in inputs if storage_key(local_shard(t)) not in excluded]
         full = tensor_bytes(inputs_held)
+        input_sizes, saved_sizes = self._sizes[name]
+        input_sizes += [tensor_bytes([t]) for t in {storage_key(t): t for t in inputs_held}.values()]
         totals["full"] += full
         totals["off"] += tensor_bytes(t for t in inputs_held if t.device.type != "cpu")
         totals["calls"] += 1
@@ -348,6 +377,7 @@ class LayerCostRecorder:
         if self._outside is not None:
             del self._outside.runs[mark:]  # the re-run is not the step's
         totals["none"] += saved.bytes
+        saved_sizes += saved.sizes
         log = cost.log[:saved.last_save]  # recompute stops after the last saved tensor (early stop)
         totals["fflops"] += sum(flops for flops, _ in log)
         totals["sflops"] += sum(flops for flops, op in log if op not in COMPUTE_HEAVY_OPS)
@@ -372,7 +402,7 @@ class LayerCostRecorder:
             t = self._totals[name]
             out.append(LayerCost(name, _class_name(layer), t["none"], t["full"],
                                  t["sel"] if self.selective else t["none"], t["off"], t["fflops"], t["sflops"],
-                                 t["calls"], self._ops.get(name) or ()))
+                                 t["calls"], self._ops.get(name) or (), *map(tuple, self._sizes[name])))
         return out
 
 
@@ -391,25 +421,50 @@ CURVE_POINTS = 24
 
 @dataclass(frozen=True)
 class Option:
-    """One choice for one layer: its mode, what it holds on the device, what it costs, and (``"ops"``) the
-    positions of the ops whose outputs it keeps."""
+    """One choice for one layer: its mode, what it holds on the device (and, offloaded, in host memory), what it
+    costs, and (``"ops"``) the positions of the ops whose outputs it keeps."""
 
     choice: Choice
     device_bytes: int
     flops: int
     keep: tuple[int, ...] = ()
     seconds: float = 0.0  # predicted extra step time on a device profile (0 without one)
+    host_bytes: int = 0  # moved to host memory by the offload engine (0: not offloaded)
 
     def cost(self, timed: bool) -> float:
         return self.seconds if timed else self.flops
 
 
-def layer_options(cost: LayerCost, modes: Sequence[str] = PLAN_MODES, offload: bool = False,
-                  points: int = CURVE_POINTS, device: Optional[DeviceProfile] = None) -> list[Option]:
+Offload = Union[bool, Literal["auto"]]
+#: The values ``offload`` takes: never, every checkpointed layer's inputs, or the planner's choice per layer.
+OFFLOAD_VALUES = (False, True, "auto")
+
+
+def make_option(cost: LayerCost, choice: Choice, keep: Sequence[int] = (), moved: bool = False,
+                device: Optional[DeviceProfile] = None, window: tuple[float, float] = (0.0, 0.0),
+                min_bytes: int = DEFAULT_MIN_BYTES) -> Option:
+    """``cost``'s layer checkpointed as ``choice`` (keeping the ops at ``keep``), its held tensors offloaded when
+    ``moved``: what that holds and costs (seconds on ``device``, see :func:`layer_options`)."""
+    host = cost.movable_bytes(choice, min_bytes) if moved else 0
+    seconds = 0.0
+    if device is not None:
+        seconds = extra_seconds(cost, choice, keep, device) + exposed_transfer_seconds(host, device, window)
+    return Option(choice, cost.device_bytes(choice, False, keep) - host, cost.flops(choice, keep), tuple(keep), seconds,
+                  host)
+
+
+def layer_options(cost: LayerCost, modes: Sequence[str] = PLAN_MODES, offload: Offload = False,
+                  points: int = CURVE_POINTS, device: Optional[DeviceProfile] = None,
+                  window: tuple[float, float] = (0.0, 0.0), min_bytes: int = DEFAULT_MIN_BYTES) -> list[Option]:
     """``"none"`` first, then each mode in ``modes`` that frees device bytes; ``"ops"``: points of the layer's
-    op-level curve (:func:`~lightning_ckpt.op_curve.op_curve`) other than keeping nothing. With a ``device``
-    profile each option is priced in seconds (:func:`extra_seconds`), and its cost is that; else its FLOPs. An
-    option that holds and costs no less than another is left out (of equals, the first stays).
+    op-level curve (:func:`~lightning_ckpt.op_curve.op_curve`) other than keeping nothing.
+
+    ``offload=True`` moves every checkpointed choice's inputs to host memory; ``"auto"`` offers each choice both
+    ways, ``"none"`` included (all the layer saves goes to the host). What moves is what the engine moves
+    (:meth:`LayerCost.movable_bytes`). With a ``device`` profile each option is priced in seconds
+    (:func:`extra_seconds`, plus the part of its transfers that ``window`` cannot hide: see
+    :func:`exposed_transfer_seconds`), and its cost is that; else its FLOPs. An option that holds (on the device
+    and the host) and costs no less than another is left out (of equals, the first stays).
 
     Example::
 
@@ -417,27 +472,33 @@ def layer_options(cost: LayerCost, modes: Sequence[str] = PLAN_MODES, offload: b
         >>> [(o.choice, o.device_bytes, o.flops) for o in layer_options(cost)]
         [('none', 100, 0), ('full', 10, 50), ('selective', 40, 5)]
     """
-    def option(choice: Choice, keep: tuple[int, ...] = ()) -> Option:
-        seconds = extra_seconds(cost, choice, keep, device, offload) if device is not None else 0.0
-        return Option(choice, cost.device_bytes(choice, offload, keep), cost.flops(choice, keep), keep, seconds)
+    def option(choice: Choice, keep: tuple[int, ...] = (), moved: bool = False) -> Option:
+        return make_option(cost, choice, keep, moved, device, window, min_bytes)
 
-    options = [option("none")] + [option(m) for m in ("full", "selective") if m in modes]  # type: ignore[arg-type]
+    plain: list[tuple[Choice, tuple[int, ...]]] = [("none", ())] + [(m, ()) for m in ("full", "selective") if m in modes]  # type: ignore[misc]
     if "ops" in modes and cost.ops:
-        options += [option("ops", p.keep) for p in spread(op_curve(cost.ops), points)[1:]]  # [0] keeps nothing: full
+        plain += [("ops", p.keep) for p in spread(op_curve(cost.ops), points)[1:]]  # [0] keeps nothing: full
+    if offload == "auto":
+        options = [option(c, k) for c, k in plain] + [option(c, k, True) for c, k in plain if cost.movable_bytes(c, min_bytes)]
+    else:
+        options = [option(c, k, bool(offload) and c != "none") for c, k in plain]
     useful = [o for o in options if o.choice == "none" or o.device_bytes < cost.none_bytes]
     timed = device is not None
 
     def dominated(i: int, option: Option) -> bool:
-        return any(o.device_bytes <= option.device_bytes and o.cost(timed) <= option.cost(timed)
-                   and (j < i or o.device_bytes < option.device_bytes or o.cost(timed) < option.cost(timed))
-                   for j, o in enumerate(useful) if j != i)
+        mine = (option.device_bytes, option.cost(timed), option.host_bytes)
+        return any(all(a <= b for a, b in zip(theirs, mine)) and (j < i or theirs != mine)
+                   for j, o in enumerate(useful) if j != i
+                   for theirs in [(o.device_bytes, o.cost(timed), o.host_bytes)])
 
     return [option for i, option in enumerate(useful) if not dominated(i, option)]
 
 
-def solve(options: Sequence[Sequence[Option]], need_bytes: int, timed: bool = False) -> list[Option]:
+def solve(options: Sequence[Sequence[Option]], need_bytes: int, timed: bool = False,
+          host_price: float = 0.0) -> list[Option]:
     """One option per layer (``options[i][0]`` holding the most) that frees at least ``need_bytes`` of device memory
-    with the least total cost (``timed``: predicted seconds, else FLOPs).
+    with the least total cost (``timed``: predicted seconds, else FLOPs; plus ``host_price`` per host byte, the
+    Lagrange multiplier :func:`choose` uses to keep host memory in bounds).
 
     A multiple-choice knapsack by dynamic programming over freed bytes, quantised to at least 2048 steps
     (``need_bytes`` exactly when smaller). Each option's freed bytes are rounded down, so the result always
@@ -463,7 +524,7 @@ def solve(options: Sequence[Sequence[Option]], need_bytes: int, timed: bool = Fa
         step = [min(units, int(f // quantum) if units < need_bytes else f) for f in layer_freed]
         best, pick = padded[units:].copy(), numpy.zeros(units + 1, dtype=numpy.int16)
         for k in range(1, len(opts)):
-            candidate = padded[units - step[k]:2 * units + 1 - step[k]] + float(opts[k].cost(timed))
+            candidate = padded[units - step[k]:2 * units + 1 - step[k]] + _priced(opts[k], timed, host_price)
             better = candidate < best  # strict: ties keep the earlier option
             best[better] = candidate[better]
             pick[better] = k
@@ -472,13 +533,80 @@ def solve(options: Sequence[Sequence[Option]], need_bytes: int, timed: bool = Fa
         steps.append(step)
     best = padded[units:]
     if math.isinf(float(best[units])):  # rounding down lost the little slack there was: take the largest saving
-        return [opts[max(range(len(opts)), key=lambda k: (f[k], -opts[k].cost(timed)))] for opts, f in zip(options, freed)]
+        return [opts[max(range(len(opts)), key=lambda k: (f[k], -_priced(opts[k], timed, host_price)))]
+                for opts, f in zip(options, freed)]
     chosen, j = [], units
     for opts, step, pick in zip(reversed(options), reversed(steps), reversed(picks)):
         k = int(pick[j])
         chosen.append(opts[k])
         j = max(0, j - int(step[k]))
     return chosen[::-1]
+
+
+def _priced(option: Option, timed: bool, host_price: float) -> float:
+    return float(option.cost(timed)) + host_price * option.host_bytes
+
+
+def choose(options: Sequence[Sequence[Option]], need_bytes: int, timed: bool = False,
+           host_memory: Optional[int] = None) -> Optional[list[Option]]:
+    """:func:`solve` with at most ``host_memory`` bytes offloaded (``None``: no limit), and the engine's newest
+    offloaded layer counted on the device; ``None`` when nothing fits.
+
+    Host memory is a second constraint: each host byte is priced (a Lagrange multiplier, found by bisection) until
+    the choice fits, so what no longer fits in host memory is recomputed instead. The offload engine keeps the newest
+    offloaded layer's tensors on the device as well (backward needs them first), so those bytes are freed only on
+    paper; when that breaks the budget the choice is made again, asked to free that much more.
+
+    Example::
+
+        >>> a = [Option("none", 100, 0), Option("full", 10, 50), Option("none", 0, 0, host_bytes=100)]
+        >>> [(o.choice, o.host_bytes) for o in choose([a, a, a], 150)]  # the newest offloaded layer frees nothing
+        [('none', 100), ('none', 100), ('none', 100)]
+        >>> [(o.choice, o.host_bytes) for o in choose([a, a, a], 150, host_memory=100)]  # one offload would free 0
+        [('full', 0), ('full', 0), ('none', 0)]
+
+    The bisection is a Lagrangian relaxation: where host memory binds, its choice can cost up to about one layer's
+    cost more than the best that fits.
+    """
+    need = need_bytes
+    for _ in range(8):  # `need` only grows, by the newest layer's bytes: a few rounds settle it
+        chosen = _within_host(options, need, timed, host_memory)
+        if chosen is None:
+            return None
+        newest = next((o.host_bytes for o in reversed(chosen) if o.host_bytes), 0)
+        if sum(o[0].device_bytes - c.device_bytes for o, c in zip(options, chosen)) - newest >= need_bytes:
+            return chosen
+        need = max(need + 1, need_bytes + newest)
+    return None
+
+
+def _within_host(options: Sequence[Sequence[Option]], need: int, timed: bool,
+                 host_memory: Optional[int]) -> Optional[list[Option]]:
+    def host(chosen: Sequence[Option]) -> int:
+        return sum(o.host_bytes for o in chosen)
+
+    try:
+        chosen = solve(options, need, timed)
+    except ValueError:
+        return None
+    if host_memory is None or host(chosen) <= host_memory:
+        return chosen
+    # A price above every cost there is makes host bytes the first thing to save; bisect down from there.
+    high = 1.0 + sum(max(o.cost(timed) for o in opts) for opts in options)
+    best = solve(options, need, timed, host_price=high)
+    if host(best) > host_memory:
+        return None
+    low = high * 1e-15
+    for _ in range(40):
+        price = math.sqrt(low * high)
+        chosen = solve(options, need, timed, host_price=price)
+        if host(chosen) <= host_memory:
+            best, high = chosen, price
+        else:
+            low = price
+        if high / low < 1.01:
+            break
+    return best
 
 
 def cheapest_choices(costs: Sequence[LayerCost], need_bytes: int, modes: Sequence[str] = PLAN_MODES,
@@ -540,6 +668,48 @@ def forward_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord],
     return inside + sum(device.record_seconds(r) for r in outside_ops)
 
 
+def layer_seconds(cost: LayerCost, device: DeviceProfile) -> float:
+    """Predicted time of one layer's forward (all its calls in a step) on ``device``."""
+    if not cost.ops:
+        return cost.full_flops / device.matmul_flops
+    return sum(device.record_seconds(r, cost.calls) for r in cost.ops)
+
+
+def transfer_windows(costs: Sequence[LayerCost], device: DeviceProfile) -> list[tuple[float, float]]:
+    """Per layer, the compute its offload copies can hide behind: ``(forward, backward)`` seconds.
+
+    In forward a layer's copy to the host runs on a side stream while the next layer computes; in backward its copy
+    back is started by the next layer's backward (the layer before it in backward order) and runs behind that.
+    Counting only the next layer's time, and its backward as that of a plain layer (``STEP_FORWARDS - 1`` forwards,
+    no recompute), keeps each layer's price its own and errs on the side of slow. The last layer has no next one.
+
+    Example::
+
+        >>> device = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9)
+        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, full_flops=10**6, selective_flops=0) for i in range(2)]
+        >>> transfer_windows(costs, device)  # 1 ms forward, 2 ms backward behind layer 0; nothing behind layer 1
+        [(0.001, 0.002), (0.0, 0.0)]
+    """
+    after = [layer_seconds(c, device) for c in costs[1:]] + [0.0]
+    return [(t, (STEP_FORWARDS - 1) * t) for t in after]
+
+
+def exposed_transfer_seconds(nbytes: int, device: DeviceProfile, window: tuple[float, float]) -> float:
+    """The part of moving ``nbytes`` to host memory and back that ``window`` (see :func:`transfer_windows`) cannot
+    hide: each direction takes ``nbytes / host_bandwidth``.
+
+    Example::
+
+        >>> device = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9)
+        >>> exposed_transfer_seconds(3 * 10**6, device, (0.001, 0.002))  # 3 ms each way: 2 + 1 ms not hidden
+        0.003
+    """
+    if not nbytes:
+        return 0.0
+    one_way = device.transfer_seconds(nbytes)
+    return max(0.0, one_way - window[0]) + max(0.0, one_way - window[1])
+
+
 #: A step without checkpointing is predicted as this many forwards (the backward of a matmul is two matmuls of
 #: its size; an element-wise op's backward reads and writes about twice what its forward does).
 STEP_FORWARDS = 3
@@ -559,6 +729,8 @@ class CheckpointPlan:
     figure). ``recompute_flops`` is the predicted extra FLOPs per step (see :class:`OpCostMode`). Planned for a
     device profile, ``predicted_step_seconds`` is the step's predicted time with the plan and
     ``baseline_step_seconds`` without checkpointing, on that profile (``device`` names it); else both are ``None``.
+    ``offloaded`` lists the layers whose held tensors live in host memory (a checkpointed layer's inputs, or all
+    an un-checkpointed layer saves); ``host_bytes`` is what they hold there.
     """
 
     layers: dict[str, str]
@@ -568,12 +740,22 @@ class CheckpointPlan:
     recompute_flops: int
     outside_bytes: int
     planned_host_bytes: int = 0
-    offload: bool = False
+    offload: Offload = False  # what was asked for; ``offloaded`` is what the plan does
     costs: list[LayerCost] = field(default_factory=list)
     kept_ops: dict[str, list[int]] = field(default_factory=dict)
     predicted_step_seconds: Optional[float] = None
     baseline_step_seconds: Optional[float] = None
     device: Optional[str] = None  # the name of the profile the times are predicted on
+    offloaded: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.offload is True and not self.offloaded:  # a plan saved before `offloaded` existed
+            self.offloaded = [name for name, mode in self.layers.items() if mode != "none"]
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes the plan keeps in host memory (``planned_host_bytes``)."""
+        return self.planned_host_bytes
 
     def apply(self, module: nn.Module, **checkpoint_options: Any) -> list[str]:
         """Checkpoint ``module``'s layers as planned (layers planned ``"none"`` are left or made plain).
@@ -587,8 +769,8 @@ class CheckpointPlan:
             raise TypeError(f"`apply` takes use_reentrant, preserve_rng_state and checkpoint_kwargs; got {sorted(unknown)}."
                             " Layer selection, mode and offload come from the plan.")
         for name, mode in self.layers.items():
-            if mode != "none":
-                CheckpointOptions(offload=self.offload, **self._mode_options(name, mode, checkpoint_options))
+            if mode != "none" or name in self.offloaded:
+                CheckpointOptions(offload=name in self.offloaded, **self._mode_options(name, mode, checkpoint_options))
         layers = {}
         for name in self.layers:
             try:
@@ -599,8 +781,8 @@ class CheckpointPlan:
         check_no_nesting(module, list(self.layers))
         for name, mode in self.layers.items():
             remove_checkpointing(layers[name])
-            if mode != "none":
-                apply_checkpointing(layers[name], layer_cls=type(layers[name]), offload=self.offload,
+            if mode != "none" or name in self.offloaded:  # "none", offloaded: kept in host memory, not recomputed
+                apply_checkpointing(layers[name], layer_cls=type(layers[name]), offload=name in self.offloaded,
                                     **self._mode_options(name, mode, checkpoint_options))
         names = [name for name, mode in self.layers.items() if mode != "none"]
         turn_off_caches(module, names)
@@ -628,9 +810,9 @@ class CheckpointPlan:
         head = ("layer", "class", "none", "full", "selective", "FLOPs full", "FLOPs selective", "choice")
         rows = [head]
         for cost in self.costs:
-            rows.append((cost.name, cost.cls, format_bytes(cost.none_bytes), format_bytes(cost.device_bytes("full", self.offload)),
-                         format_bytes(cost.device_bytes("selective", self.offload)), format_flops(cost.full_flops),
-                         format_flops(cost.selective_flops), self.layers.get(cost.name, "?")))
+            rows.append((cost.name, cost.cls, format_bytes(cost.none_bytes), format_bytes(cost.device_bytes("full", self.offload is True)),
+                         format_bytes(cost.device_bytes("selective", self.offload is True)), format_flops(cost.full_flops),
+                         format_flops(cost.selective_flops), self._choice_text(cost.name)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
                  for row in rows]
@@ -642,7 +824,8 @@ class CheckpointPlan:
             f"plan: {n} of {len(self.layers)} layers checkpointed; activations {format_bytes(self.planned_bytes)}"
             f" ({pct:.0f}% of {format_bytes(self.baseline_bytes)} without checkpointing), budget"
             f" {format_bytes(self.budget_bytes)}; recompute {format_flops(self.recompute_flops)} per step"
-            + (f"; {format_bytes(self.planned_host_bytes)} offloaded to host" if self.offload else "")
+            + (f"; {format_bytes(self.planned_host_bytes)} offloaded to host ({len(self.offloaded)} layers)"
+               if self.offload else "")
             + (f"; {self.step_time_text()}" if self.predicted_step_seconds is not None else ""),
         ]
         return "\n".join(lines)
@@ -660,20 +843,26 @@ class CheckpointPlan:
         return (f"+{100 * (self.step_time_increase or 0.0):.0f}% step time ({plan:.1f} ms vs {base:.1f} ms without"
                 f" checkpointing on {self.device})")
 
+    def _choice_text(self, name: str) -> str:
+        mode = self.layers.get(name, "?")
+        return f"{mode} +offload" if self.offload == "auto" and name in self.offloaded else mode
+
     def _ops_line(self, cost: LayerCost) -> str:
         """What an op-level choice holds, costs, keeps and recomputes."""
         keep = self.kept_ops[cost.name]
-        return (f"  {cost.name} (ops): {format_bytes(cost.device_bytes('ops', self.offload, keep))},"
+        return (f"  {cost.name} (ops): {format_bytes(cost.device_bytes('ops', self.offload is True, keep))},"
                 f" {format_flops(cost.flops('ops', keep))}; {describe(cost.ops, keep)}")
 
 
 def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: object,
-              modes: Sequence[str] = PLAN_MODES, offload: bool = False,
-              device: Union[None, str, DeviceProfile] = None, outside_ops: Sequence[OpRecord] = ()) -> CheckpointPlan:
+              modes: Sequence[str] = PLAN_MODES, offload: Offload = False,
+              device: Union[None, str, DeviceProfile] = None, outside_ops: Sequence[OpRecord] = (),
+              host_memory: Optional[int] = None, min_bytes: int = DEFAULT_MIN_BYTES) -> CheckpointPlan:
     """Solve for the cheapest plan from measured costs (what :func:`plan_checkpointing` does after measuring).
 
-    ``memory_budget`` and ``device`` as :func:`plan_checkpointing` takes them; ``outside_ops``: the ops of the
-    step outside the layers (for the predicted step time). Raises ``ValueError`` if the budget cannot be met.
+    ``memory_budget``, ``offload``, ``device`` and ``host_memory`` as :func:`plan_checkpointing` takes them;
+    ``outside_ops``: the ops of the step outside the layers (for the predicted step time); ``min_bytes``: the offload
+    engine's threshold (smaller tensors stay on the device). Raises ``ValueError`` if the budget cannot be met.
 
     Example::
 
@@ -683,30 +872,53 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
         ({'l0': 'selective', 'l1': 'selective', 'l2': 'selective', 'l3': 'full'}, 230, 65)
     """
     modes = _validate_modes(modes)
+    _validate_offload(offload)
     profile = resolve_device(device)
     budget = parse_memory_budget(memory_budget)
     if budget is None:
         raise ValueError("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as '2GiB'.")
+    if offload == "auto" and profile is None:
+        raise ValueError("`offload='auto'` prices offload against recompute in time, so it needs a device profile: pass"
+                         " `device=` a preset such as 'h100-sxm' or a `DeviceProfile` (`DeviceProfile.measure('cuda')`),"
+                         " or offload=True / False.")
+    if host_memory is not None and (not isinstance(host_memory, int) or host_memory < 0):
+        raise ValueError(f"`host_memory` must be bytes (an int >= 0) or None (half of the free host memory), got"
+                         f" {host_memory!r}.")
     if profile is not None:  # measured on the CPU or on fake tensors, planned for the profile's device
         costs = [replace(c, offloadable_bytes=c.full_bytes) for c in costs]
+    if offload and host_memory is None:
+        host_memory = psutil.virtual_memory().available // 2
     baseline = outside_bytes + sum(c.none_bytes for c in costs)
     budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
-    try:
-        chosen = solve([layer_options(c, modes, offload, device=profile) for c in costs], baseline - budget_bytes,
-                       timed=profile is not None)
-    except ValueError:
-        raise ValueError(_impossible_message(costs, outside_bytes, baseline, budget_bytes, memory_budget, modes, offload)) from None
+    windows = transfer_windows(costs, profile) if profile is not None else [(0.0, 0.0)] * len(costs)
+    timed = profile is not None
+
+    def chosen_for(value: Offload) -> Optional[list[Option]]:
+        options = [layer_options(c, modes, value, device=profile, window=w, min_bytes=min_bytes)
+                   for c, w in zip(costs, windows)]
+        return choose(options, baseline - budget_bytes, timed, host_memory if value else None)
+
+    # "auto" chooses among supersets of the other two; trying them as well makes "never worse than either" exact
+    # whatever the quantisation and the host-memory bisection lose.
+    tried = [chosen_for(v) for v in (("auto", False, True) if offload == "auto" else (offload,))]
+    found = [chosen for chosen in tried if chosen is not None]
+    if not found:
+        raise ValueError(_impossible_message(costs, outside_bytes, baseline, budget_bytes, memory_budget, modes, offload,
+                                             host_memory, min_bytes))
+    chosen = min(found, key=lambda c: sum(o.cost(timed) for o in c))  # the first of equals: "auto"'s own
+    newest = next((o.host_bytes for o in reversed(chosen) if o.host_bytes), 0)
     return CheckpointPlan(
         layers={c.name: o.choice for c, o in zip(costs, chosen)},
         baseline_bytes=baseline,
-        planned_bytes=outside_bytes + sum(o.device_bytes for o in chosen),
+        planned_bytes=outside_bytes + sum(o.device_bytes for o in chosen) + newest,
         budget_bytes=budget_bytes,
         recompute_flops=sum(o.flops for o in chosen),
         outside_bytes=outside_bytes,
-        planned_host_bytes=sum(c.host_bytes(o.choice, offload) for c, o in zip(costs, chosen)),
+        planned_host_bytes=sum(o.host_bytes for o in chosen),
         offload=offload,
         costs=list(costs),
         kept_ops={c.name: list(o.keep) for c, o in zip(costs, chosen) if o.choice == "ops"},
+        offloaded=[c.name for c, o in zip(costs, chosen) if o.host_bytes or (offload is True and o.choice != "none")],
         **_step_seconds(costs, outside_ops, chosen, profile),
     )
 
@@ -726,8 +938,9 @@ def plan_checkpointing(
     memory_budget: object,
     layer_cls: LayerClassArg = None,
     modes: Sequence[str] = PLAN_MODES,
-    offload: bool = False,
+    offload: Offload = False,
     device: Union[None, str, DeviceProfile] = None,
+    host_memory: Optional[int] = None,
 ) -> CheckpointPlan:
     """Measure one step and return the cheapest :class:`CheckpointPlan` whose activations fit ``memory_budget``.
 
@@ -739,27 +952,39 @@ def plan_checkpointing(
             (``"2GiB"``, ``500_000_000``). ``1.0``, or a budget already met, checkpoints nothing.
         layer_cls: the layers to choose among, as in :func:`~lightning_ckpt.wrapping.apply_checkpointing`.
         modes: the checkpointing modes a layer may get, besides ``"none"``.
-        offload: plan for ``offload=True``: checkpointed layers' inputs count as host bytes, not device bytes.
+        offload: ``False``; ``True``: every checkpointed layer's inputs live in host memory (they count as host
+            bytes, not device bytes); ``"auto"``: per layer, the planner chooses whether its held tensors live in
+            host memory (a checkpointed layer's inputs, or all an un-checkpointed layer saves), pricing the part of
+            each transfer the device profile says cannot hide behind compute. ``"auto"`` needs a ``device``, or a
+            module on a CUDA device (whose profile is then measured, a few seconds).
         device: ``None``, a :class:`~lightning_ckpt.device_profile.DeviceProfile` or a preset name
             (``"h100-sxm"``): plan for the least predicted step time on that device rather than the fewest FLOPs.
+        host_memory: bytes of host memory offloaded tensors may take (default: half of the host memory free now).
 
     Without ``device`` the plan has the fewest recompute FLOPs among those whose predicted bytes fit: layers
     (and op outputs) that free most bytes per recomputed FLOP go first, whatever their position; FLOPs are exact
     and machine-independent. With ``device`` it has the least predicted step time: recomputed matmuls at the
     device's matmul rate, other ops at its memory bandwidth, and a fixed cost per op recomputed or run under an
     op-level policy, so on small layers full checkpointing can beat keeping matmul outputs. Tensors measured on
-    the CPU or as fake tensors count as living on that device. Raises ``ValueError`` (nothing changed) when
-    even checkpointing every layer would not fit; the message gives the minimum and what else would help.
+    the CPU or as fake tensors count as living on that device. With ``offload="auto"`` a layer may also keep its
+    tensors in host memory: a transfer costs only what the compute of the next layer (forward) and its backward
+    cannot hide at the device's host bandwidth, so offload wins where layers are big and bandwidth is ample, and
+    recompute where it is not; what does not fit in ``host_memory`` is recomputed instead. Raises ``ValueError``
+    (nothing changed) when even checkpointing (and offloading) every layer would not fit; the message gives the
+    minimum and what else would help.
     """
     _check_module_and_step(module, step)
     modes = _validate_modes(modes)
-    if not isinstance(offload, bool):
-        raise TypeError(f"`offload` must be True or False, got {offload!r}.")
+    _validate_offload(offload)
     if parse_memory_budget(memory_budget) is None:
         raise ValueError("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as '2GiB'.")
     profile = resolve_device(device)
+    cuda = _cuda_devices(module)
+    if offload == "auto" and profile is None and cuda:
+        profile = DeviceProfile.measure(torch.device("cuda", cuda[0]))
     measured = measure_step(module, step, layer_cls, modes)
-    return make_plan(measured.costs, measured.outside_bytes, memory_budget, modes, offload, profile, measured.outside_ops)
+    return make_plan(measured.costs, measured.outside_bytes, memory_budget, modes, offload, profile, measured.outside_ops,
+                     host_memory)
 
 
 @dataclass(frozen=True)
@@ -827,9 +1052,13 @@ def _measure(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassAr
 
 
 def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str, str],
-            offload: bool = False, kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({})) -> tuple[int, int]:
+            offload: Union[bool, Collection[str]] = False,
+            kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({}), min_bytes: int = DEFAULT_MIN_BYTES,
+            ) -> tuple[int, int]:
     """``(device bytes, recompute FLOPs)`` that the layer modes ``choices`` (name -> mode; missing: ``"none"``) hold
     and cost; an ``"ops"`` layer keeps the ops at positions ``kept_ops[name]`` (as in :class:`CheckpointPlan`).
+    ``offload``: ``True`` for every checkpointed layer's inputs in host memory, or the names of the layers offloaded
+    (``min_bytes``: the offload engine's threshold).
 
     Example::
 
@@ -837,14 +1066,15 @@ def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str
         >>> predict(costs, 100, {"l0": "full", "l2": "full"})  # every 2nd layer
         (320, 100)
     """
-    picked = [(c, choices.get(c.name, "none"), kept_ops.get(c.name, ())) for c in costs]
-    device = outside_bytes + sum(c.device_bytes(mode, offload, keep) for c, mode, keep in picked)  # type: ignore[arg-type]
-    return device, sum(c.flops(mode, keep) for c, mode, keep in picked)  # type: ignore[arg-type]
+    chosen = _predicted_options(costs, choices, offload, kept_ops, min_bytes)
+    newest = next((o.host_bytes for o in reversed(chosen) if o.host_bytes), 0)
+    return outside_bytes + sum(o.device_bytes for o in chosen) + newest, sum(o.flops for o in chosen)
 
 
 def predict_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord], choices: Mapping[str, str],
-                    device: Union[str, DeviceProfile], offload: bool = False,
-                    kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({})) -> tuple[float, float]:
+                    device: Union[str, DeviceProfile], offload: Union[bool, Collection[str]] = False,
+                    kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({}), min_bytes: int = DEFAULT_MIN_BYTES,
+                    ) -> tuple[float, float]:
     """``(step seconds, step seconds without checkpointing)`` predicted on ``device`` for the layer modes ``choices``
     (as :func:`predict` takes them); measured tensors count as living on ``device``.
 
@@ -861,9 +1091,20 @@ def predict_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord],
     assert profile is not None
     costs = [replace(c, offloadable_bytes=c.full_bytes) for c in costs]
     baseline = STEP_FORWARDS * forward_seconds(costs, outside_ops, profile)
-    extra = sum(extra_seconds(c, choices.get(c.name, "none"), kept_ops.get(c.name, ()), profile, offload)  # type: ignore[arg-type]
-                for c in costs)
-    return baseline + extra, baseline
+    chosen = _predicted_options(costs, choices, offload, kept_ops, min_bytes, profile)
+    return baseline + sum(o.seconds for o in chosen), baseline
+
+
+def _predicted_options(costs: Sequence[LayerCost], choices: Mapping[str, str], offload: Union[bool, Collection[str]],
+                       kept_ops: Mapping[str, Sequence[int]], min_bytes: int,
+                       device: Optional[DeviceProfile] = None) -> list[Option]:
+    windows = transfer_windows(costs, device) if device is not None else [(0.0, 0.0)] * len(costs)
+    out = []
+    for cost, window in zip(costs, windows):
+        mode = choices.get(cost.name, "none")
+        moved = cost.name in offload if isinstance(offload, Collection) else offload and mode != "none"
+        out.append(make_option(cost, mode, kept_ops.get(cost.name, ()), moved, device, window, min_bytes))  # type: ignore[arg-type]
+    return out
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -881,6 +1122,13 @@ def _validate_modes(modes: Sequence[str]) -> tuple[str, ...]:
         raise ValueError(f"`modes={modes!r}` is not understood. Pass a non-empty tuple of {PLAN_MODES}, such as"
                          " ('full',).")
     return tuple(dict.fromkeys(modes))
+
+
+def _validate_offload(offload: object) -> None:
+    if not (offload is True or offload is False or offload == "auto"):
+        raise ValueError(f"`offload={offload!r}` is not understood. Pass False (nothing offloaded), True (every"
+                         " checkpointed layer's inputs in host memory) or 'auto' (the planner chooses per layer; needs"
+                         " a device profile).")
 
 
 def _cuda_devices(module: nn.Module) -> list[int]:
@@ -908,22 +1156,32 @@ def _fully_checkpointed(module: nn.Module, selected: Sequence[tuple[str, nn.Modu
 
 
 def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int, budget_bytes: int,
-                        memory_budget: object, modes: Sequence[str], offload: bool) -> str:
-    def least(off: bool) -> int:
-        return outside + sum(min(c.device_bytes(m, off) for m in ("none", *modes)) for c in costs)  # type: ignore[misc]
+                        memory_budget: object, modes: Sequence[str], offload: Offload,
+                        host_memory: Optional[int] = None, min_bytes: int = DEFAULT_MIN_BYTES) -> str:
+    def least(value: Offload) -> int:
+        return outside + sum(min(o.device_bytes for o in layer_options(c, modes, value, min_bytes=min_bytes))
+                             for c in costs)
 
     minimum = least(offload)
     text = (f"`memory_budget={memory_budget!r}` asks for at most {format_bytes(budget_bytes)} of activations"
             f" ({_pct(budget_bytes, baseline)} of the {format_bytes(baseline)} held without checkpointing), but the least"
-            f" reachable is {format_bytes(minimum)} ({_pct(minimum, baseline)}), with every matched layer checkpointed;"
-            f" {format_bytes(outside)} of it is outside the matched layers (embeddings, head, loss). Nothing was applied."
-            f" To fit: pass a budget of at least {minimum / baseline:.3f} (or {minimum} bytes)")
-    if not offload:
+            f" reachable is {format_bytes(minimum)} ({_pct(minimum, baseline)}), with every matched layer checkpointed"
+            + (" or offloaded" if offload == "auto" else "")
+            + f"; {format_bytes(outside)} of it is outside the matched layers (embeddings, head, loss). Nothing was applied.")
+    if offload and minimum <= budget_bytes:  # the device could hold it: host memory is what is short
+        text = (f"`memory_budget={memory_budget!r}` ({format_bytes(budget_bytes)} of activations) needs more than"
+                f" `host_memory={host_memory}` ({format_bytes(host_memory or 0)}) of offloaded tensors. Nothing was applied."
+                f" To fit: pass a larger `host_memory` (bytes of host memory the offloaded tensors may use)")
+    else:
+        text += f" To fit: pass a budget of at least {minimum / baseline:.3f} (or {minimum} bytes)"
+    if offload is False:
         with_offload = least(True)
         if with_offload < minimum:
             text += f"; or offload=True, which reaches {format_bytes(with_offload)} ({_pct(with_offload, baseline)})"
         else:
             text += "; offload=True would not help here (the layer inputs are in host memory already)"
+    if offload != "auto" and least("auto") < min(minimum, least(True)):
+        text += f"; or offload='auto' with a device profile, which can reach {format_bytes(least('auto'))}"
     if "full" not in modes:
         text += "; or allow modes=('full', 'selective')"
     text += (f"; or a smaller batch or shorter sequences (activations grow about linearly with them: about"

@@ -299,9 +299,16 @@ CASES: dict[str, Case] = {
         "planner._validate_modes", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, modes=("fast",)),
         ValueError, "`modes=('fast',)`", "Pass a non-empty tuple of ('full', 'selective', 'ops')", "is not understood. Pass a"
         " non-empty tuple"),
-    "plan offload not a bool": Case(
-        "planner.plan_checkpointing", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, offload="yes"),
-        TypeError, "got 'yes'", "must be True or False", "must be True or False"),
+    "plan offload not understood": Case(
+        "planner._validate_offload", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, offload="yes"),
+        ValueError, "`offload='yes'`", "Pass False (nothing offloaded), True", "is not understood. Pass False"),
+    "auto offload without a device profile": Case(
+        "planner.make_plan", lambda: make_plan([LayerCost("a", "Block", 100, 10, 40, 0, 50, 5)], 0, 0.5, offload="auto"),
+        ValueError, "`offload='auto'`", "pass `device=` a preset such as 'h100-sxm'", "needs a device profile"),
+    "host memory not bytes": Case(
+        "planner.make_plan", lambda: make_plan([LayerCost("a", "Block", 100, 10, 40, 0, 50, 5)], 0, 0.5, offload=True,
+                                               host_memory=-1),
+        ValueError, "got -1", "bytes (an int >= 0) or None", "`host_memory` must be bytes"),
     "plan without a budget": Case(
         "planner.plan_checkpointing", lambda: plan_checkpointing(blocks(), lambda: None, None), ValueError,
         "`memory_budget=None`", "Pass a fraction such as 0.5 or bytes such as '2GiB'", "asks for no plan"),

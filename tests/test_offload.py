@@ -205,6 +205,17 @@ def test_parameters_and_small_inputs_stay_large_inputs_move():
         torch.testing.assert_close(got, t.grad, rtol=0, atol=0)
 
 
+def test_views_of_parameters_stay_put():
+    layer = nn.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) as engine, OffloadToHost():
+        out = layer(x)  # saves x and weight.t(), a view of the parameter
+    assert engine.stats.offloaded_bytes == x.numel() * 4
+    assert engine.stats.kept_bytes == layer.weight.numel() * 4
+    out.sum().backward()
+    torch.testing.assert_close(layer.weight.grad, out.new_ones(32, 64).t() @ x, rtol=0, atol=0)
+
+
 def test_round_trip_through_the_hooks_copies_and_restores_the_values():
     """The real `_pack`/`_unpack`, with the copy path forced: what comes back is a new tensor with the same values."""
     tensor = torch.randn(BATCH, SEQ, WIDTH)

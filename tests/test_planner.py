@@ -361,9 +361,11 @@ def test_offload_counts_checkpointed_inputs_as_host_bytes() -> None:
     with pytest.raises(ValueError, match="offload=True, which reaches 100 B"):
         make_plan(costs, outside_bytes=100, memory_budget=150)
     plan = make_plan(costs, outside_bytes=100, memory_budget=150, offload=True)
-    # device bytes: full 0, selective 30 (its kept outputs); three full and one selective is the cheapest fit
+    # device bytes: full 0, selective 30 (its kept outputs); three full and one selective is the cheapest fit. The
+    # engine keeps the newest offloaded layer's inputs on the device too (backward needs them first): 20 more.
     assert sorted(plan.layers.values()) == ["full", "full", "full", "selective"]
-    assert plan.planned_bytes == 130 and plan.planned_host_bytes == 80 and plan.recompute_flops == 32
+    assert plan.planned_bytes == 100 + 30 + 20 and plan.planned_host_bytes == 80 and plan.recompute_flops == 32
+    assert plan.offloaded == list(plan.layers) and plan.host_bytes == 80
 
 
 def test_plan_round_trips_and_prints_its_table() -> None:

@@ -1,0 +1,160 @@
+"""offload="auto": the planner chooses per layer between keeping, recomputing and offloading, priced in time.
+
+The known answers of issue 12: with infinite host bandwidth nothing is recomputed; with none it is the
+``offload=False`` plan; a budget below "every layer fully checkpointed" is reachable only with offload; host
+memory bounds what is offloaded; and ``"auto"`` is never predicted slower than ``False`` or ``True``. Then the plan
+is applied and trained through the offload engine on its fake backend, against the plain model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ckpt.device_profile import DeviceProfile
+from lightning_ckpt.offload import FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.planner import CheckpointPlan, make_plan, measure_step, plan_checkpointing, predict_seconds
+from lightning_ckpt.profiling import SavedTensorCounter, count_cost
+
+N_LAYER, WIDTH, BATCH = 6, 64, 32
+
+
+class MLPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(x)))
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), *[MLPBlock() for _ in range(N_LAYER)], nn.Linear(WIDTH, 1))
+
+
+X = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
+
+
+def loss_of(net: nn.Module) -> torch.Tensor:
+    return net(X).square().mean()
+
+
+def profile(host_bandwidth: float) -> DeviceProfile:
+    return DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=host_bandwidth, op_overhead=1e-6,
+                         name=f"test {host_bandwidth:g} B/s")
+
+
+@pytest.fixture(scope="module")
+def measured():
+    net = model()
+    return measure_step(net, lambda: loss_of(net), MLPBlock)
+
+
+def plan(measured, budget: object, offload: object, bandwidth: float = 1e9, **kwargs) -> CheckpointPlan:
+    return make_plan(measured.costs, measured.outside_bytes, budget, offload=offload, device=profile(bandwidth),
+                     outside_ops=measured.outside_ops, min_bytes=0, **kwargs)
+
+
+@pytest.mark.parametrize("budget", [0.2, 0.5, 0.8])
+def test_infinite_bandwidth_recomputes_nothing(measured, budget):
+    got = plan(measured, budget, "auto", bandwidth=math.inf, host_memory=1 << 40)
+    assert got.recompute_flops == 0 and set(got.layers.values()) == {"none"}
+    assert got.offloaded and got.planned_bytes <= got.budget_bytes
+    assert got.predicted_step_seconds == got.baseline_step_seconds  # offload free: as fast as no checkpointing
+
+
+@pytest.mark.parametrize("budget", [0.3, 0.6])
+def test_bandwidth_near_zero_gives_exactly_the_plan_without_offload(measured, budget):
+    got = plan(measured, budget, "auto", bandwidth=1e-3, host_memory=1 << 40)
+    without = plan(measured, budget, False, bandwidth=1e-3)
+    assert got.offloaded == [] and got.host_bytes == 0
+    assert (got.layers, got.kept_ops, got.planned_bytes) == (without.layers, without.kept_ops, without.planned_bytes)
+
+
+def test_a_budget_below_every_layer_checkpointed_needs_offload(measured):
+    every_layer_full = measured.outside_bytes + sum(c.full_bytes for c in measured.costs)
+    budget = every_layer_full - sum(c.full_bytes for c in measured.costs[:2])
+    with pytest.raises(ValueError, match="the least reachable is") as refused:
+        plan(measured, budget, False)
+    assert "or offload=True, which reaches" in str(refused.value)
+    got = plan(measured, budget, "auto", host_memory=1 << 40)
+    assert got.planned_bytes <= budget and len(got.offloaded) >= 2
+
+
+def test_host_memory_bounds_what_is_offloaded_and_the_rest_is_recomputed(measured):
+    free = plan(measured, 0.3, "auto", bandwidth=math.inf, host_memory=1 << 40)
+    limit = free.host_bytes // 3
+    bounded = plan(measured, 0.3, "auto", bandwidth=math.inf, host_memory=limit)
+    assert 0 < bounded.host_bytes <= limit < free.host_bytes
+    assert bounded.recompute_flops > free.recompute_flops == 0
+    assert bounded.planned_bytes <= bounded.budget_bytes
+    with pytest.raises(ValueError, match="needs more than `host_memory=0`"):
+        every_layer_full = measured.outside_bytes + sum(c.full_bytes for c in measured.costs)
+        plan(measured, every_layer_full // 2, "auto", host_memory=0)
+
+
+@pytest.mark.parametrize("bandwidth", [1e6, 1e8, 1e9, 1e11])
+@pytest.mark.parametrize("budget", [0.25, 0.5, 0.75])
+def test_auto_is_never_predicted_slower_than_offload_true_or_false(measured, budget, bandwidth):
+    auto = plan(measured, budget, "auto", bandwidth, host_memory=1 << 40)
+    for fixed in (False, True):
+        other = plan(measured, budget, fixed, bandwidth, host_memory=1 << 40)
+        assert auto.predicted_step_seconds <= other.predicted_step_seconds
+    # and its figure is what predict_seconds says of its choices
+    seconds, _ = predict_seconds(measured.costs, measured.outside_ops, auto.layers, profile(bandwidth),
+                                 set(auto.offloaded), auto.kept_ops, min_bytes=0)
+    assert seconds == pytest.approx(auto.predicted_step_seconds)
+
+
+def test_storages_under_the_engine_threshold_stay_on_the_device(measured):
+    sizes = sorted({s for c in measured.costs for s in c.saved_sizes + c.input_sizes})
+    threshold = sizes[len(sizes) // 2]
+    got = make_plan(measured.costs, measured.outside_bytes, 0.3, offload="auto", device=profile(math.inf),
+                    outside_ops=measured.outside_ops, host_memory=1 << 40, min_bytes=threshold)
+    moved = {c.name: c.movable_bytes(got.layers[c.name], threshold) for c in measured.costs if c.name in got.offloaded}
+    assert got.host_bytes == sum(moved.values())
+    assert all(0 < m < (c.none_bytes if got.layers[c.name] == "none" else c.full_bytes)
+               for c in measured.costs for m in [moved.get(c.name)] if m is not None)
+
+
+def test_an_auto_plan_applied_trains_exactly_and_offloads_what_it_planned(measured):
+    plain = model()
+    plain.zero_grad()
+    loss_of(plain).backward()
+    want = [p.grad.clone() for p in plain.parameters()]
+
+    got_plan = plan(measured, 0.3, "auto", bandwidth=2e8, host_memory=1 << 40)
+    kinds = {(mode, name in got_plan.offloaded) for name, mode in got_plan.layers.items()}
+    assert ("none", True) in kinds and any(mode != "none" for mode, _ in kinds), kinds  # offload-only and recompute
+    net = model()
+    again = CheckpointPlan.from_state_dict(copy.deepcopy(got_plan.state_dict()))
+    assert again.offloaded == got_plan.offloaded and again.host_bytes == got_plan.host_bytes
+    again.apply(net)
+    with use_engine(OffloadEngine(FakeStreams(seed=3), min_bytes=0)) as engine:
+        with SavedTensorCounter(exclude=net.parameters()) as saved:
+            loss = loss_of(net)
+        # what the engine moved (each pack; parameters and their views stay) is what the plan put on the host
+        assert engine.stats.offloaded_bytes == got_plan.host_bytes
+        newest = next(c.movable_bytes(got_plan.layers[c.name], 0) for c in reversed(got_plan.costs)
+                      if c.name in got_plan.offloaded)  # the engine keeps the newest layer's on the device too
+        assert saved.bytes + newest == got_plan.planned_bytes
+        loss.backward()
+    flops = count_cost(lambda: loss_of(net).backward())  # outside the fake engine, whose copies are ops too
+    for p, g in zip(net.parameters(), want):
+        assert torch.equal(p.grad, 2 * g)  # two backwards: the checked one and the counted one
+    plain_flops = count_cost(lambda: loss_of(plain).backward())
+    assert flops - plain_flops == got_plan.recompute_flops > 0
+
+
+def test_offload_auto_without_a_profile_on_the_cpu_asks_for_a_device():
+    net = model()
+    with pytest.raises(ValueError, match="needs a device profile: pass `device=`"):
+        plan_checkpointing(net, lambda: loss_of(net), 0.5, MLPBlock, offload="auto")
+    auto = plan_checkpointing(net, lambda: loss_of(net), 0.5, MLPBlock, offload="auto", device=profile(1e9),
+                              host_memory=1 << 40)
+    assert auto.offload == "auto" and auto.device == "test 1e+09 B/s"
