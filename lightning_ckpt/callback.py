@@ -19,9 +19,12 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strate
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_ckpt.offload import release_all
+import psutil
+
+from lightning_ckpt.device_profile import DeviceProfile
+from lightning_ckpt.offload import DEFAULT_MIN_BYTES, engine_for, release_all
 from lightning_ckpt.placement import check_checkpointing_placement
-from lightning_ckpt.planner import CheckpointPlan, LayerCost, LayerCostRecorder, make_plan
+from lightning_ckpt.planner import CheckpointPlan, LayerCost, LayerCostRecorder, Offload, make_plan
 from lightning_ckpt.profiling import format_bytes, format_flops, optimizer_state_bytes, tensor_bytes
 from lightning_ckpt.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
 from lightning_ckpt.wrapping import (
@@ -82,13 +85,18 @@ class GradientCheckpointing(Callback):
         layer_cls: the layer class to checkpoint, its dotted import path, or a list of either.
             ``None`` detects the repeated block (the class that fills an ``nn.ModuleList``/``nn.Sequential``).
         every_n_layers: checkpoint matched layers 0, n, 2n, ... in registration order.
-        offload: keep the checkpointed layers' inputs in pinned host memory instead of the device.
+        offload: keep the checkpointed layers' inputs in pinned host memory instead of the device; with
+            ``memory_budget``, ``"auto"`` lets the plan choose per layer what lives in host memory (see below).
         mode: ``"full"`` recomputes the whole layer; ``"selective"`` keeps matmul/attention outputs.
         memory_budget: let the callback choose: a fraction of the activation bytes held without checkpointing
             (``0.5``), bytes (``"2GiB"``), or ``"auto"`` (what fits the accelerator). The first training step
             runs fully checkpointed and measures each layer; from the next batch on, the cheapest plan that
             fits (fewest recomputed FLOPs; each layer ``"none"``, ``"full"`` or ``"selective"``) is applied.
-            Replaces ``every_n_layers`` and ``mode``.
+            Replaces ``every_n_layers`` and ``mode``. With ``memory_budget="auto"`` or ``offload="auto"`` the
+            callback measures the accelerator in ``setup`` (:meth:`DeviceProfile.measure`, a few seconds) and the
+            plan has the least predicted step time instead; ``offload="auto"`` also weighs keeping each layer's
+            tensors in host memory against recomputing them, by the part of the copies the next layer's compute
+            cannot hide, within half of the host memory free at setup (shared by the node's devices).
         use_reentrant: use torch's reentrant checkpoint (not recommended; non-reentrant is the default).
         preserve_rng_state: replay the RNG state in recompute so dropout masks match.
         checkpoint_kwargs: extra ``torch.utils.checkpoint.checkpoint`` arguments, merged over the above.
@@ -121,7 +129,8 @@ class GradientCheckpointing(Callback):
     layer_cls: _Option[Union[str, type, Sequence[Union[str, type]], None]] = _Option(
         "The layer class(es) to checkpoint, as given (classes or dotted import paths); ``None``: detected.")
     every_n_layers: _Option[int] = _Option("Checkpoint matched layers 0, n, 2n, ... in registration order.")
-    offload: _Option[bool] = _Option("Keep the checkpointed layers' inputs in pinned host memory.")
+    offload: _Option[Offload] = _Option("Keep the checkpointed layers' inputs in pinned host memory; ``'auto'``: the"
+                                        " plan chooses per layer.")
     mode: _Option[Mode] = _Option("``'full'`` or ``'selective'``.")
     memory_budget: _Option[Union[float, int, str, None]] = _Option(
         "A fraction (``0.5``), bytes (``'2GiB'``) or ``'auto'``: the callback plans what to checkpoint; ``None``: off.")
@@ -134,7 +143,7 @@ class GradientCheckpointing(Callback):
         self,
         layer_cls: Union[str, type, Sequence[Union[str, type]], None] = None,
         every_n_layers: int = 1,
-        offload: bool = False,
+        offload: Offload = False,
         mode: Mode = "full",
         memory_budget: Union[float, int, str, None] = None,
         use_reentrant: bool = False,
@@ -155,6 +164,7 @@ class GradientCheckpointing(Callback):
         self._measured: Optional[_Measurement] = None  # this rank's, until the plan is made
         self._plan_pending = False  # made, not applied yet: applied at the end of the batch
         self._start_step = 0
+        self._device: Optional[tuple[DeviceProfile, int]] = None  # profile and host memory, for "auto"
 
     @property
     def settings(self) -> Mapping[str, Any]:
@@ -200,6 +210,9 @@ class GradientCheckpointing(Callback):
                 "`memory_budget='auto'` plans for the accelerator's memory, but this run is on the CPU. Pass a"
                 " fraction of the un-checkpointed activation memory (`memory_budget=0.5`) or bytes (`'2GiB'`)."
             )
+        if stage == "fit" and self.plan is None and self._device is None and "auto" in (
+                self._settings["memory_budget"], self._settings["offload"]):
+            self._device = _measure_device(trainer)
         self._module = pl_module
         if is_overridden("configure_model", pl_module):
             # Layers built in `configure_model` do not exist yet; checkpoint them right after it runs,
@@ -289,8 +302,10 @@ class GradientCheckpointing(Callback):
         else:
             measured, _ = _combine_over_ranks(trainer.strategy, measured, [])
         modes = ("full",) if self._reentrant() else ("full", "selective")
+        profile, host_memory = self._device if self._device is not None else (None, None)
         # An impossible budget raises here; the step's own full checkpointing is undone by `on_exception`.
-        plan = make_plan(measured.costs, measured.outside_bytes, budget, modes, self._settings["offload"])
+        plan = make_plan(measured.costs, measured.outside_bytes, budget, modes, self._settings["offload"], profile,
+                         host_memory=host_memory, min_bytes=_min_bytes(trainer.strategy.root_device))
         self.plan, self._measured, self._plan_pending = plan, None, True
         if trainer.is_global_zero:
             _report_plan(trainer, plan, self._settings["memory_budget"], auto)
@@ -408,9 +423,14 @@ def check_lightning_strategy(strategy: Strategy) -> None:
 def _validate(settings: Mapping[str, Any]) -> None:
     every_n_layers = validate_every_n_layers(settings["every_n_layers"])
     resolve_layer_classes(settings["layer_cls"])
-    CheckpointOptions(settings["offload"], settings["mode"], settings["use_reentrant"],
+    auto_offload = settings["offload"] == "auto"
+    CheckpointOptions(False if auto_offload else settings["offload"], settings["mode"], settings["use_reentrant"],
                       settings["preserve_rng_state"], settings["checkpoint_kwargs"] or {})
     budget = parse_memory_budget(settings["memory_budget"], allow_auto=True)
+    if auto_offload and budget is None:
+        raise ValueError("`offload='auto'` lets the memory-budget plan choose which layers offload, but"
+                         " `memory_budget=None` asks for no plan. Pass a memory_budget (0.5, '2GiB' or 'auto'), or"
+                         " offload=True / False.")
     if budget is not None and every_n_layers != 1:
         raise ValueError(
             f"`memory_budget={settings['memory_budget']!r}` and `every_n_layers={every_n_layers}` are two ways of choosing"
@@ -508,7 +528,7 @@ def _static_bytes(pl_module: torch.nn.Module, optimizers: Sequence[torch.optim.O
             + optimizer_state_bytes(optimizers))
 
 
-_COST_FIELDS = [f.name for f in fields(LayerCost) if f.name not in ("name", "cls", "ops")]  # the integers
+_COST_FIELDS = [f.name for f in fields(LayerCost) if f.name not in ("name", "cls", "ops", "input_sizes", "saved_sizes")]
 
 
 def _combine_over_ranks(strategy: Strategy, measured: _Measurement, figures: list[int]) -> tuple[_Measurement, list[int]]:
@@ -516,17 +536,46 @@ def _combine_over_ranks(strategy: Strategy, measured: _Measurement, figures: lis
 
     ``figures`` is ``[device_bytes, static_bytes, other_peak_bytes]`` for "auto" (device memory: the minimum).
     """
-    row = [getattr(c, f) for c in measured.costs for f in _COST_FIELDS] + [measured.outside_bytes]
+    # Each layer's integers, then what the offload engine would move of it un-checkpointed and checkpointed (its
+    # storages over the engine's threshold: the sizes themselves are each rank's own).
+    min_bytes = _min_bytes(strategy.root_device)
+    row = [v for c in measured.costs for v in [*(getattr(c, f) for f in _COST_FIELDS), c.movable_bytes("none", min_bytes),
+                                               c.movable_bytes("full", min_bytes)]] + [measured.outside_bytes]
     local = torch.tensor(row + figures, dtype=torch.int64, device=strategy.root_device)
     gathered = strategy.all_gather(local).reshape(-1, local.numel())
     combined = gathered.max(dim=0).values.tolist()
     if figures:
         combined[len(row)] = int(gathered[:, len(row)].min())
-    width = len(_COST_FIELDS)
-    # Without the op records: they are each rank's own, and the callback plans without op-level choices.
-    costs = [LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, combined[i * width:(i + 1) * width])))
-             for i, c in enumerate(measured.costs)]
+    width = len(_COST_FIELDS) + 2
+    # Without the op records: they are each rank's own, and the callback plans without op-level choices. The movable
+    # bytes come back as one storage each, which the threshold keeps whole.
+    costs = []
+    for i, c in enumerate(measured.costs):
+        *ints, moved_none, moved_full = combined[i * width:(i + 1) * width]
+        costs.append(LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, ints)), saved_sizes=(moved_none,),
+                               input_sizes=(moved_full,)))
     return _Measurement(costs, combined[len(row) - 1]), combined[len(row):]
+
+
+def _measure_device(trainer: pl.Trainer) -> tuple[DeviceProfile, int]:
+    """The accelerator's :class:`DeviceProfile` and the host memory offload may use on this rank, rank 0's on every
+    rank (all ranks must solve the same plan): half of the host memory free now, shared by the node's devices."""
+    if trainer.strategy.root_device.type == "cpu":
+        raise ValueError(
+            "`offload='auto'` weighs offload against recompute by the time each takes on the accelerator it"
+            " measures, but this run is on the CPU, where nothing is offloaded. Pass offload=False on the CPU, or"
+            " run on a GPU; to plan for a GPU from here, use `plan_checkpointing(..., offload='auto',"
+            " device='h100-sxm')` or `lightning-ckpt plan --device NAME --offload auto`."
+        )
+    profile = DeviceProfile.measure(trainer.strategy.root_device)
+    host_memory = psutil.virtual_memory().available // (2 * max(1, trainer.num_devices))
+    return trainer.strategy.broadcast((profile, host_memory), src=0)
+
+
+def _min_bytes(device: torch.device) -> int:
+    """The threshold of the offload engine in charge of ``device``: smaller tensors stay on it."""
+    engine = engine_for(device)
+    return engine.min_bytes if engine is not None else DEFAULT_MIN_BYTES
 
 
 def _report_plan(trainer: pl.Trainer, plan: CheckpointPlan, memory_budget: object, auto: Optional[AutoBudget]) -> None:

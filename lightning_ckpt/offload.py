@@ -788,6 +788,15 @@ def default_engine(device: Union[str, torch.device]) -> OffloadEngine:
         return _engines[device]
 
 
+def engine_for(device: Union[str, torch.device]) -> Optional[OffloadEngine]:
+    """The engine that would offload this thread's tensors on ``device`` (its :func:`use_engine` one, else the
+    device's default); ``None`` on the CPU, where nothing is offloaded."""
+    engine = getattr(_local, "engine", None)
+    if engine is not None:
+        return engine
+    return None if torch.device(device).type == "cpu" else default_engine(device)
+
+
 @contextmanager
 def use_engine(engine: OffloadEngine) -> Iterator[OffloadEngine]:
     """Offload every tensor saved inside :class:`OffloadToHost` in this thread through ``engine``, on any device."""

@@ -8,6 +8,7 @@ run without the callback.
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ import lightning_ckpt.callback as callback_module
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.callback import AUTO_MEMORY_FRACTION, AutoBudget, _combine_over_ranks, _Measurement, auto_memory_budget
 from lightning_ckpt.demos import GPT, CountingDataModule
+from lightning_ckpt.device_profile import DeviceProfile
+from lightning_ckpt.offload import FakeStreams, OffloadEngine, use_engine
 from lightning_ckpt.planner import LayerCost
 from lightning_ckpt.profiling import SavedTensorCounter
 from lightning_ckpt.wrapping import checkpointed_names
@@ -253,14 +256,45 @@ class FakeGather:
 
 def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device():
     mine = _Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)], 7)
-    other_row = [120, 8, 45, 0, 40, 9, 1, 150, 12, 20, 0, 70, 1, 1, 13] + [900, 50, 9]  # the other rank: 13 outside
+    # the other rank: per layer its 7 integers, then the bytes offload would move un-checkpointed and checkpointed;
+    # then 13 outside
+    other_row = [120, 8, 45, 0, 40, 9, 1, 130, 0, 150, 12, 20, 0, 70, 1, 1, 180, 0, 13] + [900, 50, 9]
     measured, figures = _combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])
     assert [(c.name, c.none_bytes, c.full_bytes, c.selective_bytes, c.full_flops, c.selective_flops)
             for c in measured.costs] == [("a", 120, 10, 45, 50, 9), ("b", 200, 12, 30, 70, 6)]
+    assert [c.movable_bytes("none", min_bytes=0) for c in measured.costs] == [130, 200]  # what this rank would move of b: 200
     assert measured.outside_bytes == 13 and figures == [900, 50, 11]
     # and the other way round: this rank's larger outside bytes are kept
-    other_row[14] = 3
+    other_row[18] = 3
     assert _combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])[0].outside_bytes == 7
+
+
+def test_offload_auto_plans_by_time_on_the_measured_device_and_trains_the_same(reference, monkeypatch):
+    """The accelerator's profile is measured in setup; here one with infinite host bandwidth stands in for it, and the
+    fake engine for the copies: offload is then free, so the plan recomputes nothing and offloads instead."""
+    profile = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e11, host_bandwidth=math.inf, name="stand-in")
+    monkeypatch.setattr(callback_module, "_measure_device", lambda trainer: (profile, 1 << 40))
+    callback = GradientCheckpointing(memory_budget=0.5, offload="auto")
+    with use_engine(OffloadEngine(FakeStreams(seed=2), min_bytes=0)) as engine:
+        model, _ = run(callbacks=[callback])
+    plan = callback.plan
+    assert plan.offload == "auto" and plan.device == "stand-in" and plan.recompute_flops == 0
+    assert plan.offloaded == BLOCKS and set(plan.layers.values()) == {"none"}
+    assert model.seen[1:] == [BLOCKS, BLOCKS]  # wrapped to offload what they save, not to recompute
+    newest = next(c.movable_bytes("none", 0) for c in reversed(plan.costs) if c.name in plan.offloaded)
+    assert model.held[2] + newest == pytest.approx(plan.planned_bytes, rel=0.05)  # the newest stays on the device
+    assert model.held[2] <= 0.5 * reference.held[2]
+    assert engine.stats.offloaded_bytes >= 2 * plan.host_bytes  # steps 2 and 3
+    assert_same_weights(model, reference)
+
+
+def test_offload_auto_needs_a_budget_and_an_accelerator():
+    with pytest.raises(ValueError, match="`memory_budget=None` asks for no plan"):
+        GradientCheckpointing(offload="auto")
+    model = RecordingGPT()
+    with pytest.raises(ValueError, match="this run is on the CPU, where nothing is offloaded"):
+        fit(model, [GradientCheckpointing(memory_budget=0.5, offload="auto")])
+    assert checkpointed_names(model) == []
 
 
 def test_the_plan_table_reaches_a_logger_that_takes_text(tmp_path):

@@ -250,6 +250,15 @@ CASES: dict[str, Case] = {
         lambda: setup_callback(GradientCheckpointing(memory_budget="auto"), cpu_trainer()), ValueError,
         "`memory_budget='auto'`", "Pass a fraction of the un-checkpointed activation memory (`memory_budget=0.5`)",
         "plans for the accelerator's memory, but this run is on the CPU"),
+    "offload auto on the CPU": Case(
+        "callback._measure_device",
+        lambda: setup_callback(GradientCheckpointing(memory_budget=0.5, offload="auto"), cpu_trainer()), ValueError,
+        "`offload='auto'`", "Pass offload=False on the CPU, or run on a GPU", "this run is on the CPU, where nothing is"
+        " offloaded"),
+    "offload auto without a budget": Case(
+        "callback._validate", lambda: GradientCheckpointing(offload="auto"), ValueError,
+        "`memory_budget=None`", "Pass a memory_budget (0.5, '2GiB' or 'auto'), or offload=True / False",
+        "lets the memory-budget plan choose which layers offload"),
     "two callbacks": Case(
         "callback.find_checkpointing_callback", two_callbacks, ValueError,
         "has 2 `GradientCheckpointing` callbacks", "pass one (its `layer_cls` can be a list", "`GradientCheckpointing` callbacks; pass one"),
