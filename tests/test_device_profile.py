@@ -108,7 +108,10 @@ def test_cpu_measured_tensors_count_as_on_the_profiled_device() -> None:
     measured = measure_step(model, step, Block)
     assert all(c.offloadable_bytes == 0 for c in measured.costs)  # measured on the CPU
     on_cpu = make_plan(measured.costs, measured.outside_bytes, 0.5, modes=("full",), offload=True)
-    on_h100 = make_plan(measured.costs, measured.outside_bytes, 0.5, modes=("full",), offload=True, device="h100-sxm")
+    on_h100 = make_plan(measured.costs, measured.outside_bytes, 0.5, modes=("full",), offload=True, device="h100-sxm",
+                        min_bytes=0)  # these inputs are under the engine's default 1 MiB
     assert on_cpu.planned_host_bytes == 0
     full = [c for c in measured.costs if on_h100.layers[c.name] == "full"]
     assert on_h100.planned_host_bytes == sum(c.full_bytes for c in full) > 0
+    default = make_plan(measured.costs, measured.outside_bytes, 0.5, modes=("full",), offload=True, device="h100-sxm")
+    assert default.planned_host_bytes == 0  # the engine would keep them on the device
