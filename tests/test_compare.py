@@ -255,9 +255,10 @@ def test_predicted_column_is_the_time_models_ratio_for_the_layers_each_variant_c
 
     model = TimeModel(Measurement(8, costs, 0), profile, offload_moves=False)
     assert predict_variants(results, model) == []
-    # By hand: a forward is 4 x (1 ms matmul + 10 us gelu + 2 x 100 us per op); a step 3 forwards.
-    forward = 4 * (1e-3 + 1e-5 + 2e-4)
-    full = 1 + 4 * (1e-3 + 1e-5 + 2e-4) / (3 * forward)
+    # By hand: a step is 3 forwards of 4 x (1 ms matmul + 10 us gelu), and 100 us per op once; every layer
+    # recomputes both ops of each layer, at their time and 100 us each.
+    step = 3 * 4 * (1e-3 + 1e-5) + 8 * 1e-4
+    full = 1 + 4 * (1e-3 + 1e-5 + 2e-4) / step
     assert results[1].predicted_ratio == pytest.approx(full)
     assert results[2].predicted_ratio == pytest.approx(1 + (full - 1) / 2)
     # offload moves nothing in these runs (a CPU run on the CPU's profile): priced as every_layer
@@ -267,7 +268,7 @@ def test_predicted_column_is_the_time_models_ratio_for_the_layers_each_variant_c
         assert r.predicted_ratio == pytest.approx(seconds / baseline)
         assert r.predicted_step_seconds == pytest.approx(seconds)
     # selective recomputes only the gelu but pays 200 us per op under its policy, forward and recompute
-    assert results[3].predicted_ratio == pytest.approx(1 + 4 * (1e-5 + 1e-4 + 4 * 2e-4) / (3 * forward))
+    assert results[3].predicted_ratio == pytest.approx(1 + 4 * (1e-5 + 1e-4 + 4 * 2e-4) / step)
 
     rows = table(render_markdown(results, "synthetic", 1e-3, 1e-6, prediction=prediction_text(model)))
     assert rows["none"]["predicted"] == "-"
@@ -280,7 +281,7 @@ def test_predicted_column_is_the_time_models_ratio_for_the_layers_each_variant_c
     # where offload moves the inputs, both directions over the host link are added, none of it hidden
     moved = TimeModel(Measurement(8, costs, 0), profile, offload_moves=True)
     predict_variants(results, moved)
-    assert results[4].predicted_ratio == pytest.approx(full + 4 * 2 * 4e-3 / (3 * forward))
+    assert results[4].predicted_ratio == pytest.approx(full + 4 * 2 * 4e-3 / step)
 
 
 def test_a_variant_whose_layers_were_not_measured_gets_no_prediction():
