@@ -1,28 +1,54 @@
-"""One accelerator check, one command: every accelerator test, then the offload benchmark, into RESULTS.md ("gpu").
+"""One accelerator check, one command: every accelerator test, the offload benchmark and the time model, into
+RESULTS.md ("gpu").
 
     python benchmarks/accelerator_check.py [--budget-s 280]
+    python benchmarks/accelerator_check.py --cpu-smoke   # the time-model part on a tiny model on the CPU
 
 Runs ``pytest -m accelerator`` (offload under delayed copies, MemoryMonitor's device peaks, pinned memory, bf16
-autocast under checkpointing) and ``bench_offload.py`` at 2k/8k/32k within the budget (under 5 minutes on one GPU),
-and writes both into the "gpu" section of benchmarks/RESULTS.md. Exits 1 if a test failed or an offload variant's
-loss or gradients differ from checkpointing without offload. On a machine without CUDA it prints
-"no accelerator", touches nothing and exits 0.
+autocast under checkpointing), ``bench_offload.py`` at 2k/8k/32k, and the time-model check (:func:`time_model_check`:
+the planner's predicted step time on ``DeviceProfile.measure`` of the GPU against the measured step time, for no
+checkpointing, every layer, every 2nd layer, selective, every layer with offload, and a plan for the profile; target
+within 15%), within the budget (under 5 minutes on one GPU), and writes all three into the "gpu" section of
+benchmarks/RESULTS.md. Exits 1 if a test failed or an offload variant's loss or gradients differ from checkpointing
+without offload (a prediction off target is reported, not a failure). On a machine without CUDA it prints
+"no accelerator", touches nothing and exits 0; ``--cpu-smoke`` then runs the time-model check on a tiny model on the
+CPU (prints its table, writes nothing) to check the script itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
+
+from lightning_ckpt import apply_checkpointing, remove_checkpointing
+from lightning_ckpt import offload as offload_module
+from lightning_ckpt.demos import Block, Transformer
+from lightning_ckpt.device_profile import DeviceProfile
+from lightning_ckpt.planner import (
+    CheckpointPlan,
+    measure_step,
+    plan_checkpointing,
+    predict_seconds,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The time model's target on an accelerator: predicted step time within 15% of the measured one.
+TIME_TARGET = 0.15
+#: The memory budget of the plan row (a fraction of the activations without checkpointing).
+PLAN_BUDGET = 0.5
 
 
 def run_tests(timeout_s: float) -> tuple[list[tuple[str, str]], float]:
@@ -49,11 +75,189 @@ def run_tests(timeout_s: float) -> tuple[list[tuple[str, str]], float]:
         return results, elapsed
 
 
+# ------------------------------------------------------------------------------------------------ time model
+
+
+@dataclass
+class Setting:
+    """One way to run the model: ``apply`` configures it (from no checkpointing) and returns the layer modes it
+    set, as :func:`~lightning_ckpt.planner.predict_seconds` takes them; ``offload``/``kept_ops`` likewise."""
+
+    name: str
+    apply: Callable[[torch.nn.Module], dict[str, str]]
+    offload: bool = False
+    kept_ops: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class TimeRow:
+    name: str
+    predicted_s: Optional[float] = None
+    measured_s: Optional[float] = None
+    predicted_baseline_s: Optional[float] = None
+    note: str = ""
+
+    @property
+    def ratio(self) -> Optional[float]:
+        """Predicted over measured step time."""
+        return None if self.predicted_s is None or not self.measured_s else self.predicted_s / self.measured_s
+
+
+def _every(n: int, mode: str = "full", offload: bool = False) -> Callable[[torch.nn.Module], dict[str, str]]:
+    def apply(model: torch.nn.Module) -> dict[str, str]:
+        return dict.fromkeys(apply_checkpointing(model, layer_cls=Block, every_n_layers=n, mode=mode,  # type: ignore[arg-type]
+                                                 offload=offload), mode)
+    return apply
+
+
+def plan_setting(name: str, plan: CheckpointPlan) -> Setting:
+    """The row of a :class:`~lightning_ckpt.planner.CheckpointPlan`: applied with ``plan.apply``, predicted for its
+    layers, kept ops and offload.
+
+    HERE the lead wires the ``offload="auto"`` plan: in :func:`time_model_check`, add
+    ``plan_setting("plan, offload auto", plan_checkpointing(model, step, PLAN_BUDGET, layer_cls=Block,
+    offload="auto", device=profile))`` to ``settings``. When a plan offloads only some layers (``plan.offloaded``),
+    pass what ``predict_seconds`` needs for that here (it takes one ``offload`` flag today).
+    """
+    def apply(model: torch.nn.Module) -> dict[str, str]:
+        plan.apply(model)
+        return {n: m for n, m in plan.layers.items() if m != "none"}
+    return Setting(name, apply, offload=bool(plan.offload), kept_ops={n: list(k) for n, k in plan.kept_ops.items()})
+
+
+def _configured(model: torch.nn.Module, setting: Setting) -> contextlib.AbstractContextManager[dict[str, str]]:
+    @contextlib.contextmanager
+    def configured() -> Any:
+        remove_checkpointing(model)
+        try:
+            yield setting.apply(model)
+        finally:
+            remove_checkpointing(model)
+    return configured()
+
+
+def time_model_check(device: torch.device, seq: int = 4096, layers: int = 16, hidden: int = 2048, heads: int = 16,
+                     vocab: int = 32000, steps: int = 5, rounds: int = 3, budget_s: float = 90.0) -> tuple[list[TimeRow], str]:
+    """Predicted against measured step time (forward and backward, bf16 autocast, batch 1) for every setting.
+
+    The profile is ``DeviceProfile.measure(device)``; the step is measured once fully checkpointed
+    (:func:`~lightning_ckpt.planner.measure_step`), and each setting predicted from that with
+    :func:`~lightning_ckpt.planner.predict_seconds`. Measured: each setting in ``rounds`` interleaved rounds
+    (alternately reversed) of one warm-up and ``steps`` timed steps; the median of all timed steps. The optimizer step
+    is left out of both: the model does not price it, and it is the same for every setting.
+    """
+    started = time.perf_counter()
+    cpu = device.type == "cpu"
+    profile = DeviceProfile.measure(device)
+    torch.manual_seed(0)
+    with device:
+        model = Transformer(vocab, seq, layers, hidden, heads, dropout=0.0)
+    idx = torch.randint(0, vocab, (1, seq + 1), device=device)
+    inputs, targets = idx[:, :-1], idx[:, 1:]
+    dtype = torch.bfloat16
+
+    def loss() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype):
+            logits = model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    measured = measure_step(model, loss, layer_cls=Block)
+    settings = [
+        Setting("none", lambda m: {}),
+        Setting("every_layer", _every(1)),
+        Setting("every_2nd", _every(2)),
+        Setting("selective", _every(1, "selective")),
+        Setting("offload", _every(1, offload=True), offload=not cpu),  # on the CPU offload moves nothing
+        plan_setting(f"plan ({PLAN_BUDGET:g}, for the profile)",
+                     plan_checkpointing(model, loss, PLAN_BUDGET, layer_cls=Block, device=profile)),
+        # the offload="auto" plan goes here: see plan_setting
+    ]
+    rows = {s.name: TimeRow(s.name) for s in settings}
+    times: dict[str, list[float]] = {s.name: [] for s in settings}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for r in range(rounds):
+        for setting in settings if r % 2 == 0 else settings[::-1]:
+            row = rows[setting.name]
+            if row.note:
+                continue
+            if time.perf_counter() - started > budget_s:
+                row.note = row.note or f"not run: over the {budget_s:.0f} s budget"
+                continue
+            try:
+                with _configured(model, setting) as modes:
+                    if r == 0:
+                        row.predicted_s, row.predicted_baseline_s = predict_seconds(
+                            measured.costs, measured.outside_ops, modes, profile, setting.offload, setting.kept_ops)
+                    for i in range(steps + 1):
+                        model.zero_grad(set_to_none=True)
+                        sync()
+                        start = time.perf_counter()
+                        loss().backward()
+                        sync()
+                        if i:  # the first is a warm-up
+                            times[setting.name].append(time.perf_counter() - start)
+            except torch.OutOfMemoryError:
+                row.note = "out of memory"
+            finally:
+                model.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    offload_module.release_all()
+                    torch.cuda.empty_cache()
+    for name, ts in times.items():
+        if ts:
+            rows[name].measured_s = statistics.median(ts)
+    n_params = sum(p.numel() for p in model.parameters())
+    return list(rows.values()), time_model_markdown(list(rows.values()), profile, n_params, layers, hidden, seq, steps,
+                                                     rounds, cpu)
+
+
+def time_model_markdown(rows: list[TimeRow], profile: DeviceProfile, n_params: int, layers: int, hidden: int, seq: int,
+                        steps: int, rounds: int, cpu: bool) -> str:
+    """The time-model table: one row per setting, predicted and measured step time, their ratio, the slowdowns."""
+    base = rows[0]
+    lines = [
+        "### Time model: predicted against measured step time",
+        "",
+        f"GPT-style model: {layers} blocks, hidden {hidden}, {n_params / 1e9:.2f}B parameters, batch 1, seq {seq}, bf16"
+        f" autocast; forward and backward (no optimizer step). Profile: {profile.name} (matmul"
+        f" {profile.matmul_flops / 1e12:.3g} TFLOP/s, memory {profile.memory_bandwidth / 1e9:.4g} GB/s, host"
+        f" {profile.host_bandwidth / 1e9:.3g} GB/s, {1e6 * profile.op_overhead:.3g} µs per op recomputed,"
+        f" {1e6 * profile.per_op_under_policy:.3g} µs per op under a policy). Measured: median of {steps} steps in each"
+        f" of {rounds} interleaved rounds. Target: predicted within ±{100 * TIME_TARGET:.0f}% of measured.",
+        *(["", "**CPU smoke run of the script: the figures say nothing about an accelerator.**"] if cpu else []),
+        "",
+        "| setting | predicted (ms) | measured (ms) | predicted / measured | predicted slowdown | measured slowdown |"
+        " within target |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        if r.ratio is None:
+            lines.append(f"| {r.name} | {_ms(r.predicted_s)} | {_ms(r.measured_s)} | | | | {r.note or 'n/a'} |")
+            continue
+        predicted_slow = (f"{100 * (r.predicted_s / r.predicted_baseline_s - 1):+.0f}%"  # type: ignore[operator]
+                          if r.predicted_baseline_s else "n/a")
+        measured_slow = f"{100 * (r.measured_s / base.measured_s - 1):+.0f}%" if base.measured_s else "n/a"  # type: ignore[operator]
+        lines.append(f"| {r.name} | {_ms(r.predicted_s)} | {_ms(r.measured_s)} | {r.ratio:.2f} | {predicted_slow}"
+                     f" | {measured_slow} | {'yes' if abs(r.ratio - 1) <= TIME_TARGET else 'no'} |")
+    return "\n".join(lines)
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.2f}"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=280.0, help="tests and benchmark together")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="without CUDA: run the time-model check on a tiny model on the CPU (writes nothing)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
+        if args.cpu_smoke:
+            rows, table = time_model_check(torch.device("cpu"), seq=64, layers=4, hidden=64, heads=2, vocab=64,
+                                           steps=3, rounds=2, budget_s=60.0)
+            print(table)
+            return 0 if all(r.measured_s is not None and r.predicted_s is not None for r in rows) else 1
         print("no accelerator: torch.cuda.is_available() is False, so nothing was run and nothing was written.")
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,7 +265,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from _results import machine, write_section
 
     start = time.perf_counter()
-    results, test_s = run_tests(timeout_s=args.budget_s * 0.5)
+    results, test_s = run_tests(timeout_s=args.budget_s * 0.4)
+    _, time_table = time_model_check(torch.device("cuda", torch.cuda.current_device()), budget_s=args.budget_s * 0.2)
+    print(time_table, flush=True)
     bench_budget = max(30.0, args.budget_s - (time.perf_counter() - start) - 20.0)
     rows, bench = bench_offload.run([2048, 8192, 32768], steps=3, warmup=1, budget_s=bench_budget)
     failed = [name for name, outcome in results if outcome not in ("passed", "skipped")]
@@ -80,6 +286,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         *(f"| {name} | {outcome} |" for name, outcome in results),
         "",
         bench.replace("## Offload:", "### Offload:"),
+        "",
+        time_table,
     ]
     write_section("gpu", "\n".join(lines))
     print("\n".join(lines))

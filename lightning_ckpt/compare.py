@@ -16,9 +16,16 @@ Each variant's step time is the median with its interquartile range, and time lo
 the run without checkpointing with a 95% bootstrap interval (:func:`time_difference`). A difference whose
 interval contains zero is reported as within noise, never as a gain.
 
+Next to each measured slowdown is the one the planner's time model predicts
+(:func:`~lightning_ckpt.planner.predict_seconds`) for the layers that variant checkpointed: from one measured
+step of the config's model (per-layer bytes, FLOPs and ops, as ``lightning-ckpt plan`` measures it) and a
+:class:`~lightning_ckpt.device_profile.DeviceProfile`: by default the device the runs use, measured
+(``DeviceProfile.measure``), or a preset with ``--device h100-sxm``. Nothing else is run for it.
+
 Example::
 
     lightning-ckpt compare --config configs/every_4th_offload.yaml --steps 30 --rounds 3
+    lightning-ckpt compare --config configs/tiny.yaml --device h100-sxm  # predicted column for an H100
 
 It prints a Markdown table and writes it (``compare.md``), every number with the step-time samples
 (``compare.json``), and a plot of memory against step time with interquartile error bars (``compare.png``) to
@@ -54,6 +61,7 @@ import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_ckpt.device_profile import DeviceProfile
 from lightning_ckpt.monitor import (
     ACTIVATIONS,
     ACTIVATIONS_OFFLOADED,
@@ -64,9 +72,12 @@ from lightning_ckpt.monitor import (
     STEP_SEC,
     TOKENS_PER_SEC,
 )
+from lightning_ckpt.planner import predict_seconds
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+    from lightning_ckpt.plan_command import Measurement
 
 PERTURB_ENV = "LIGHTNING_CKPT_COMPARE_PERTURB_GRAD"
 CALLBACK_PATH = "lightning_ckpt.GradientCheckpointing"
@@ -295,8 +306,12 @@ def run_worker(variant_dir: Path) -> None:
         return
     layers = [c.checkpointed_layers for c in trainer.callbacks if isinstance(c, GradientCheckpointing)]
     monitor = next(c for c in trainer.callbacks if isinstance(c, MemoryMonitor))
+    plans = [c.plan for c in trainer.callbacks if isinstance(c, GradientCheckpointing) and c.plan is not None]
     result = {"checkpointed_layers": layers[0] if layers else [], "device": trainer.strategy.root_device.type,
               "world_size": trainer.world_size, "steps": trainer.global_step, "summary": monitor.summary}
+    if plans:  # the memory_budget plan, for the predicted slowdown of `planned`
+        result["plan"] = {"layers": dict(plans[0].layers), "kept_ops": dict(plans[0].kept_ops),
+                          "offload": plans[0].offload}
     (variant_dir / "result.json").write_text(json.dumps(result, indent=2))
 
 
@@ -452,6 +467,13 @@ class VariantResult:
     mismatch: Optional[str] = None
     error: Optional[str] = None
     timed_memory_gib: Optional[float] = None  # the memory of memory_gib over the timed steps only
+    #: What the variant checkpointed, as :func:`~lightning_ckpt.planner.predict_seconds` takes it.
+    layer_modes: dict[str, str] = field(default_factory=dict)
+    kept_ops: dict[str, list[int]] = field(default_factory=dict)
+    offload: bool = False
+    #: The time model's step time and its ratio to the baseline's (:func:`predict_variants`); None: no prediction.
+    predicted_step_seconds: Optional[float] = None
+    predicted_ratio: Optional[float] = None
 
     @property
     def memory_gib(self) -> float:
@@ -499,6 +521,15 @@ def measurements(name: str, runs: Sequence[tuple[Sequence[Mapping[str, float]], 
 
     memory_key = PEAK_ALLOCATED if peak(PEAK_ALLOCATED) is not None else ACTIVATIONS
     timed_memory = [r[memory_key] for r in timed if memory_key in r]
+    layers = list(result.get("checkpointed_layers", []))
+    settings = VARIANTS.get(name)
+    plan = result.get("plan") or {}
+    if name == PLANNED and plan:
+        modes = {n: m for n, m in plan["layers"].items() if m != "none"}
+        kept, offload = {n: list(k) for n, k in plan.get("kept_ops", {}).items()}, bool(plan.get("offload"))
+    else:
+        modes = dict.fromkeys(layers, settings["mode"] if settings else "full")
+        kept, offload = {}, bool(settings and settings["offload"])
 
     return VariantResult(
         name=name,
@@ -513,6 +544,9 @@ def measurements(name: str, runs: Sequence[tuple[Sequence[Mapping[str, float]], 
         samples_per_sec=median(SAMPLES_PER_SEC) or math.nan,
         tokens_per_sec=median(TOKENS_PER_SEC),
         timed_memory_gib=max(timed_memory) if timed_memory else None,
+        layer_modes=modes,
+        kept_ops=kept,
+        offload=offload,
     )
 
 
@@ -546,6 +580,93 @@ def first_step_difference(baseline: Mapping[str, Any], other: Mapping[str, Any],
     return loss_diff, grad_diff, problem
 
 
+# ---------------------------------------------------------------------------------------------------- predicted
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """What the predicted column comes from: one measured step of the config's model (``measurement``: per-layer
+    costs and ops, and the ops outside the layers) and the device ``profile`` it is priced on.
+
+    ``offload_moves``: whether offload moves anything in the runs compared (not on a CPU run priced on the CPU's
+    own profile: the inputs are already in host memory there).
+    """
+
+    measurement: Measurement
+    profile: DeviceProfile
+    offload_moves: bool = True
+
+    def describe(self) -> str:
+        """The profile's figures, in words.
+
+        Example::
+
+            >>> from lightning_ckpt.plan_command import Measurement
+            >>> TimeModel(Measurement(8, [], 0), DeviceProfile(2e11, 1e10, 1e10, 4e-6, name="cpu")).describe()
+            'cpu (matmul 200 GFLOP/s, memory 10 GB/s, host 10 GB/s, 4 µs per op recomputed, 4 µs per op under a policy)'
+        """
+        p = self.profile
+        return (f"{p.name} (matmul {p.matmul_flops / 1e9:.3g} GFLOP/s, memory {p.memory_bandwidth / 1e9:.3g} GB/s,"
+                f" host {p.host_bandwidth / 1e9:.3g} GB/s, {1e6 * p.op_overhead:.3g} µs per op recomputed,"
+                f" {1e6 * p.per_op_under_policy:.3g} µs per op under a policy)")
+
+    def as_dict(self) -> dict[str, Any]:
+        p = self.profile
+        return {"device": p.name, "matmul_flops": p.matmul_flops, "memory_bandwidth": p.memory_bandwidth,
+                "host_bandwidth": p.host_bandwidth, "op_overhead": p.op_overhead,
+                "policy_overhead": p.per_op_under_policy, "offload_moves": self.offload_moves,
+                "batch_size": self.measurement.batch_size, "layers": [c.name for c in self.measurement.costs]}
+
+
+def measure_time_model(config: Path, device: Optional[str] = None) -> TimeModel:
+    """Measure one step of ``config``'s model as ``lightning-ckpt plan`` does (:func:`~lightning_ckpt.plan_command.
+    measure`) and get the profile ``device`` names (a preset, or ``None``/``"auto"``: the device the step runs on,
+    measured with :meth:`DeviceProfile.measure`)."""
+    from lightning_ckpt.plan_command import build, device_profile, measure
+
+    built = build(config, fake=False)
+    measured = measure(built)
+    profile = device_profile(device or "auto", built)
+    assert profile is not None
+    return TimeModel(measured, profile, offload_moves=not (device in (None, "auto") and built.device.type == "cpu"))
+
+
+def prediction_text(model: Optional[TimeModel], problems: Sequence[str] = (), why: str = "") -> str:
+    """The report's sentence on the predicted column: the profile it is priced on, or why there is none.
+
+    Example::
+
+        >>> prediction_text(None, why="the model could not be built")
+        'Predicted: n/a, the model could not be built.'
+    """
+    if model is None:
+        return f"Predicted: n/a, {why}."
+    text = ("Predicted: the slowdown the planner's time model (`predict_seconds`) gives for the layers each variant"
+            f" checkpointed, from one measured step of the model (batch {model.measurement.batch_size}) priced on"
+            f" {model.describe()}; no run is timed for it.")
+    return text + "".join(f" No prediction: {p}." for p in problems)
+
+
+def predict_variants(results: Sequence[VariantResult], model: TimeModel) -> list[str]:
+    """Set each variant's predicted step time and its ratio to no checkpointing's, from the layers it checkpointed
+    (:func:`~lightning_ckpt.planner.predict_seconds`). Returns what could not be predicted, and why: a variant whose
+    layers the measured step does not have is left without a prediction."""
+    costs, outside = model.measurement.costs, model.measurement.outside_ops
+    known = {c.name for c in costs}
+    problems = []
+    for r in results:
+        if r.error:
+            continue
+        missing = sorted(set(r.layer_modes) - known)
+        if missing:
+            problems.append(f"`{r.name}` checkpointed {', '.join(missing[:3])}, which the measured step does not have")
+            continue
+        seconds, baseline = predict_seconds(costs, outside, r.layer_modes, model.profile,
+                                            offload=r.offload and model.offload_moves, kept_ops=r.kept_ops)
+        r.predicted_step_seconds, r.predicted_ratio = seconds, seconds / baseline
+    return problems
+
+
 # ---------------------------------------------------------------------------------------------------- output
 
 
@@ -558,11 +679,12 @@ def _ms(value: float) -> str:
 
 
 def render_markdown(results: Sequence[VariantResult], title: str, rtol: float, atol: float,
-                    timing: str = "") -> str:
+                    timing: str = "", prediction: str = "") -> str:
     """The comparison as Markdown: a short header and one table row per variant, the baseline first.
 
     ``timing`` says how the steps were timed (rounds, warm-up). Time lost is :func:`time_difference` against the
     baseline, in the words of :meth:`TimeDifference.describe`: never a gain when the difference is within noise.
+    ``prediction`` says where the predicted slowdowns (:func:`predict_variants`) come from (:func:`prediction_text`).
     """
     base = results[0]
     on_device = base.peak_allocated_gib is not None
@@ -579,20 +701,23 @@ def render_markdown(results: Sequence[VariantResult], title: str, rtol: float, a
         f" {rtol:g} x the largest |value| of each gradient).",
         "",
     ]
+    if prediction:
+        lines += [prediction, ""]
     if not on_device and any(r.name == "offload" for r in results):
         lines += ["On a CPU run `offload` has no effect: the saved layer inputs are already in host memory.", ""]
     lines += [
         "| variant | checkpointed layers | peak device (GiB) | host RSS (GiB) | activations (GiB) | offloaded (GiB)"
-        " | timed steps | step (ms) | step IQR (ms) | samples/s | memory saved | time lost | loss diff | grad diff"
-        " | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | timed steps | step (ms) | step IQR (ms) | samples/s | memory saved | time lost | predicted | loss diff"
+        " | grad diff | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.error:
-            lines.append(f"| {r.name} | | | | | | | | | | | | | | FAILED: {r.error} |")
+            lines.append(f"| {r.name} | | | | | | | | | | | | | | | FAILED: {r.error} |")
             continue
+        predicted = "n/a" if r.predicted_ratio is None else _signed(r.predicted_ratio - 1)
         if r is base:
-            saved = lost = loss = grad = "-"
+            saved = lost = loss = grad = predicted = "-"
             check = "baseline"
         else:
             delta = base.memory_gib - r.memory_gib
@@ -604,7 +729,8 @@ def render_markdown(results: Sequence[VariantResult], title: str, rtol: float, a
         lines.append(
             f"| {r.name} | {len(r.checkpointed_layers)} | {_num(r.peak_allocated_gib)} | {_num(r.host_rss_gib)}"
             f" | {_num(r.activations_gib)} | {_num(r.offloaded_gib)} | {step.n} | {_ms(step.median)}"
-            f" | {_ms(step.q1)}–{_ms(step.q3)} | {_num(r.samples_per_sec)} | {saved} | {lost} | {loss} | {grad}"
+            f" | {_ms(step.q1)}–{_ms(step.q3)} | {_num(r.samples_per_sec)} | {saved} | {lost} | {predicted}"
+            f" | {loss} | {grad}"
             f" | {check} |"
         )
     for r in results:
@@ -630,7 +756,9 @@ def to_json(results: Sequence[VariantResult], settings: Mapping[str, Any]) -> di
                 timed_steps=step.n,
                 step_sec_median=step.median, step_sec_q1=step.q1, step_sec_q3=step.q3,
                 samples_per_sec=r.samples_per_sec, tokens_per_sec=r.tokens_per_sec, step_times=r.step_times,
-                loss_diff=r.loss_diff, grad_diff=r.grad_diff, mismatch=r.mismatch)
+                loss_diff=r.loss_diff, grad_diff=r.grad_diff, mismatch=r.mismatch, layer_modes=r.layer_modes,
+                kept_ops=r.kept_ops, offload=r.offload, predicted_step_seconds=r.predicted_step_seconds,
+                predicted_time_lost=r.predicted_ratio)
             if r is not base and not base.error:
                 d = time_difference(base.step_times, r.step_times)
                 entry["time_lost"] = {"ratio": d.ratio, "low": d.low, "high": d.high, "confidence": d.confidence,
@@ -674,8 +802,10 @@ def plot(results: Sequence[VariantResult], path: Path, title: str) -> Optional[F
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    from lightning_ckpt.plan_command import add_device_argument, check_device_argument
+
     parser = argparse.ArgumentParser(
-        prog="lightning-ckpt compare",
+        prog="lightning-ckpt compare", allow_abbrev=False,
         description="Run one LightningCLI config with and without checkpointing, each variant in fresh processes"
                     " in interleaved rounds, and compare memory, step time (median, spread, and whether a difference"
                     " is beyond noise), and the loss and gradients after step 1.")
@@ -695,10 +825,13 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                              " (default: lightning_ckpt_compare/<config name>)")
     parser.add_argument("--rtol", type=float, default=1e-3, help="relative gradient/loss tolerance (default: 1e-3)")
     parser.add_argument("--atol", type=float, default=1e-6, help="absolute gradient/loss tolerance (default: 1e-6)")
+    add_device_argument(parser, "price the predicted slowdowns on this device",
+                        "default: auto")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv))
     if args.worker is not None:
         return args
+    check_device_argument(parser, args.device)
     if args.config is None:
         parser.error("--config is required: pass the LightningCLI YAML of the run to compare, e.g. --config"
                      " configs/tiny.yaml")
@@ -816,12 +949,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result.loss_diff, result.grad_diff, result.mismatch = checks[name]
         results.append(result)
 
+    print("compare: measuring one step of the model and the device profile for the predicted slowdowns ...",
+          flush=True)
+    model, problems, why = None, [], ""
+    try:
+        model = measure_time_model(args.config, args.device)
+        problems = predict_variants(results, model)
+    except Exception as err:  # noqa: BLE001 - the runs are done; a prediction that fails must not lose them
+        why = f"measuring the step for the time model failed ({type(err).__name__}: {err})"
+        print(f"compare: no predicted slowdowns: {why}", file=sys.stderr)
+
     title = f"{args.config.name}, {args.steps} timed steps per variant"
-    markdown = render_markdown(results, title, args.rtol, args.atol, timing)
+    markdown = render_markdown(results, title, args.rtol, args.atol, timing, prediction_text(model, problems, why))
     (out_dir / "compare.md").write_text(markdown)
     settings = {"config": str(args.config), "steps": args.steps, "rounds": len(per_round),
                 "steps_per_round": per_round, "warmup": args.warmup, "seed": seed, "order": order,
-                "rtol": args.rtol, "atol": args.atol}
+                "rtol": args.rtol, "atol": args.atol,
+                "time_model": model.as_dict() if model is not None else {"error": why}}
     (out_dir / "compare.json").write_text(json.dumps(to_json(results, settings), indent=2))
     fig = plot(results, out_dir / "compare.png", title)
     print()

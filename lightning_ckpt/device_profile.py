@@ -118,9 +118,10 @@ class DeviceProfile:
 
         A square matmul (BF16 on an accelerator, float32 on the CPU) for ``matmul_flops``; a large device copy
         (read and write) for ``memory_bandwidth``; copies between pinned host memory and the device for
-        ``host_bandwidth`` (on the CPU: the memory bandwidth); a chain of tiny ops trained plainly, fully and
-        selectively checkpointed for ``op_overhead`` (what one more op in the recompute costs) and
-        ``policy_overhead`` (what each op under a policy costs on top). Each figure is a median.
+        ``host_bandwidth`` (on the CPU: the memory bandwidth); a few tiny transformer blocks trained plainly, fully
+        and selectively checkpointed for ``op_overhead`` (what one more op in the recompute costs) and
+        ``policy_overhead`` (what each op under a policy costs on top; see :func:`_overheads`). Each figure is a
+        median.
         """
         device = torch.device(device) if device is not None else _default_device()
         budget = min(float(seconds), 5.0) / 5
@@ -189,25 +190,69 @@ def _median_seconds(fn: Callable[[], Any], device: torch.device, budget: float) 
     return statistics.median(times)
 
 
-def _overheads(device: torch.device, budget: float, ops: int = 64) -> tuple[float, float]:
-    """``(op_overhead, policy_overhead)``: a chain of ``ops`` one-element ops trained plainly, fully checkpointed
-    (the recompute runs each op once more) and selectively checkpointed with this package's policy (each op also
-    goes through torch's Python dispatch, in forward and in the recompute)."""
+def _interleaved_medians(fns: list[Callable[[], Any]], device: torch.device, budget: float) -> list[float]:
+    """Median wall time of each of ``fns``, run in turn (synchronised on accelerators) for about ``budget`` seconds."""
+    sync = getattr(torch, device.type).synchronize if device.type != "cpu" else (lambda: None)
+    for fn in fns:
+        fn()
+    sync()
+    times: list[list[float]] = [[] for _ in fns]
+    deadline = time.perf_counter() + budget
+    while len(times[0]) < 5 or (time.perf_counter() < deadline and len(times[0]) < 100):
+        for fn, samples in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            sync()
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
+
+
+def _overheads(device: torch.device, budget: float, blocks: int = 8) -> tuple[float, float]:
+    """``(op_overhead, policy_overhead)``: ``blocks`` tiny transformer blocks' ops (layer norm, matmuls, views,
+    softmax, GELU, dropout, the residual add, on a few elements each, so that compute is nothing) trained plainly,
+    fully checkpointed and selectively checkpointed with this package's policy.
+
+    ``op_overhead``: what the recompute adds per op (the op run again, and checkpoint's hooks on what it saves);
+    ``policy_overhead``: what each op under the policy adds on top, in forward and in the recompute (torch's Python
+    dispatch, the cache of kept outputs), the kept matmuls not being recomputed. The ops are those of the layers
+    the planner prices, with their mix of arguments, saved tensors and kept outputs: a chain of one op (each saving
+    its one input, keeping nothing) put the recompute's cost per op about 1.5 times too high and the policy's too low.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
 
     from lightning_ckpt.policies import selective_context_fn
 
-    x = torch.ones(1, device=device, requires_grad=True)
+    w1 = torch.randn(4, 8, device=device, requires_grad=True)
+    w2 = torch.randn(8, 4, device=device, requires_grad=True)
+    x = torch.randn(2, 4, device=device, requires_grad=True)
 
     def chain(y: torch.Tensor) -> torch.Tensor:
-        for _ in range(ops):
-            y = torch.sin(y)  # saves its input: the recompute runs the whole chain
+        for _ in range(blocks):
+            q = (torch.nn.functional.layer_norm(y, (4,)) @ w1).view(2, 2, 4).transpose(0, 1)
+            h = torch.softmax(q @ q.transpose(-1, -2), -1) @ q
+            h = torch.nn.functional.gelu(h.transpose(0, 1).reshape(2, 8)) @ w2
+            y = y + torch.nn.functional.dropout(h, 0.1, training=True)
         return y
 
-    def step(**kwargs: Any) -> Callable[[], None]:
-        return lambda: checkpoint(chain, x, use_reentrant=False, **kwargs).backward()
+    class _Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
 
-    plain = _median_seconds(lambda: chain(x).backward(), device, budget)
-    full = _median_seconds(step(), device, budget)
-    selective = _median_seconds(step(context_fn=selective_context_fn), device, budget)
-    return max(0.0, (full - plain) / ops), max(0.0, (selective - full) / (2 * ops))
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict] = None) -> Any:
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with _Ops() as seen:
+        chain(x)
+    ops, heavy = len(seen.names), sum(name in _HEAVY for name in seen.names)
+
+    def step(**kwargs: Any) -> Callable[[], None]:
+        return lambda: checkpoint(chain, x, use_reentrant=False, **kwargs).sum().backward()
+
+    # Interleaved, so that a busy moment of the machine falls on all three alike.
+    plain, full, selective = _interleaved_medians(
+        [lambda: chain(x).sum().backward(), step(), step(context_fn=selective_context_fn)], device, 3 * budget)
+    per_op = max(0.0, (full - plain) / ops)
+    return per_op, max(0.0, (selective - full + heavy * per_op) / (2 * ops))

@@ -184,10 +184,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                              f" the config's GradientCheckpointing memory_budget, else {DEFAULT_BUDGET}")
     parser.add_argument("--device-memory", default=None,
                         help="memory of the target device (80GiB): also print the largest batch size each setting fits")
-    parser.add_argument("--device", default=None,
-                        help="plan for the least predicted step time on this device: a preset"
-                             f" ({', '.join(PRESET_NAMES)}) or 'auto' (measure the accelerator the step runs on);"
-                             " default: the fewest recompute FLOPs, no step times")
+    add_device_argument(parser, "plan for the least predicted step time on this device",
+                        "default: the fewest recompute FLOPs, no step times")
     parser.add_argument("--fake", action="store_true",
                         help="measure under FakeTensorMode: no memory allocated (default when the model would not fit"
                              " this machine)")
@@ -209,8 +207,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         except (TypeError, ValueError):
             parser.error(f"--memory-budget {args.memory_budget}: pass a fraction in (0, 1] of the activations without"
                          " checkpointing, such as 0.3, or bytes, such as 2GiB or 500000000")
-    if args.device is not None and args.device != "auto" and args.device not in PRESET_NAMES:
-        parser.error(f"--device {args.device}: pass a preset ({', '.join(PRESET_NAMES)}) or 'auto'")
+    check_device_argument(parser, args.device)
     if args.device_memory is not None:
         try:
             args.device_memory = parse_bytes_arg(args.device_memory)
@@ -218,6 +215,20 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"--device-memory {args.device_memory}: pass the device's memory in bytes, such as 80GiB,"
                          " 40e9 or 16000000000")
     return args
+
+
+def add_device_argument(parser: argparse.ArgumentParser, what: str, default: str) -> None:
+    """``--device NAME|auto``, as ``plan`` and ``compare`` take it: ``what`` it does and what its ``default`` means.
+    The parser must not allow abbreviations (``--device`` is a prefix of ``--device-memory``)."""
+    parser.add_argument("--device", default=None,
+                        help=f"{what}: a preset ({', '.join(PRESET_NAMES)}) or 'auto' (measure the device the step"
+                             f" runs on); {default}")
+
+
+def check_device_argument(parser: argparse.ArgumentParser, device: Optional[str]) -> None:
+    """A usage error (exit 2) unless ``device`` is ``None``, ``"auto"`` or a preset name."""
+    if device is not None and device != "auto" and device not in PRESET_NAMES:
+        parser.error(f"--device {device}: pass a preset ({', '.join(PRESET_NAMES)}) or 'auto'")
 
 
 # ------------------------------------------------------------------------------------------------- building
@@ -557,8 +568,11 @@ class Measurement:
     outside_ops: tuple[OpRecord, ...] = ()  # the step's ops outside the layers (for predicted step times)
 
 
-def measure(built: Built, batch_size: int) -> Measurement:
-    """One fully checkpointed training step at ``batch_size`` (see :func:`~lightning_ckpt.planner.measure_layer_costs`)."""
+def measure(built: Built, batch_size: Optional[int] = None) -> Measurement:
+    """One fully checkpointed training step at ``batch_size`` (default: the loader's; see
+    :func:`~lightning_ckpt.planner.measure_layer_costs`)."""
+    if batch_size is None:
+        batch_size = batch_size_of(next(_cycle(built.loader)))
     batch = _on_device(built, batch_of_size(built.loader, batch_size))
     with built.mode():
         batch = built.precision.convert_input(batch)

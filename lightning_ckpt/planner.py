@@ -663,9 +663,15 @@ def extra_seconds(cost: LayerCost, choice: Choice, keep: Sequence[int], device: 
 
 
 def forward_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord], device: DeviceProfile) -> float:
-    """Predicted time of the step's forward without checkpointing: every layer's ops and those outside them."""
-    inside = sum(device.record_seconds(r, c.calls) for c in costs for r in c.ops)
-    return inside + sum(device.record_seconds(r) for r in outside_ops)
+    """Predicted time of the step's forward without checkpointing, as a share of the step (which is
+    ``STEP_FORWARDS`` of these): every layer's ops and those outside them at their rates, and each op's fixed
+    cost (``op_overhead``) once per step, so a third of it here: the fixed cost is dispatch and launch, paid by an
+    op's forward and its backward node, not in proportion to the backward's FLOPs as ``STEP_FORWARDS`` is.
+    (On a 2-core CPU, a plain forward and backward cost about 5 µs per op beyond compute, one ``op_overhead`` about
+    8 µs: charging ``STEP_FORWARDS`` of them per op overstated the step without checkpointing about fivefold.)"""
+    ops = [(r, c.calls) for c in costs for r in c.ops] + [(r, 1) for r in outside_ops]
+    return sum(calls * (device.op_seconds(r.op, r.flops, r.io_bytes) + device.op_overhead / STEP_FORWARDS)
+               for r, calls in ops)
 
 
 def layer_seconds(cost: LayerCost, device: DeviceProfile) -> float:

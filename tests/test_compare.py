@@ -18,21 +18,28 @@ from lightning_ckpt.compare import (
     DEFAULT_WARMUP,
     MIN_TIMED_STEPS,
     PERTURB_ENV,
+    TimeModel,
     VariantResult,
     available_variants,
     first_step_difference,
     planned_settings,
     plot,
+    predict_variants,
+    prediction_text,
     render_markdown,
     schedule,
     time_difference,
     to_json,
     variant_config,
 )
+from lightning_ckpt.device_profile import DeviceProfile
+from lightning_ckpt.op_curve import OpRecord
+from lightning_ckpt.plan_command import Measurement, build, measure
+from lightning_ckpt.planner import LayerCost, predict_seconds
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 COLUMNS = ["variant", "layers", "peak device", "host RSS", "activations", "offloaded", "timed steps", "step",
-           "step IQR", "samples/s", "memory saved", "time lost", "loss diff", "grad diff", "check"]
+           "step IQR", "samples/s", "memory saved", "time lost", "predicted", "loss diff", "grad diff", "check"]
 FIXED = ["none", "every_layer", "selective", "every_2nd", "every_4th", "offload"]
 
 
@@ -222,6 +229,74 @@ def test_plot_draws_interquartile_error_bars(tmp_path):
         assert end - start > 0
 
 
+# ---------------------------------------------------------------------------------------------------- predicted
+
+
+def block_costs(n: int = 4) -> list[LayerCost]:
+    """``n`` layers of a 1 GFLOP matmul (kept by selective) then a 1 MB element-wise op; 4 MB of inputs each."""
+    ops = (OpRecord("aten.mm.default", 4_000_000, 10**9, 12_000_000, "recompute"),
+           OpRecord("aten.gelu.default", 4_000_000, 10**6, 10**6, "recompute"))
+    return [LayerCost(f"model.blocks.{i}", "Block", 8_000_000, 4_000_000, 8_000_000, 0, 10**9 + 10**6, 10**6, ops=ops)
+            for i in range(n)]
+
+
+def test_predicted_column_is_the_time_models_ratio_for_the_layers_each_variant_checkpointed():
+    costs = block_costs()
+    names = [c.name for c in costs]
+    profile = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e11, host_bandwidth=1e9, op_overhead=1e-4,
+                            policy_overhead=2e-4, name="injected")
+    samples = step_samples(seed=1)
+    results = [synthetic("none", samples), synthetic("every_layer", samples), synthetic("every_2nd", samples),
+               synthetic("selective", samples), synthetic("offload", samples), synthetic("planned", samples)]
+    for r, modes in zip(results[1:], ["full", "full", "selective", "full", "ops"]):
+        r.layer_modes = dict.fromkeys(names[::2] if r.name == "every_2nd" else names, modes)
+    results[4].offload = True
+    results[5].kept_ops = {n: [0] for n in names}  # keeps the matmul: recomputes only the element-wise op
+
+    model = TimeModel(Measurement(8, costs, 0), profile, offload_moves=False)
+    assert predict_variants(results, model) == []
+    # By hand: a step is 3 forwards of 4 x (1 ms matmul + 10 us gelu), and 100 us per op once; every layer
+    # recomputes both ops of each layer, at their time and 100 us each.
+    step = 3 * 4 * (1e-3 + 1e-5) + 8 * 1e-4
+    full = 1 + 4 * (1e-3 + 1e-5 + 2e-4) / step
+    assert results[1].predicted_ratio == pytest.approx(full)
+    assert results[2].predicted_ratio == pytest.approx(1 + (full - 1) / 2)
+    # offload moves nothing in these runs (a CPU run on the CPU's profile): priced as every_layer
+    assert results[4].predicted_ratio == pytest.approx(full)
+    for r in results[1:]:
+        seconds, baseline = predict_seconds(costs, (), r.layer_modes, profile, kept_ops=r.kept_ops)
+        assert r.predicted_ratio == pytest.approx(seconds / baseline)
+        assert r.predicted_step_seconds == pytest.approx(seconds)
+    # selective recomputes only the gelu but pays 200 us per op under its policy, forward and recompute
+    assert results[3].predicted_ratio == pytest.approx(1 + 4 * (1e-5 + 1e-4 + 4 * 2e-4) / step)
+
+    rows = table(render_markdown(results, "synthetic", 1e-3, 1e-6, prediction=prediction_text(model)))
+    assert rows["none"]["predicted"] == "-"
+    assert rows["every_layer"]["predicted"] == f"+{100 * (full - 1):.0f}%"
+    assert rows["selective"]["predicted"] == f"+{100 * (results[3].predicted_ratio - 1):.0f}%"
+    written = to_json(results, {"time_model": model.as_dict()})
+    assert [v["predicted_time_lost"] for v in written["variants"]] == [r.predicted_ratio for r in results]
+    assert written["time_model"]["op_overhead"] == 1e-4 and written["time_model"]["policy_overhead"] == 2e-4
+
+    # where offload moves the inputs, both directions over the host link are added, none of it hidden
+    moved = TimeModel(Measurement(8, costs, 0), profile, offload_moves=True)
+    predict_variants(results, moved)
+    assert results[4].predicted_ratio == pytest.approx(full + 4 * 2 * 4e-3 / step)
+
+
+def test_a_variant_whose_layers_were_not_measured_gets_no_prediction():
+    samples = step_samples(seed=1)
+    results = [synthetic("none", samples), synthetic("every_layer", samples)]
+    results[1].layer_modes = {"model.blocks.0": "full", "other.9": "full"}
+    model = TimeModel(Measurement(8, block_costs(), 0), DeviceProfile.preset("h100-sxm"))
+    problems = predict_variants(results, model)
+    assert problems == ["`every_layer` checkpointed other.9, which the measured step does not have"]
+    assert results[0].predicted_ratio == 1.0 and results[1].predicted_ratio is None
+    text = prediction_text(model, problems)
+    assert text.endswith("No prediction: `every_layer` checkpointed other.9, which the measured step does not have.")
+    assert table(render_markdown(results, "synthetic", 1e-3, 1e-6, prediction=text))["every_layer"]["predicted"] == "n/a"
+
+
 # ---------------------------------------------------------------------------------------------------- runs
 
 
@@ -232,6 +307,9 @@ def test_bad_arguments_exit_with_usage_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["compare", "--config", str(TINY), "--variants", "planned"])  # tiny.yaml has no memory_budget
     assert exit_info.value.code == 2 and "needs a memory_budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["compare", "--config", str(TINY), "--device", "h200"])  # not a preset
+    assert exit_info.value.code == 2 and "--device h200: pass a preset (h100-sxm" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["compare", "--config", str(TINY), "--rounds", "0"])
     assert exit_info.value.code == 2 and "--rounds must be >= 1" in capsys.readouterr().err
@@ -265,7 +343,7 @@ def test_default_times_at_least_20_steps_after_warmup_in_rounds(tmp_path):
 def test_compare_tiny_config_writes_table_json_and_plot(tmp_path, capsys):
     out = tmp_path / "out"
     code = cli_main(["compare", "--config", str(TINY), "--steps", "3", "--rounds", "1", "--warmup", "1",
-                     "--output-dir", str(out)])
+                     "--device", "h100-sxm", "--output-dir", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
     for i, name in enumerate(FIXED, 1):
@@ -293,6 +371,22 @@ def test_compare_tiny_config_writes_table_json_and_plot(tmp_path, capsys):
     written = json.loads((out / "compare.json").read_text())
     assert [v["name"] for v in written["variants"]] == FIXED
     assert all(v["timed_steps"] == 3 for v in written["variants"])
+    # the predicted column: the time model on the preset, for the layers each variant checkpointed
+    measured = measure(build(TINY, fake=False))
+    assert written["time_model"]["device"] == "h100-sxm" and written["time_model"]["offload_moves"] is True
+    h100 = DeviceProfile.preset("h100-sxm")
+    names = [c.name for c in measured.costs]
+    expected = {"none": {}, "every_layer": dict.fromkeys(names, "full"), "selective": dict.fromkeys(names, "selective"),
+                "every_2nd": {n: "full" for n in names[::2]}, "every_4th": {names[0]: "full"},
+                "offload": dict.fromkeys(names, "full")}
+    for v in written["variants"]:
+        assert v["layer_modes"] == expected[v["name"]]
+        seconds, baseline = predict_seconds(measured.costs, measured.outside_ops, expected[v["name"]], h100,
+                                            offload=v["name"] == "offload")
+        assert v["predicted_time_lost"] == pytest.approx(seconds / baseline, rel=1e-6)
+        if v["name"] != "none":
+            assert rows[v["name"]]["predicted"] == f"+{100 * (seconds / baseline - 1):.{1 if seconds / baseline < 1.0995 else 0}f}%"
+    assert written["variants"][5]["predicted_time_lost"] > written["variants"][1]["predicted_time_lost"]  # transfers
     assert metrics_rows(out / "every_2nd" / "round1" / "metrics.csv") == 4  # 1 warm-up + 3 timed
     png = (out / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -340,3 +434,9 @@ def test_compare_planned_variant_fits_the_budget(tmp_path, capsys):
     assert activations["every_layer"] <= planned["timed_memory_gib"] <= 0.5 * activations["none"] * 1.02
     assert planned["timed_memory_gib"] <= planned["activations_gib"] == pytest.approx(activations["planned"], rel=1e-3)
     assert 1 <= int(rows["planned"]["layers"]) <= 4
+    # predicted on this CPU, measured (the default): the plan's own layers; any recompute costs time
+    written = json.loads((out / "compare.json").read_text())
+    assert written["time_model"]["device"] == "measured cpu" and written["time_model"]["offload_moves"] is False
+    assert set(planned["layer_modes"]) <= set(written["time_model"]["layers"]) and planned["layer_modes"]
+    assert planned["predicted_time_lost"] > 1 and written["variants"][1]["predicted_time_lost"] > 1
+    assert rows["planned"]["predicted"].startswith("+")

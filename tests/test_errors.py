@@ -569,7 +569,7 @@ USAGE_ERRORS: dict[str, Usage] = {
         "pass a fraction in (0, 1] of the activations without checkpointing, such as 0.3, or bytes, such as 2GiB",
         ": pass a fraction in (0, 1]"),
     "plan, device": Usage(
-        ["plan", "--config", str(TINY), "--device", "h200"], "plan_command._parse", "--device h200",
+        ["plan", "--config", str(TINY), "--device", "h200"], "plan_command.check_device_argument", "--device h200",
         "pass a preset (h100-sxm", ": pass a preset ("),
     "plan, device memory": Usage(
         ["plan", "--config", str(TINY), "--device-memory", "0.5"], "plan_command._parse", "--device-memory 0.5",

@@ -1,0 +1,71 @@
+"""The time model against one process's forward and backward (no optimizer, no Lightning), for a config.
+
+    python benchmarks/bench_time_model.py [--config configs/tiny.yaml] [--reps 60]
+
+Builds the config's model and batch as ``lightning-ckpt plan`` does, measures one step (``measure_step``) and the
+device (``DeviceProfile.measure``), then times forward and backward of no checkpointing, every layer, every 2nd layer
+and selective, interleaved and alternately reversed, ``--reps`` times each; prints measured and predicted
+(``predict_seconds``) step time, extra time and slowdown per setting. What ``compare`` measures adds the optimizer
+step and the training loop (Lightning's hooks, logging) to every step; this leaves them out, to show how the model
+does on what it prices. Prints only; RESULTS.md quotes it by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+from lightning_ckpt.device_profile import DeviceProfile
+from lightning_ckpt.plan_command import _loss, _on_device, batch_of_size, build, measure
+from lightning_ckpt.planner import predict_seconds
+from lightning_ckpt.wrapping import apply_checkpointing, remove_checkpointing
+
+SETTINGS = {"none": None, "every_layer": {"mode": "full"}, "every_2nd": {"mode": "full", "every_n_layers": 2},
+            "selective": {"mode": "selective"}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=Path("configs/tiny.yaml"))
+    parser.add_argument("--reps", type=int, default=60)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="You are trying to `self.log")
+    built = build(args.config, fake=False)
+    measured = measure(built)
+    module = built.module
+    batch = _on_device(built, batch_of_size(built.loader, measured.batch_size))
+    profile = DeviceProfile.measure(built.device)
+
+    def step() -> None:
+        _loss(module.training_step(batch, 0)).backward()
+        module.zero_grad(set_to_none=True)
+
+    times: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    modes: dict[str, dict[str, str]] = {}
+    for rep in range(args.reps):
+        for name, options in SETTINGS.items() if rep % 2 == 0 else reversed(list(SETTINGS.items())):
+            remove_checkpointing(module)
+            names = apply_checkpointing(module, built.layer_cls, **options) if options else []
+            modes[name] = dict.fromkeys(names, options["mode"]) if options else {}
+            step()  # warm-up after re-wrapping
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    remove_checkpointing(module)
+    base = statistics.median(times["none"])
+    print(f"{args.config}: forward and backward, median of {args.reps} interleaved; profile {profile}")
+    print("| setting | measured (ms) | predicted (ms) | measured extra (ms) | predicted extra (ms) | measured slowdown"
+          " | predicted slowdown |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in SETTINGS:
+        got = statistics.median(times[name])
+        predicted, baseline = predict_seconds(measured.costs, measured.outside_ops, modes[name], profile)
+        print(f"| {name} | {1e3 * got:.2f} | {1e3 * predicted:.2f} | {1e3 * (got - base):.2f}"
+              f" | {1e3 * (predicted - baseline):.2f} | {100 * (got / base - 1):+.0f}% | {100 * (predicted / baseline - 1):+.0f}% |")
+
+
+if __name__ == "__main__":
+    main()
