@@ -28,7 +28,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,7 @@ class Setting:
 
     name: str
     apply: Callable[[torch.nn.Module], dict[str, str]]
-    offload: bool = False
+    offload: Union[bool, list[str]] = False  # or the names of the layers offloaded
     kept_ops: dict[str, list[int]] = field(default_factory=dict)
 
 
@@ -110,19 +110,14 @@ def _every(n: int, mode: str = "full", offload: bool = False) -> Callable[[torch
     return apply
 
 
-def plan_setting(name: str, plan: CheckpointPlan) -> Setting:
+def plan_setting(name: str, plan: CheckpointPlan, cpu: bool = False) -> Setting:
     """The row of a :class:`~lightning_ckpt.planner.CheckpointPlan`: applied with ``plan.apply``, predicted for its
-    layers, kept ops and offload.
-
-    HERE the lead wires the ``offload="auto"`` plan: in :func:`time_model_check`, add
-    ``plan_setting("plan, offload auto", plan_checkpointing(model, step, PLAN_BUDGET, layer_cls=Block,
-    offload="auto", device=profile))`` to ``settings``. When a plan offloads only some layers (``plan.offloaded``),
-    pass what ``predict_seconds`` needs for that here (it takes one ``offload`` flag today).
-    """
+    layers, kept ops and the layers it offloads (none on the CPU, where offload moves nothing)."""
     def apply(model: torch.nn.Module) -> dict[str, str]:
         plan.apply(model)
         return {n: m for n, m in plan.layers.items() if m != "none"}
-    return Setting(name, apply, offload=bool(plan.offload), kept_ops={n: list(k) for n, k in plan.kept_ops.items()})
+    return Setting(name, apply, offload=[] if cpu else list(plan.offloaded),
+                   kept_ops={n: list(k) for n, k in plan.kept_ops.items()})
 
 
 def _configured(model: torch.nn.Module, setting: Setting) -> contextlib.AbstractContextManager[dict[str, str]]:
@@ -170,7 +165,8 @@ def time_model_check(device: torch.device, seq: int = 4096, layers: int = 16, hi
         Setting("offload", _every(1, offload=True), offload=not cpu),  # on the CPU offload moves nothing
         plan_setting(f"plan ({PLAN_BUDGET:g}, for the profile)",
                      plan_checkpointing(model, loss, PLAN_BUDGET, layer_cls=Block, device=profile)),
-        # the offload="auto" plan goes here: see plan_setting
+        plan_setting(f"plan ({PLAN_BUDGET:g}, offload auto)",
+                     plan_checkpointing(model, loss, PLAN_BUDGET, layer_cls=Block, offload="auto", device=profile), cpu),
     ]
     rows = {s.name: TimeRow(s.name) for s in settings}
     times: dict[str, list[float]] = {s.name: [] for s in settings}
