@@ -2,9 +2,9 @@
 
 Each case triggers one error from the public surface (the callback, ``apply_checkpointing``, ``plan_checkpointing``,
 the ``lightning-ckpt`` commands, and the few public helpers that raise on their own) and checks that the message
-names the bad value and says what to pass or do instead. Each message's fixed part is a line of the README's
-Troubleshooting section, and every ``raise`` (and ``parser.error``) in the package has a case here, or a reason in
-:data:`NOT_A_USER_ERROR` why a user cannot meet it.
+names the bad value and says what to pass or do instead. Each message's fixed part (a case's ``readme``) is a line of
+the documentation's Troubleshooting page, ``docs/troubleshooting.md``, and every ``raise`` (and ``parser.error``) in
+the package has a case here, or a reason in :data:`NOT_A_USER_ERROR` why a user cannot meet it.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ PACKAGE = Path(lightning_ckpt.__file__).parent
 @dataclass(frozen=True)
 class Case:
     """One error: where it is raised (``module.function``, as :func:`raise_sites` names it), how a user triggers it,
-    and what its message must say: the bad value, what to do instead, and the fixed text the README quotes."""
+    and what its message must say: the bad value, what to do instead, and the fixed text the Troubleshooting page
+    (docs/troubleshooting.md) quotes."""
 
     where: str
     trigger: Callable[[], Any]
@@ -687,11 +688,10 @@ def test_every_raise_in_the_package_has_a_case_or_a_reason():
 
 
 def troubleshooting() -> str:
-    readme = (ROOT / "README.md").read_text()
-    return readme.split("\n## Troubleshooting\n", 1)[1].split("\n## ", 1)[0]
+    return (ROOT / "docs" / "troubleshooting.md").read_text()
 
 
-def test_every_error_is_a_line_of_the_readme_troubleshooting_section():
+def test_every_error_is_a_line_of_the_troubleshooting_page():
     section = troubleshooting()
     lines = [line for line in section.splitlines() if line.startswith("- ")]
     fragments = {c.readme for c in (*CASES.values(), *COMMAND_CASES.values(), *USAGE_ERRORS.values())}
