@@ -37,7 +37,9 @@ Example::
 
 With ``--device`` (a preset such as ``h100-sxm``, or ``auto``: the accelerator the step runs on, measured) the
 plan minimises the predicted step time on that device, and every setting gets its predicted step time
-(:func:`~lightning_ckpt.planner.predict_seconds`).
+(:func:`~lightning_ckpt.planner.predict_seconds`). ``--offload auto|true|false`` (default: the config's
+``GradientCheckpointing`` offload) plans with offload; ``auto`` (which needs ``--device``) lets the plan choose per
+layer what lives in host memory, shown in the per-layer table (``+offload``) and in ``plan.json``'s ``offloaded``.
 
 It prints a Markdown report and writes it to ``plan.md`` in ``--output-dir`` (default
 ``lightning_ckpt_plan/<config name>``), with every figure in ``plan.json`` and a plot in ``plan.png``.
@@ -88,7 +90,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import yaml
@@ -105,7 +107,16 @@ from lightning_ckpt.callback import GradientCheckpointing
 from lightning_ckpt.cli_builder import run_cli
 from lightning_ckpt.device_profile import PRESET_NAMES, DeviceProfile
 from lightning_ckpt.op_curve import OpRecord, describe
-from lightning_ckpt.planner import CheckpointPlan, LayerCost, make_plan, measure_step, predict, predict_seconds
+from lightning_ckpt.planner import (
+    CheckpointPlan,
+    LayerCost,
+    Offload,
+    make_option,
+    make_plan,
+    measure_step,
+    predict,
+    predict_seconds,
+)
 from lightning_ckpt.profiling import format_bytes, storage_key, tensor_bytes
 from lightning_ckpt.selection import parse_memory_budget
 from lightning_ckpt.strategies import CheckpointingFSDPStrategy
@@ -186,6 +197,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                         help="memory of the target device (80GiB): also print the largest batch size each setting fits")
     add_device_argument(parser, "plan for the least predicted step time on this device",
                         "default: the fewest recompute FLOPs, no step times")
+    parser.add_argument("--offload", choices=("auto", "true", "false"), default=None,
+                        help="plan with offload: 'true' (every checkpointed layer's inputs in host memory), 'false', or"
+                             " 'auto' (the plan chooses per layer; needs --device); default: the config's"
+                             " GradientCheckpointing offload")
     parser.add_argument("--fake", action="store_true",
                         help="measure under FakeTensorMode: no memory allocated (default when the model would not fit"
                              " this machine)")
@@ -421,7 +436,7 @@ class Built:
     loader: Any
     device: torch.device
     layer_cls: Any
-    offload: bool
+    offload: Offload  # the config's callback's, or --offload
     memory_budget: Any
     fake_mode: Optional[FakeTensorMode]
     precision: Precision = field(default_factory=Precision)
@@ -481,7 +496,7 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = ()) -> Built:
     if cli.datamodule is not None:
         data.prepare_data()
         data.setup("fit")
-    return Built(module, data.train_dataloader(), device, settings.get("layer_cls"), bool(settings.get("offload")),
+    return Built(module, data.train_dataloader(), device, settings.get("layer_cls"), settings.get("offload") or False,
                  settings.get("memory_budget"), fake_mode, precision, planned_for, sharding=sharding)
 
 
@@ -754,22 +769,24 @@ def largest_batch(fixed: float, per_sample: float, room: float) -> Optional[int]
     return max(0, math.floor((room - fixed) / per_sample + 1e-9))
 
 
-def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], offload: bool,
+def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], offload: Offload,
                  other: Optional[Measurement] = None, room: Optional[int] = None,
                  kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({}),
-                 device: Optional[DeviceProfile] = None) -> list[SettingRow]:
+                 device: Optional[DeviceProfile] = None, plan_offloaded: Sequence[str] = ()) -> list[SettingRow]:
     """Predicted bytes and FLOPs of each setting at ``main``'s batch size; with ``other`` (a second batch size)
     the linear fit, with ``room`` (device memory minus static memory) the largest batch that fits, and with
     ``device`` the predicted step time. An ``"ops"`` layer keeps the ops at positions ``kept_ops[name]``."""
     rows = []
     for name, layers in choices.items():
-        act, flops = predict(main.costs, main.outside_bytes, layers, offload, kept_ops)
+        # "auto" is the plan's choice (its layers, in `plan_offloaded`); the standard settings then offload nothing
+        moved: Union[bool, list[str]] = list(plan_offloaded) if name == "plan" else offload is True
+        act, flops = predict(main.costs, main.outside_bytes, layers, moved, kept_ops)
         row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops)
         if device is not None:
-            row.predicted_step_seconds, _ = predict_seconds(main.costs, main.outside_ops, layers, device, offload,
+            row.predicted_step_seconds, _ = predict_seconds(main.costs, main.outside_ops, layers, device, moved,
                                                             kept_ops)
         if other is not None:
-            act2, _ = predict(other.costs, other.outside_bytes, layers, offload, kept_ops)
+            act2, _ = predict(other.costs, other.outside_bytes, layers, moved, kept_ops)
             row.fixed_bytes, row.per_sample_bytes = fit_line(main.batch_size, act, other.batch_size, act2)
             if room is not None:
                 row.largest_batch = largest_batch(row.fixed_bytes, row.per_sample_bytes, room)
@@ -777,8 +794,8 @@ def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], of
     return rows
 
 
-def planner_front(main: Measurement, offload: bool, lowest: int, points: int = 16,
-                  include: Sequence[int] = ()) -> list[dict[str, int]]:
+def planner_front(main: Measurement, offload: Offload, lowest: int, points: int = 16,
+                  include: Sequence[int] = (), device: Optional[DeviceProfile] = None) -> list[dict[str, Any]]:
     """The planner's plans for ``points`` budgets from ``lowest`` bytes up to the activations without checkpointing,
     and for the budgets in ``include`` (the run's own), each ``{budget_bytes, activation_bytes, recompute_flops}``;
     budgets it cannot meet are left out, equal plans kept once.
@@ -789,16 +806,17 @@ def planner_front(main: Measurement, offload: bool, lowest: int, points: int = 1
         >>> [(p["activation_bytes"], p["recompute_flops"]) for p in planner_front(Measurement(8, costs, 100), False, 140, 4)]
         [(140, 200), (260, 20), (380, 10), (500, 0)]
     """
-    baseline, _ = predict(main.costs, main.outside_bytes, {}, offload)
+    baseline, _ = predict(main.costs, main.outside_bytes, {}, offload is True)
     front: list[dict[str, int]] = []
     budgets = {round(lowest + (baseline - lowest) * i / max(1, points - 1)) for i in range(points)} | set(include)
     for budget in sorted(budgets):
         try:
-            plan = make_plan(main.costs, main.outside_bytes, max(1, budget), offload=offload)
+            plan = make_plan(main.costs, main.outside_bytes, max(1, budget), offload=offload, device=device,
+                             outside_ops=main.outside_ops)
         except ValueError:
             continue
         point = {"budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes,
-                 "recompute_flops": plan.recompute_flops}
+                 "recompute_flops": plan.recompute_flops, "predicted_step_seconds": plan.predicted_step_seconds}
         if not front or (front[-1]["activation_bytes"], front[-1]["recompute_flops"]) != (plan.planned_bytes,
                                                                                          plan.recompute_flops):
             front.append(point)
@@ -881,7 +899,9 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
         " backward; FLOPs are recomputed in backward per step (matmul and attention as torch's FlopCounterMode"
         " counts them, one per output element for other ops). Every figure below is predicted from this one"
         " measurement; no setting was run."
-        + (" Offload is on: checkpointed layers' inputs count as host memory." if built.offload else ""),
+        + (" Offload is on: checkpointed layers' inputs count as host memory." if built.offload is True else "")
+        + (" Offload is 'auto': the plan chooses per layer what lives in host memory (its `offload` column)."
+           if built.offload == "auto" else ""),
         "",
         *where_measured(built),
         "## Layers",
@@ -890,12 +910,16 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
         " | plan | plan (B) | recompute plan (FLOP) |",
         "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
+    planned_costs = {c.name: c for c in plan.costs} if plan else {}
     for c in main.costs:
         mode, keep = (plan.layers[c.name], plan.kept_ops.get(c.name, ())) if plan else ("-", ())
-        planned = (f"{_b(c.device_bytes(mode, built.offload, keep))} | {_b(c.flops(mode, keep))}"  # type: ignore[arg-type]
-                   if plan else "- | -")
-        lines.append(f"| {c.name} | {c.cls} | {_b(c.none_bytes)} | {_b(c.device_bytes('full', built.offload))}"
-                     f" | {_b(c.device_bytes('selective', built.offload))} | {_b(c.full_flops)}"
+        planned = "- | -"
+        if plan:
+            option = make_option(planned_costs[c.name], mode, keep, c.name in plan.offloaded)  # type: ignore[arg-type]
+            planned = f"{_b(option.device_bytes)} | {_b(option.flops)}"
+            mode += " +offload" if plan.offload == "auto" and c.name in plan.offloaded else ""
+        lines.append(f"| {c.name} | {c.cls} | {_b(c.none_bytes)} | {_b(c.device_bytes('full', built.offload is True))}"
+                     f" | {_b(c.device_bytes('selective', built.offload is True))} | {_b(c.full_flops)}"
                      f" | {_b(c.selective_flops)} | {mode} | {planned} |")
     lines += [f"| (outside the layers) | | {_b(main.outside_bytes)} | {_b(main.outside_bytes)} | {_b(main.outside_bytes)}"
               " | 0 | 0 | | | |", ""]
@@ -987,8 +1011,8 @@ def report_data(title: str, built: Built, main: Measurement, plan: Optional[Chec
                    "unsharded_bytes": static.unsharded, "strategy": s.strategy, "world": s.world,
                    "weight_shards": s.weights, "state_shards": s.states, "note": s.note},
         "layers": [{"name": c.name, "class": c.cls, "none_bytes": c.none_bytes,
-                    "full_bytes": c.device_bytes("full", built.offload),
-                    "selective_bytes": c.device_bytes("selective", built.offload), "full_flops": c.full_flops,
+                    "full_bytes": c.device_bytes("full", built.offload is True),
+                    "selective_bytes": c.device_bytes("selective", built.offload is True), "full_flops": c.full_flops,
                     "selective_flops": c.selective_flops} for c in main.costs],
         "settings": [{"name": r.name, "description": SETTINGS.get(r.name, r.name), "checkpointed_layers": r.layers,
                       "activation_bytes": r.activation_bytes, "recompute_flops": r.recompute_flops,
@@ -996,8 +1020,7 @@ def report_data(title: str, built: Built, main: Measurement, plan: Optional[Chec
                       "per_sample_bytes": r.per_sample_bytes, "largest_batch": r.largest_batch} for r in rows],
         "plan": None if plan is None else {
             "layers": dict(plan.layers),
-            # Today every checkpointed layer's inputs go to the host when offload is on.
-            "offloaded": [n for n, m in plan.layers.items() if m != "none"] if plan.offload else [],
+            "offloaded": list(plan.offloaded),
             "budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes,
             "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops,
             "kept_ops": plan.kept_ops, "predicted_step_seconds": plan.predicted_step_seconds,
@@ -1081,6 +1104,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fake = True
     if not fake:
         built = build(args.config, fake=False, cli_args=args.cli_args)
+    if args.offload is not None:
+        built.offload = {"true": True, "false": False, "auto": "auto"}[args.offload]
+    if built.offload == "auto" and args.device is None:
+        print("plan: offload 'auto' prices offload against recompute in time on a device: pass --device NAME (a preset"
+              f" such as {PRESET_NAMES[0]}) or --device auto, or --offload true/false.", file=sys.stderr)
+        return 2
     config_budget = built.memory_budget if built.memory_budget not in (None, "auto") else None
     budget = args.memory_budget if args.memory_budget is not None else config_budget or DEFAULT_BUDGET
 
@@ -1104,12 +1133,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     room = None if args.device_memory is None else args.device_memory - static.total
     names = [c.name for c in main_m.costs]
     rows = setting_rows(main_m, setting_choices(names, plan), built.offload, other, room,
-                        plan.kept_ops if plan is not None else {}, profile)
+                        plan.kept_ops if plan is not None else {}, profile, plan.offloaded if plan is not None else ())
     batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
     report = render(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
                     batch_sizes)
     front = planner_front(main_m, built.offload, min(r.activation_bytes for r in rows),
-                          include=[plan.budget_bytes] if plan is not None else [])
+                          include=[plan.budget_bytes] if plan is not None else [], device=profile)
     data = report_data(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
                        batch_sizes, front, profile)
     out_dir = (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve()

@@ -432,3 +432,23 @@ def test_device_prices_every_setting_and_plan_json_holds_the_report(real_report,
     plan_seconds, base = predict_seconds(measurement.costs, measurement.outside_ops, data["plan"]["layers"],
                                          DeviceProfile.preset("l4"), kept_ops=data["plan"]["kept_ops"])
     assert (plan_seconds, base) == pytest.approx((seconds["plan"], seconds["none"]))
+
+
+def test_offload_auto_needs_a_device_and_plans_per_layer(tmp_path, capsys):
+    """--offload auto: refused without --device; with one, plan.json's plan row is priced with the layers the plan
+    offloads (the same bytes and time as the plan), and the plan is never predicted slower than without offload."""
+    rc, out = run_plan(["--config", str(TINY), "--offload", "auto"], tmp_path / "refused", capsys)
+    assert rc == 2 and "pass --device NAME" in out.err and not (tmp_path / "refused" / "plan.json").exists()
+    figures = {}
+    for offload in ("auto", "false"):
+        rc, _ = run_plan(["--config", str(TINY), "--memory-budget", "0.4", "--device", "gh200", "--offload", offload],
+                         tmp_path / offload, capsys)
+        assert rc == 0
+        figures[offload] = json.loads((tmp_path / offload / "plan.json").read_text())
+    data = figures["auto"]
+    row = next(s for s in data["settings"] if s["name"] == "plan")
+    assert set(data["plan"]["offloaded"]) <= set(data["plan"]["layers"])
+    assert row["activation_bytes"] == data["plan"]["activation_bytes"] <= data["plan"]["budget_bytes"]
+    assert row["predicted_step_seconds"] == pytest.approx(data["plan"]["predicted_step_seconds"])
+    assert data["plan"]["predicted_step_seconds"] <= figures["false"]["plan"]["predicted_step_seconds"]
+    assert figures["false"]["plan"]["offloaded"] == [] and figures["false"]["plan"]["host_bytes"] == 0
