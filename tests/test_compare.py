@@ -278,10 +278,13 @@ def test_predicted_column_is_the_time_models_ratio_for_the_layers_each_variant_c
     assert [v["predicted_time_lost"] for v in written["variants"]] == [r.predicted_ratio for r in results]
     assert written["time_model"]["op_overhead"] == 1e-4 and written["time_model"]["policy_overhead"] == 2e-4
 
-    # where offload moves the inputs, both directions over the host link are added, none of it hidden
+    # where offload moves the inputs, both directions over the host link are added, less what hides behind the
+    # next layer's forward (copy out) and backward (copy back); the last layer has nothing to hide behind
     moved = TimeModel(Measurement(8, costs, 0), profile, offload_moves=True)
     predict_variants(results, moved)
-    assert results[4].predicted_ratio == pytest.approx(full + 4 * 2 * 4e-3 / step)
+    seconds, baseline = predict_seconds(costs, (), results[4].layer_modes, profile, offload=True)
+    assert results[4].predicted_ratio == pytest.approx(seconds / baseline)
+    assert full + 2 * 4e-3 / step < results[4].predicted_ratio < full + 4 * 2 * 4e-3 / step
 
 
 def test_a_variant_whose_layers_were_not_measured_gets_no_prediction():
@@ -386,7 +389,9 @@ def test_compare_tiny_config_writes_table_json_and_plot(tmp_path, capsys):
         assert v["predicted_time_lost"] == pytest.approx(seconds / baseline, rel=1e-6)
         if v["name"] != "none":
             assert rows[v["name"]]["predicted"] == f"+{100 * (seconds / baseline - 1):.{1 if seconds / baseline < 1.0995 else 0}f}%"
-    assert written["variants"][5]["predicted_time_lost"] > written["variants"][1]["predicted_time_lost"]  # transfers
+    # the tiny config's layer inputs are under the engine's 1 MiB threshold: offload moves nothing, priced so
+    assert 0 < max(s for c in measured.costs for s in c.input_sizes) < 1 << 20
+    assert written["variants"][5]["predicted_time_lost"] == written["variants"][1]["predicted_time_lost"]
     assert metrics_rows(out / "every_2nd" / "round1" / "metrics.csv") == 4  # 1 warm-up + 3 timed
     png = (out / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
