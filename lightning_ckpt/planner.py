@@ -435,9 +435,8 @@ class Option:
         return self.seconds if timed else self.flops
 
 
+#: What ``offload`` takes: never, every checkpointed layer's inputs, or the planner's choice per layer.
 Offload = Union[bool, Literal["auto"]]
-#: The values ``offload`` takes: never, every checkpointed layer's inputs, or the planner's choice per layer.
-OFFLOAD_VALUES = (False, True, "auto")
 
 
 def make_option(cost: LayerCost, choice: Choice, keep: Sequence[int] = (), moved: bool = False,
@@ -573,11 +572,17 @@ def choose(options: Sequence[Sequence[Option]], need_bytes: int, timed: bool = F
         chosen = _within_host(options, need, timed, host_memory)
         if chosen is None:
             return None
-        newest = next((o.host_bytes for o in reversed(chosen) if o.host_bytes), 0)
+        newest = kept_on_device(chosen)
         if sum(o[0].device_bytes - c.device_bytes for o, c in zip(options, chosen)) - newest >= need_bytes:
             return chosen
         need = max(need + 1, need_bytes + newest)
     return None
+
+
+def kept_on_device(chosen: Sequence[Option]) -> int:
+    """Offloaded bytes the engine still holds on the device at the end of forward: those of the newest offloaded
+    layer, which backward needs first (:mod:`lightning_ckpt.offload`)."""
+    return next((o.host_bytes for o in reversed(chosen) if o.host_bytes), 0)
 
 
 def _within_host(options: Sequence[Sequence[Option]], need: int, timed: bool,
@@ -630,14 +635,13 @@ def cheapest_choices(costs: Sequence[LayerCost], need_bytes: int, modes: Sequenc
 # ---------------------------------------------------------------------------------------------- time
 
 
-def extra_seconds(cost: LayerCost, choice: Choice, keep: Sequence[int], device: DeviceProfile,
-                  offload: bool = False) -> float:
+def extra_seconds(cost: LayerCost, choice: Choice, keep: Sequence[int], device: DeviceProfile) -> float:
     """Predicted extra step time of ``choice`` for one layer on ``device`` (see :mod:`lightning_ckpt.device_profile`).
 
     Recomputed ops at their predicted time plus ``op_overhead`` each; under a policy (``"selective"``, ``"ops"``)
     every op of the forward and of the recompute also pays ``policy_overhead`` (torch dispatches each through
-    Python); with ``offload``, the inputs' copy to the host and back, none of it assumed hidden. A layer without
-    op records is priced by its FLOPs at ``matmul_flops``.
+    Python). A layer without op records is priced by its FLOPs at ``matmul_flops``. Offload's copies are priced
+    apart (:func:`exposed_transfer_seconds`).
 
     Example::
 
@@ -650,16 +654,15 @@ def extra_seconds(cost: LayerCost, choice: Choice, keep: Sequence[int], device: 
     """
     if choice == "none":
         return 0.0
-    transfer = 2 * device.transfer_seconds(cost.offloadable_bytes) if offload else 0.0
     if not cost.ops:
-        return cost.flops(choice, keep) / device.matmul_flops + transfer
+        return cost.flops(choice, keep) / device.matmul_flops
     kept = {"ops": set(keep), "selective": {i for i, r in enumerate(cost.ops) if r.heavy}}.get(choice, set())
     recomputed = [r for i, r in enumerate(cost.ops) if r.recomputed_if_dropped and i not in kept]
     seconds = sum(device.record_seconds(r, cost.calls) for r in recomputed)
     if choice != "full":
         replayed = sum(r.recomputed_if_dropped for r in cost.ops)
         seconds += (len(cost.ops) + replayed) * cost.calls * device.per_op_under_policy
-    return seconds + transfer
+    return seconds
 
 
 def forward_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord], device: DeviceProfile) -> float:
@@ -912,7 +915,7 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
         raise ValueError(_impossible_message(costs, outside_bytes, baseline, budget_bytes, memory_budget, modes, offload,
                                              host_memory, min_bytes))
     chosen = min(found, key=lambda c: sum(o.cost(timed) for o in c))  # the first of equals: "auto"'s own
-    newest = next((o.host_bytes for o in reversed(chosen) if o.host_bytes), 0)
+    newest = kept_on_device(chosen)
     return CheckpointPlan(
         layers={c.name: o.choice for c, o in zip(costs, chosen)},
         baseline_bytes=baseline,
@@ -1073,7 +1076,7 @@ def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str
         (320, 100)
     """
     chosen = _predicted_options(costs, choices, offload, kept_ops, min_bytes)
-    newest = next((o.host_bytes for o in reversed(chosen) if o.host_bytes), 0)
+    newest = kept_on_device(chosen)
     return outside_bytes + sum(o.device_bytes for o in chosen) + newest, sum(o.flops for o in chosen)
 
 
