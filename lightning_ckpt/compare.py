@@ -54,7 +54,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 import torch
@@ -311,7 +311,7 @@ def run_worker(variant_dir: Path) -> None:
               "world_size": trainer.world_size, "steps": trainer.global_step, "summary": monitor.summary}
     if plans:  # the memory_budget plan, for the predicted slowdown of `planned`
         result["plan"] = {"layers": dict(plans[0].layers), "kept_ops": dict(plans[0].kept_ops),
-                          "offload": plans[0].offload}
+                          "offloaded": list(plans[0].offloaded)}
     (variant_dir / "result.json").write_text(json.dumps(result, indent=2))
 
 
@@ -470,7 +470,7 @@ class VariantResult:
     #: What the variant checkpointed, as :func:`~lightning_ckpt.planner.predict_seconds` takes it.
     layer_modes: dict[str, str] = field(default_factory=dict)
     kept_ops: dict[str, list[int]] = field(default_factory=dict)
-    offload: bool = False
+    offload: Union[bool, list[str]] = False  # True: every checkpointed layer's inputs; a plan: the layers it offloads
     #: The time model's step time and its ratio to the baseline's (:func:`predict_variants`); None: no prediction.
     predicted_step_seconds: Optional[float] = None
     predicted_ratio: Optional[float] = None
@@ -526,7 +526,7 @@ def measurements(name: str, runs: Sequence[tuple[Sequence[Mapping[str, float]], 
     plan = result.get("plan") or {}
     if name == PLANNED and plan:
         modes = {n: m for n, m in plan["layers"].items() if m != "none"}
-        kept, offload = {n: list(k) for n, k in plan.get("kept_ops", {}).items()}, bool(plan.get("offload"))
+        kept, offload = {n: list(k) for n, k in plan.get("kept_ops", {}).items()}, list(plan.get("offloaded", []))
     else:
         modes = dict.fromkeys(layers, settings["mode"] if settings else "full")
         kept, offload = {}, bool(settings and settings["offload"])
@@ -662,7 +662,7 @@ def predict_variants(results: Sequence[VariantResult], model: TimeModel) -> list
             problems.append(f"`{r.name}` checkpointed {', '.join(missing[:3])}, which the measured step does not have")
             continue
         seconds, baseline = predict_seconds(costs, outside, r.layer_modes, model.profile,
-                                            offload=r.offload and model.offload_moves, kept_ops=r.kept_ops)
+                                            offload=r.offload if model.offload_moves else False, kept_ops=r.kept_ops)
         r.predicted_step_seconds, r.predicted_ratio = seconds, seconds / baseline
     return problems
 

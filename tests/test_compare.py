@@ -285,6 +285,11 @@ def test_predicted_column_is_the_time_models_ratio_for_the_layers_each_variant_c
     seconds, baseline = predict_seconds(costs, (), results[4].layer_modes, profile, offload=True)
     assert results[4].predicted_ratio == pytest.approx(seconds / baseline)
     assert full + 2 * 4e-3 / step < results[4].predicted_ratio < full + 4 * 2 * 4e-3 / step
+    # a plan's offload is the layers it offloads, an un-checkpointed one (offload only) included
+    results[5].layer_modes, results[5].kept_ops, results[5].offload = {}, {}, [names[1]]
+    predict_variants(results, moved)
+    seconds, baseline = predict_seconds(costs, (), {}, profile, offload=[names[1]])
+    assert results[5].predicted_ratio == pytest.approx(seconds / baseline) and seconds > baseline
 
 
 def test_a_variant_whose_layers_were_not_measured_gets_no_prediction():
