@@ -294,3 +294,41 @@ def test_offload_on_real_models_trains_as_checkpointing_without_it(case):
     assert got_buffers.keys() == want_buffers.keys()
     for name, buffer in want_buffers.items():
         assert torch.equal(got_buffers[name], buffer), name
+
+
+SHARED_INPUTS = pytest.mark.xfail(strict=True, reason=(
+    "known: Llama's layers all take the same rotary cos/sin and position storages; the measured step counts them"
+    " once, the layers' input bytes once each, so the bytes outside the layers come out short by the repeats"
+    " (19,200 B here, 5.2%), which an offloaded layer no longer makes up"))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=SHARED_INPUTS) if c == "llama" else c for c in sorted(PLAN_CASES)])
+def test_an_offload_auto_plan_on_real_models_trains_exactly_and_moves_what_it_planned(case):
+    """offload="auto" on models nobody here wrote, on a profile where offload and recompute both win somewhere:
+    the applied plan (offload-only and recomputed layers mixed) gives the plain model's loss and gradients bit for
+    bit through the fake engine, moves no more than the plan's host bytes per step, and holds its device bytes."""
+    from lightning_ckpt import DeviceProfile
+    from lightning_ckpt.offload import FakeStreams, OffloadEngine, use_engine
+    from lightning_ckpt.planner import kept_on_device, make_plan, measure_step
+
+    reference, reference_loss, _ = PLAN_CASES[case]()  # the same model, plain: its buffers see one forward too
+    want = loss_and_grads(reference, reference_loss)
+    model, loss_fn, layer_cls = PLAN_CASES[case]()
+    profile = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9, name="mixed")
+    measured = measure_step(model, lambda: loss_fn(model), layer_cls)
+    plan = make_plan(measured.costs, measured.outside_bytes, 0.5, offload="auto", device=profile,
+                     outside_ops=measured.outside_ops, host_memory=1 << 40, min_bytes=1)  # these tensors are small
+    plan.apply(model)
+    offloaded = [o for c in plan.costs for o in [c.movable_bytes(plan.layers[c.name], 1)] if c.name in plan.offloaded]
+    assert plan.offloaded and plan.host_bytes == sum(offloaded) > 0
+    with use_engine(OffloadEngine(FakeStreams(seed=4, complete_probability=0.3), min_bytes=1)) as engine:
+        got = loss_and_grads(model, loss_fn)
+        with SavedTensorCounter(exclude=model.parameters()) as saved:  # after: it moves BatchNorm's statistics
+            torch.manual_seed(0)
+            loss_fn(model)
+    assert_same(got, want, atol=0)
+    # shared storages (a rotary cache every layer takes) are copied once: the engine moves at most what was planned
+    assert 0 < engine.stats.offloaded_bytes <= 2 * plan.host_bytes  # two forwards
+    newest = next(c.movable_bytes(plan.layers[c.name], 1) for c in reversed(plan.costs) if c.name in plan.offloaded)
+    assert saved.bytes + newest == pytest.approx(plan.planned_bytes, rel=0.05)
+    assert kept_on_device([]) == 0
