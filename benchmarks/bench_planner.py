@@ -31,10 +31,10 @@ from torch.utils.checkpoint import CheckpointPolicy, _VersionWrapper, create_sel
 
 from _results import machine, write_section
 from lightning_ckpt.demos import Block, BlockStack, MatmulHeavy, Transformer, WideElementwise, heterogeneous_blocks
-from lightning_ckpt.op_curve import OpRecord
-from lightning_ckpt.planner import PLAN_MODES, LayerCost, make_plan, plan_checkpointing
-from lightning_ckpt.profiling import SavedTensorCounter, count_cost, op_cost, storage_key, tensor_bytes
-from lightning_ckpt.wrapping import apply_checkpointing, remove_checkpointing
+from lightning_ckpt.core.op_curve import OpRecord
+from lightning_ckpt.core.planner import PLAN_MODES, LayerCost, make_plan, plan_checkpointing
+from lightning_ckpt.core.profiling import SavedTensorCounter, count_cost, op_cost, storage_key, tensor_bytes
+from lightning_ckpt.core.wrapping import apply_checkpointing, remove_checkpointing
 
 VOCAB, SEQ, BATCH, WIDTH = 256, 64, 8, 128
 
@@ -382,7 +382,7 @@ def main() -> None:
         "### Planning against a fully checkpointed step", "", f"Interleaved, median of {args.repeats}.", "",
         *planning_overhead(args.repeats), "",
         "### Heterogeneous model: plan against every_n", "", *every_n_rows, "",
-        "FLOPs as `lightning_ckpt.planner.OpCostMode` counts them: torch's formulas for matmul, convolution and",
+        "FLOPs as `lightning_ckpt.core.planner.OpCostMode` counts them: torch's formulas for matmul, convolution and",
         "attention, one per output element for every other op.",
         "",
         "### Heterogeneous model: plan against torch's AutoSAC", "",

@@ -18,10 +18,10 @@ import time
 import warnings
 from pathlib import Path
 
-from lightning_ckpt.device_profile import DeviceProfile
-from lightning_ckpt.plan_command import _loss, _on_device, batch_of_size, build, measure
-from lightning_ckpt.planner import predict_seconds
-from lightning_ckpt.wrapping import apply_checkpointing, remove_checkpointing
+from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.commands.plan.measure import _loss, _on_device, batch_of_size, build, measure
+from lightning_ckpt.core.planner import predict_seconds
+from lightning_ckpt.core.wrapping import apply_checkpointing, remove_checkpointing
 
 SETTINGS = {"none": None, "every_layer": {"mode": "full"}, "every_2nd": {"mode": "full", "every_n_layers": 2},
             "selective": {"mode": "selective"}}

@@ -2,12 +2,11 @@
 
 import logging
 
-from lightning_ckpt.callback import GradientCheckpointing
-from lightning_ckpt.device_profile import DeviceProfile
-from lightning_ckpt.monitor import MemoryMonitor
-from lightning_ckpt.planner import CheckpointPlan, plan_checkpointing
+from lightning_ckpt.callbacks import GradientCheckpointing, MemoryMonitor
+from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.planner import CheckpointPlan, plan_checkpointing
+from lightning_ckpt.core.wrapping import apply_checkpointing, remove_checkpointing
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy
-from lightning_ckpt.wrapping import apply_checkpointing, remove_checkpointing
 
 __all__ = [
     "CheckpointPlan",

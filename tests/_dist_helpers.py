@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.demos import GPT, Block, CountingDataModule
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy, fsdp_units
-from lightning_ckpt.wrapping import checkpointed_names
+from lightning_ckpt.core.wrapping import checkpointed_names
 
 WORLD_SIZE = 2
 GPT_ARGS = dict(vocab_size=32, block_size=16, n_layer=2, n_embd=32, n_head=2, dropout=0.0, lr=3e-3)
@@ -535,7 +535,7 @@ def fsdp_recorder_layer_not_a_unit() -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     from lightning_ckpt.demos import Transformer
-    from lightning_ckpt.planner import LayerCostRecorder
+    from lightning_ckpt.core.planner import LayerCostRecorder
 
     model = Transformer(32, 16, 2, 32, 2, 0.0)
     fully_shard(model, mesh=init_device_mesh("cpu", (WORLD_SIZE,)))

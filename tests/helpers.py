@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.demos import Transformer
-from lightning_ckpt.profiling import SavedTensorCounter
+from lightning_ckpt.core.profiling import SavedTensorCounter
 
 VOCAB, SEQ, BATCH, WIDTH = 32, 16, 4, 32
 

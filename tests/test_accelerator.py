@@ -17,8 +17,8 @@ from lightning.pytorch.loggers import CSVLogger
 from helpers import loss_and_grads
 from lightning_ckpt import GradientCheckpointing, MemoryMonitor, apply_checkpointing
 from lightning_ckpt.demos import GPT, Block, CountingDataModule
-from lightning_ckpt.monitor import GIB, PEAK_ALLOCATED, PEAK_RESERVED, STEP_SEC
-from lightning_ckpt.offload import DeviceStreams, OffloadEngine, use_engine
+from lightning_ckpt.callbacks.memory_monitor import GIB, PEAK_ALLOCATED, PEAK_RESERVED, STEP_SEC
+from lightning_ckpt.core.offload import DeviceStreams, OffloadEngine, use_engine
 
 pytestmark = pytest.mark.accelerator
 SPIKE_BYTES = 512 * 2**20
@@ -86,7 +86,7 @@ def test_compare_on_the_accelerator_reports_device_peaks_and_exact_gradients(tmp
 
     import yaml
 
-    from lightning_ckpt.cli import main as cli_main
+    from lightning_ckpt.commands.cli import main as cli_main
 
     config = yaml.safe_load((Path(__file__).parents[1] / "configs" / "tiny.yaml").read_text())
     config["trainer"]["accelerator"] = "cuda"

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import LambdaCallback, ModelCheckpoint
 
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.demos import GPT, CountingDataModule
-from lightning_ckpt.wrapping import checkpointed_names
+from lightning_ckpt.core.wrapping import checkpointed_names
 
 
 class RecordingGPT(GPT):

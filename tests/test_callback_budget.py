@@ -16,15 +16,15 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
-import lightning_ckpt.callback as callback_module
+import lightning_ckpt.callbacks.gradient_checkpointing as callback_module
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.callback import AUTO_MEMORY_FRACTION, AutoBudget, _combine_over_ranks, _Measurement, auto_memory_budget
+from lightning_ckpt.callbacks.gradient_checkpointing import AUTO_MEMORY_FRACTION, AutoBudget, _combine_over_ranks, _Measurement, auto_memory_budget
 from lightning_ckpt.demos import GPT, CountingDataModule
-from lightning_ckpt.device_profile import DeviceProfile
-from lightning_ckpt.offload import FakeStreams, OffloadEngine, use_engine
-from lightning_ckpt.planner import LayerCost
-from lightning_ckpt.profiling import SavedTensorCounter
-from lightning_ckpt.wrapping import checkpointed_names
+from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.planner import LayerCost
+from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.core.wrapping import checkpointed_names
 
 N_LAYER = 4
 BLOCKS = [f"model.blocks.{i}" for i in range(N_LAYER)]
@@ -337,7 +337,7 @@ def test_the_monitor_sees_the_measuring_step_as_a_fully_checkpointed_one(tmp_pat
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_ckpt import MemoryMonitor
-    from lightning_ckpt.monitor import ACTIVATIONS
+    from lightning_ckpt.callbacks.memory_monitor import ACTIVATIONS
 
     def activations(callback, name):
         logger = CSVLogger(tmp_path, name=name)

@@ -13,8 +13,8 @@ import torch
 import yaml
 from matplotlib.container import ErrorbarContainer
 
-from lightning_ckpt.cli import main as cli_main
-from lightning_ckpt.compare import (
+from lightning_ckpt.commands.cli import main as cli_main
+from lightning_ckpt.commands.compare.run import (
     DEFAULT_WARMUP,
     MIN_TIMED_STEPS,
     PERTURB_ENV,
@@ -32,10 +32,10 @@ from lightning_ckpt.compare import (
     to_json,
     variant_config,
 )
-from lightning_ckpt.device_profile import DeviceProfile
-from lightning_ckpt.op_curve import OpRecord
-from lightning_ckpt.plan_command import Measurement, build, measure
-from lightning_ckpt.planner import LayerCost, predict_seconds
+from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.op_curve import OpRecord
+from lightning_ckpt.commands.plan.measure import Measurement, build, measure
+from lightning_ckpt.core.planner import LayerCost, predict_seconds
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 COLUMNS = ["variant", "layers", "peak device", "host RSS", "activations", "offloaded", "timed steps", "step",
@@ -88,7 +88,7 @@ def test_variant_config_replaces_checkpointing_and_keeps_the_rest(tmp_path):
     selective = variant_config(base, "selective", 3, tmp_path / "selective" / "round1", seed=7)
     paths = [c["class_path"] for c in offload["trainer"]["callbacks"]]
     # the monitor's saved-tensor hooks outside the callback's; no first-step recorder after round 1
-    assert paths == ["lightning.pytorch.callbacks.LearningRateMonitor", "lightning_ckpt.monitor.MemoryMonitor",
+    assert paths == ["lightning.pytorch.callbacks.LearningRateMonitor", "lightning_ckpt.callbacks.memory_monitor.MemoryMonitor",
                      "lightning_ckpt.GradientCheckpointing"]
     # each variant says its mode: `every_layer`/`offload` are full checkpointing even when the config is selective
     assert offload["trainer"]["callbacks"][2]["init_args"] == {
@@ -96,7 +96,7 @@ def test_variant_config_replaces_checkpointing_and_keeps_the_rest(tmp_path):
     assert selective["trainer"]["callbacks"][2]["init_args"] == {
         "layer_cls": "lightning_ckpt.demos.Block", "every_n_layers": 1, "mode": "selective", "offload": False}
     assert selective["trainer"]["callbacks"][-1] == {
-        "class_path": "lightning_ckpt.compare.FirstStepRecorder",
+        "class_path": "lightning_ckpt.commands.compare.run.FirstStepRecorder",
         "init_args": {"path": str(tmp_path / "selective" / "round1" / "first_step.pt")}}
     assert offload["trainer"]["logger"]["init_args"] == {"save_dir": str(tmp_path / "offload"), "name": "round2",
                                                          "version": ""}  # -> offload/round2/metrics.csv

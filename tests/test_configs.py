@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.cli import run_cli
+from lightning_ckpt.commands.cli import run_cli
 from lightning_ckpt.demos import GPT, CountingDataModule
 
 CONFIGS = Path(__file__).parents[1] / "configs"

@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_ckpt import DeviceProfile
 from lightning_ckpt.demos import Block, BlockStack
-from lightning_ckpt.planner import (
+from lightning_ckpt.core.planner import (
     STEP_FORWARDS,
     extra_seconds,
     make_plan,

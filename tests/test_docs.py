@@ -106,7 +106,7 @@ def shell(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, command in {"python": f'exec "{sys.executable}" "$@"',
-                          "lightning-ckpt": f'exec "{sys.executable}" -m lightning_ckpt.cli "$@"'}.items():
+                          "lightning-ckpt": f'exec "{sys.executable}" -m lightning_ckpt.commands.cli "$@"'}.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{command}\n")
         (bin_dir / name).chmod(0o755)
     work = tmp_path / "work"

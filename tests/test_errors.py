@@ -28,12 +28,12 @@ from torch.utils.data import DataLoader
 
 import lightning_ckpt
 from lightning_ckpt import DeviceProfile, GradientCheckpointing, MemoryMonitor, apply_checkpointing
-from lightning_ckpt.callback import auto_memory_budget
-from lightning_ckpt.cli import main as cli_main
-from lightning_ckpt.compare import measurements
+from lightning_ckpt.callbacks.gradient_checkpointing import auto_memory_budget
+from lightning_ckpt.commands.cli import main as cli_main
+from lightning_ckpt.commands.compare.run import measurements
 from lightning_ckpt.demos import GPT, Block
-from lightning_ckpt.offload import FakeStreams, OffloadEngine, use_engine
-from lightning_ckpt.planner import LayerCost, make_plan, plan_checkpointing
+from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.planner import LayerCost, make_plan, plan_checkpointing
 
 ROOT = Path(__file__).parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -140,7 +140,7 @@ def sharded_at_the_root_only() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_ckpt.placement import _fsdp2
+    from lightning_ckpt.core.placement import _fsdp2
 
     with tempfile.TemporaryDirectory() as store:
         dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)

@@ -1,4 +1,4 @@
-"""The Hugging Face + PEFT example (lightning_ckpt.demos_hf): a LoRA fine-tune of a Transformers causal LM."""
+"""The Hugging Face + PEFT example (lightning_ckpt.demos.hf): a LoRA fine-tune of a Transformers causal LM."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.selection import detect_block_class
+from lightning_ckpt.core.selection import detect_block_class
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from lightning_ckpt.demos_hf import LoraCausalLM, TokenDataModule  # noqa: E402
+from lightning_ckpt.demos.hf import LoraCausalLM, TokenDataModule  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
 
 LAYERS = [f"model.base_model.model.model.layers.{i}" for i in range(4)]
@@ -143,7 +143,7 @@ def test_auto_detection_on_hf_peft_and_litgpt():
 
 
 def test_import_lightning_ckpt_does_not_import_peft_or_the_example():
-    code = ("import sys, lightning_ckpt, lightning_ckpt.cli, lightning_ckpt.demos;"
-            "print(sorted(m for m in ('peft', 'litgpt', 'lightning_ckpt.demos_hf') if m in sys.modules))")
+    code = ("import sys, lightning_ckpt, lightning_ckpt.commands.cli, lightning_ckpt.demos;"
+            "print(sorted(m for m in ('peft', 'litgpt', 'lightning_ckpt.demos.hf') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

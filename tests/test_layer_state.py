@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing, remove_checkpointing
-from lightning_ckpt.offload import FakeStreams, OffloadEngine, use_engine
-from lightning_ckpt.profiling import count_flops
+from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.profiling import count_flops
 
 
 class ConvBlock(nn.Module):

@@ -7,12 +7,12 @@ import pytest
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 
-import lightning_ckpt.monitor as monitor_module
+import lightning_ckpt.callbacks.memory_monitor as monitor_module
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequences
-from lightning_ckpt.monitor import RECOMPUTE_FLOPS_SHARE, MemoryMonitor, RecomputeCostMode
-from lightning_ckpt.profiling import count_cost
-from lightning_ckpt.wrapping import apply_checkpointing
+from lightning_ckpt.callbacks.memory_monitor import RECOMPUTE_FLOPS_SHARE, MemoryMonitor, RecomputeCostMode
+from lightning_ckpt.core.profiling import count_cost
+from lightning_ckpt.core.wrapping import apply_checkpointing
 from test_monitor import one_thread  # noqa: F401 - autouse: one intra-op thread on this small, shared machine
 
 VOCAB, SEQ, BATCH = 32, 16, 8

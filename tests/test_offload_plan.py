@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ckpt.device_profile import DeviceProfile
-from lightning_ckpt.offload import FakeStreams, OffloadEngine, use_engine
-from lightning_ckpt.planner import CheckpointPlan, make_plan, measure_step, plan_checkpointing, predict_seconds
-from lightning_ckpt.profiling import SavedTensorCounter, count_cost
+from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.planner import CheckpointPlan, make_plan, measure_step, plan_checkpointing, predict_seconds
+from lightning_ckpt.core.profiling import SavedTensorCounter, count_cost
 
 N_LAYER, WIDTH, BATCH = 6, 64, 32
 

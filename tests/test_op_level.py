@@ -18,10 +18,10 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, _VersionWrapper, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_ckpt.op_curve import OpRecord, op_curve, record_ops
-from lightning_ckpt.planner import LayerCost, layer_options, make_plan, plan_checkpointing, solve
-from lightning_ckpt.profiling import count_cost
-from lightning_ckpt.wrapping import remove_checkpointing
+from lightning_ckpt.core.op_curve import OpRecord, op_curve, record_ops
+from lightning_ckpt.core.planner import LayerCost, layer_options, make_plan, plan_checkpointing, solve
+from lightning_ckpt.core.profiling import count_cost
+from lightning_ckpt.core.wrapping import remove_checkpointing
 
 
 class Sandwich(nn.Module):
@@ -249,7 +249,7 @@ def _op(record: OpRecord):
 
 def test_every_curve_point_trains_like_no_checkpointing() -> None:
     """Keeping any allowed set of op outputs (every point of the curve) gives the same loss and gradients."""
-    from lightning_ckpt.policies import keep_ops_context_fn
+    from lightning_ckpt.core.policies import keep_ops_context_fn
 
     torch.manual_seed(0)
     layer, x = Tricky(8), torch.randn(2, 4, 8, requires_grad=True)
@@ -270,8 +270,8 @@ def test_every_curve_point_trains_like_no_checkpointing() -> None:
 
 def test_a_policy_whose_ops_differ_recomputes_everything() -> None:
     """Recorded names that do not match the forward (another branch taken): nothing kept from there on."""
-    from lightning_ckpt.policies import keep_ops_context_fn
-    from lightning_ckpt.profiling import SavedTensorCounter
+    from lightning_ckpt.core.policies import keep_ops_context_fn
+    from lightning_ckpt.core.profiling import SavedTensorCounter
 
     torch.manual_seed(0)
     layer, x = Sandwich(8), torch.randn(2, 4, 8, requires_grad=True)
@@ -295,7 +295,7 @@ def test_a_policy_whose_ops_differ_recomputes_everything() -> None:
 
 def test_plan_with_op_level_layers_trains_like_no_checkpointing() -> None:
     from lightning_ckpt.demos import Block, BlockStack
-    from lightning_ckpt.profiling import SavedTensorCounter
+    from lightning_ckpt.core.profiling import SavedTensorCounter
 
     torch.manual_seed(0)
     model = BlockStack(32, 32, [Block(32, 4, dropout=0.1) for _ in range(4)])
@@ -328,9 +328,9 @@ def test_plan_with_op_level_layers_trains_like_no_checkpointing() -> None:
 
 def test_selective_bytes_from_the_records_match_a_selective_run() -> None:
     from lightning_ckpt.demos import BlockStack, heterogeneous_blocks
-    from lightning_ckpt.planner import measure_layer_costs, predict
-    from lightning_ckpt.profiling import SavedTensorCounter
-    from lightning_ckpt.wrapping import apply_checkpointing
+    from lightning_ckpt.core.planner import measure_layer_costs, predict
+    from lightning_ckpt.core.profiling import SavedTensorCounter
+    from lightning_ckpt.core.wrapping import apply_checkpointing
 
     torch.manual_seed(0)
     model = BlockStack(32, 32, heterogeneous_blocks(32, 6))

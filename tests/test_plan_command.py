@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from torch._subclasses.fake_tensor import FakeTensor
 
-from lightning_ckpt import plan_command
-from lightning_ckpt.cli import main as cli_main
-from lightning_ckpt.plan_command import batch_of_size, build, largest_batch, sharding_of, would_not_fit
-from lightning_ckpt.planner import make_plan
-from lightning_ckpt.profiling import SavedTensorCounter
-from lightning_ckpt.wrapping import apply_checkpointing
+from lightning_ckpt.commands.plan import measure as plan_command
+from lightning_ckpt.commands.cli import main as cli_main
+from lightning_ckpt.commands.plan.measure import batch_of_size, build, largest_batch, sharding_of, would_not_fit
+from lightning_ckpt.core.planner import make_plan
+from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.core.wrapping import apply_checkpointing
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 DEVICE_MEMORY = 8 * 2**20
@@ -404,7 +404,7 @@ def test_device_prices_every_setting_and_plan_json_holds_the_report(real_report,
     """--device: a predicted step time per setting (none is the baseline), the plan minimises it; plan.json
     holds the report's figures under its documented keys."""
     from lightning_ckpt import DeviceProfile
-    from lightning_ckpt.planner import predict_seconds
+    from lightning_ckpt.core.planner import predict_seconds
 
     rc, _ = run_plan([*ARGS, "--device", "l4"], tmp_path, capsys)
     assert rc == 0

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ckpt.demos import Block, BlockStack, MatmulHeavy, WideElementwise, heterogeneous_blocks
-from lightning_ckpt.planner import CheckpointPlan, LayerCost, cheapest_choices, count_cost, make_plan, plan_checkpointing
-from lightning_ckpt.profiling import SavedTensorCounter
-from lightning_ckpt.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
+from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, cheapest_choices, count_cost, make_plan, plan_checkpointing
+from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.core.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
 
 VOCAB, SEQ, BATCH, WIDTH = 32, 16, 4, 32
 
@@ -386,7 +386,7 @@ def test_plan_round_trips_and_prints_its_table() -> None:
 @pytest.mark.parametrize("outer_first", [True, False], ids=["outer-entered-first", "outer-entered-last"])
 def test_measuring_reruns_are_hidden_from_an_outer_counter(outer_first: bool) -> None:
     """A MemoryMonitor-style counter around the measured step counts what the step holds, not the re-runs."""
-    from lightning_ckpt.planner import LayerCostRecorder
+    from lightning_ckpt.core.planner import LayerCostRecorder
 
     model, classes = heterogeneous_model()
     layers = [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)]

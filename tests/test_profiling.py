@@ -8,8 +8,8 @@ import weakref
 import torch
 from torch import nn
 
-from lightning_ckpt.planner import plan_checkpointing
-from lightning_ckpt.profiling import OpCostMode, SavedTensorCounter, count_flops
+from lightning_ckpt.core.planner import plan_checkpointing
+from lightning_ckpt.core.profiling import OpCostMode, SavedTensorCounter, count_flops
 
 aten = torch.ops.aten
 

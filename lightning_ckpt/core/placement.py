@@ -7,7 +7,7 @@ Lightning.
 Example::
 
     >>> from torch import nn
-    >>> from lightning_ckpt.wrapping import apply_checkpointing
+    >>> from lightning_ckpt.core.wrapping import apply_checkpointing
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     >>> apply_checkpointing(model, layer_cls=nn.Linear)
     ['0', '1']
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.selection import is_inside
-from lightning_ckpt.wrapping import checkpointed_names
+from lightning_ckpt.core.selection import is_inside
+from lightning_ckpt.core.wrapping import checkpointed_names
 
 __all__ = ["check_checkpointing_placement", "fsdp_units"]
 

@@ -43,8 +43,8 @@ from typing import Any, Literal, Optional
 import torch
 from torch.utils._pytree import tree_leaves
 
-from lightning_ckpt.policies import COMPUTE_HEAVY_OPS
-from lightning_ckpt.profiling import OpRecordMode, OpRun, storage_key
+from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS
+from lightning_ckpt.core.profiling import OpRecordMode, OpRun, storage_key
 
 OpKind = Literal["free", "random", "recompute", "after"]
 _HEAVY = frozenset(str(op) for op in COMPUTE_HEAVY_OPS)
@@ -58,7 +58,7 @@ class OpRecord:
 
     op: str  # the ATen overload, e.g. "aten.addmm.default"
     bytes: int  # bytes of the storages it creates: what keeping its outputs holds
-    flops: int  # its recompute cost (see lightning_ckpt.profiling.op_cost)
+    flops: int  # its recompute cost (see lightning_ckpt.core.profiling.op_cost)
     io_bytes: int  # bytes it reads and writes (for a memory-bound time estimate)
     kind: OpKind = "free"
 
@@ -75,7 +75,7 @@ class OpRecord:
 def op_records(runs: Sequence[OpRun], last_position: int, outputs: Iterable[tuple[Any, int]]) -> tuple[OpRecord, ...]:
     """Classify the ops of one plain forward of a layer (see the module docstring).
 
-    ``runs`` from :class:`~lightning_ckpt.profiling.OpRecordMode`; ``last_position``: the mode's log length when
+    ``runs`` from :class:`~lightning_ckpt.core.profiling.OpRecordMode`; ``last_position``: the mode's log length when
     the last tensor was saved for backward; ``outputs``: the storages of the layer's outputs.
     """
     kinds: list[OpKind] = ["free" if run.created else "recompute" for run in runs]

@@ -48,10 +48,10 @@ from torch import nn
 
 # `check_lightning_strategy`, `find_checkpointing_callback`, `check_checkpointing_placement` and `fsdp_units` live
 # with the concept they check (the callback; placement) and are re-exported here, where they were first defined.
-from lightning_ckpt.callback import check_lightning_strategy, find_checkpointing_callback
-from lightning_ckpt.placement import _fsdp2, check_checkpointing_placement, fsdp_units
-from lightning_ckpt.selection import layer_classes, select_layers
-from lightning_ckpt.wrapping import is_checkpointed
+from lightning_ckpt.callbacks.gradient_checkpointing import check_lightning_strategy, find_checkpointing_callback
+from lightning_ckpt.core.placement import _fsdp2, check_checkpointing_placement, fsdp_units
+from lightning_ckpt.core.selection import layer_classes, select_layers
+from lightning_ckpt.core.wrapping import is_checkpointed
 
 log = logging.getLogger(__name__)
 

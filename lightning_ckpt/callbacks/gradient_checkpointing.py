@@ -21,13 +21,13 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import psutil
 
-from lightning_ckpt.device_profile import DeviceProfile
-from lightning_ckpt.offload import DEFAULT_MIN_BYTES, engine_for, release_all
-from lightning_ckpt.placement import check_checkpointing_placement
-from lightning_ckpt.planner import CheckpointPlan, LayerCost, LayerCostRecorder, Offload, make_plan
-from lightning_ckpt.profiling import format_bytes, format_flops, optimizer_state_bytes, tensor_bytes
-from lightning_ckpt.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
-from lightning_ckpt.wrapping import (
+from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES, engine_for, release_all
+from lightning_ckpt.core.placement import check_checkpointing_placement
+from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, LayerCostRecorder, Offload, make_plan
+from lightning_ckpt.core.profiling import format_bytes, format_flops, optimizer_state_bytes, tensor_bytes
+from lightning_ckpt.core.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
+from lightning_ckpt.core.wrapping import (
     CheckpointOptions,
     Mode,
     apply_checkpointing,
@@ -107,7 +107,7 @@ class GradientCheckpointing(Callback):
     Every argument is also an attribute (``callback.every_n_layers``, ...). Setting one validates it like the
     constructor (a bad value raises and changes nothing) and, when layers are already checkpointed, re-applies.
 
-    With ``memory_budget``, ``callback.plan`` holds the :class:`~lightning_ckpt.planner.CheckpointPlan` once made
+    With ``memory_budget``, ``callback.plan`` holds the :class:`~lightning_ckpt.core.planner.CheckpointPlan` once made
     (and ``checkpointed_layers`` its choice). The plan is saved in Lightning checkpoints: a resumed run applies it
     from its first step without measuring again. Under DDP and FSDP2 every rank measures its own batch, the per-layer
     costs are combined with their maximum over ranks, and every rank solves the same plan. Under FSDP2 each layer

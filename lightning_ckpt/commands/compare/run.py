@@ -5,7 +5,7 @@ checkpointing, every layer, every layer with selective checkpointing, every 2nd,
 offload, and, when the config's ``GradientCheckpointing`` has a ``memory_budget``, that callback as configured
 (``planned``). The config's own ``GradientCheckpointing`` entry is replaced per variant, keeping its other
 settings (``layer_cls``, ``use_reentrant``, ...). Memory and time come from
-:class:`~lightning_ckpt.monitor.MemoryMonitor` logging every step to a CSV file; loss and gradients after step 1
+:class:`~lightning_ckpt.callbacks.memory_monitor.MemoryMonitor` logging every step to a CSV file; loss and gradients after step 1
 are compared with the run without checkpointing.
 
 Timing is made to be trusted, not glanced at: every variant runs in ``--rounds`` fresh processes, the rounds
@@ -17,9 +17,9 @@ the run without checkpointing with a 95% bootstrap interval (:func:`time_differe
 interval contains zero is reported as within noise, never as a gain.
 
 Next to each measured slowdown is the one the planner's time model predicts
-(:func:`~lightning_ckpt.planner.predict_seconds`) for the layers that variant checkpointed: from one measured
+(:func:`~lightning_ckpt.core.planner.predict_seconds`) for the layers that variant checkpointed: from one measured
 step of the config's model (per-layer bytes, FLOPs and ops, as ``lightning-ckpt plan`` measures it) and a
-:class:`~lightning_ckpt.device_profile.DeviceProfile`: by default the device the runs use, measured
+:class:`~lightning_ckpt.core.device_profile.DeviceProfile`: by default the device the runs use, measured
 (``DeviceProfile.measure``), or a preset with ``--device h100-sxm``. Nothing else is run for it.
 
 Example::
@@ -61,8 +61,9 @@ import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_ckpt.device_profile import DeviceProfile
-from lightning_ckpt.monitor import (
+from lightning_ckpt.commands.arguments import add_device_argument, check_device_argument
+from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.callbacks.memory_monitor import (
     ACTIVATIONS,
     ACTIVATIONS_OFFLOADED,
     HOST_RSS,
@@ -72,12 +73,12 @@ from lightning_ckpt.monitor import (
     STEP_SEC,
     TOKENS_PER_SEC,
 )
-from lightning_ckpt.planner import predict_seconds
+from lightning_ckpt.core.planner import predict_seconds
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from lightning_ckpt.plan_command import Measurement
+    from lightning_ckpt.commands.plan.measure import Measurement
 
 PERTURB_ENV = "LIGHTNING_CKPT_COMPARE_PERTURB_GRAD"
 CALLBACK_PATH = "lightning_ckpt.GradientCheckpointing"
@@ -193,7 +194,7 @@ def variant_config(base: Mapping[str, Any], variant: str, steps: int, run_dir: P
     ckpt_args.pop("memory_budget", None)  # the fixed variants choose the layers themselves
     # The monitor before the checkpointing: saved-tensor hooks entered later are inner, and a budget's measuring
     # step must see every saved tensor itself.
-    kept.append({"class_path": "lightning_ckpt.monitor.MemoryMonitor", "init_args": {"log_every_n_steps": 1}})
+    kept.append({"class_path": "lightning_ckpt.callbacks.memory_monitor.MemoryMonitor", "init_args": {"log_every_n_steps": 1}})
     if variant == PLANNED:
         kept.append({"class_path": CALLBACK_PATH, "init_args": dict(settings)})
     elif settings is not None:
@@ -202,7 +203,7 @@ def variant_config(base: Mapping[str, Any], variant: str, steps: int, run_dir: P
         recorder_args: dict[str, Any] = {"path": str(run_dir / "first_step.pt")}
         if perturb_grad:
             recorder_args["perturb_grad"] = True
-        kept.append({"class_path": "lightning_ckpt.compare.FirstStepRecorder", "init_args": recorder_args})
+        kept.append({"class_path": "lightning_ckpt.commands.compare.run.FirstStepRecorder", "init_args": recorder_args})
     trainer.update(
         callbacks=kept,
         max_steps=steps,
@@ -291,9 +292,9 @@ class FirstStepRecorder(Callback):
 
 def run_worker(variant_dir: Path) -> None:
     """Train one variant from ``variant_dir/config.yaml`` and write ``variant_dir/result.json`` (rank zero)."""
-    from lightning_ckpt.callback import GradientCheckpointing
-    from lightning_ckpt.cli_builder import run_cli
-    from lightning_ckpt.monitor import MemoryMonitor
+    from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointing
+    from lightning_ckpt.commands.cli_builder import run_cli
+    from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
 
     with warnings.catch_warnings():
         # The worker's own command line (`--worker DIR`) is not for LightningCLI; the config comes as `args` on
@@ -467,7 +468,7 @@ class VariantResult:
     mismatch: Optional[str] = None
     error: Optional[str] = None
     timed_memory_gib: Optional[float] = None  # the memory of memory_gib over the timed steps only
-    #: What the variant checkpointed, as :func:`~lightning_ckpt.planner.predict_seconds` takes it.
+    #: What the variant checkpointed, as :func:`~lightning_ckpt.core.planner.predict_seconds` takes it.
     layer_modes: dict[str, str] = field(default_factory=dict)
     kept_ops: dict[str, list[int]] = field(default_factory=dict)
     offload: Union[bool, list[str]] = False  # True: every checkpointed layer's inputs; a plan: the layers it offloads
@@ -491,7 +492,7 @@ class VariantResult:
 
 
 def read_monitor_csv(path: Path) -> list[dict[str, float]]:
-    """The rows :class:`~lightning_ckpt.monitor.MemoryMonitor` wrote to a CSVLogger ``metrics.csv``, as floats
+    """The rows :class:`~lightning_ckpt.callbacks.memory_monitor.MemoryMonitor` wrote to a CSVLogger ``metrics.csv``, as floats
     (none when the run logged nothing, and so wrote no file)."""
     if not path.exists():
         return []
@@ -601,7 +602,7 @@ class TimeModel:
 
         Example::
 
-            >>> from lightning_ckpt.plan_command import Measurement
+            >>> from lightning_ckpt.commands.plan.measure import Measurement
             >>> TimeModel(Measurement(8, [], 0), DeviceProfile(2e11, 1e10, 1e10, 4e-6, name="cpu")).describe()
             'cpu (matmul 200 GFLOP/s, memory 10 GB/s, host 10 GB/s, 4 µs per op recomputed, 4 µs per op under a policy)'
         """
@@ -619,10 +620,10 @@ class TimeModel:
 
 
 def measure_time_model(config: Path, device: Optional[str] = None) -> TimeModel:
-    """Measure one step of ``config``'s model as ``lightning-ckpt plan`` does (:func:`~lightning_ckpt.plan_command.
+    """Measure one step of ``config``'s model as ``lightning-ckpt plan`` does (:func:`~lightning_ckpt.commands.plan.measure.
     measure`) and get the profile ``device`` names (a preset, or ``None``/``"auto"``: the device the step runs on,
     measured with :meth:`DeviceProfile.measure`)."""
-    from lightning_ckpt.plan_command import build, device_profile, measure
+    from lightning_ckpt.commands.plan.measure import build, device_profile, measure
 
     built = build(config, fake=False)
     measured = measure(built)
@@ -649,7 +650,7 @@ def prediction_text(model: Optional[TimeModel], problems: Sequence[str] = (), wh
 
 def predict_variants(results: Sequence[VariantResult], model: TimeModel) -> list[str]:
     """Set each variant's predicted step time and its ratio to no checkpointing's, from the layers it checkpointed
-    (:func:`~lightning_ckpt.planner.predict_seconds`). Returns what could not be predicted, and why: a variant whose
+    (:func:`~lightning_ckpt.core.planner.predict_seconds`). Returns what could not be predicted, and why: a variant whose
     layers the measured step does not have is left without a prediction."""
     costs, outside = model.measurement.costs, model.measurement.outside_ops
     known = {c.name for c in costs}
@@ -802,8 +803,6 @@ def plot(results: Sequence[VariantResult], path: Path, title: str) -> Optional[F
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    from lightning_ckpt.plan_command import add_device_argument, check_device_argument
-
     parser = argparse.ArgumentParser(
         prog="lightning-ckpt compare", allow_abbrev=False,
         description="Run one LightningCLI config with and without checkpointing, each variant in fresh processes"
@@ -867,7 +866,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 def _run_process(run_dir: Path, env: Mapping[str, str]) -> tuple[Optional[tuple[list[dict[str, float]], Any]], float]:
     start = time.perf_counter()
     with open(run_dir / "worker.log", "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "lightning_ckpt.compare", "--worker", str(run_dir)],
+        proc = subprocess.run([sys.executable, "-m", "lightning_ckpt.commands.compare.run", "--worker", str(run_dir)],
                               stdout=log, stderr=subprocess.STDOUT, env=dict(env))
     seconds = time.perf_counter() - start
     result_path = run_dir / "result.json"

@@ -24,8 +24,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lightning_ckpt.profiling import OpCostMode, SavedTensorCounter, optimizer_state_bytes, tensor_bytes
-from lightning_ckpt.wrapping import in_recompute
+from lightning_ckpt.core.profiling import OpCostMode, SavedTensorCounter, optimizer_state_bytes, tensor_bytes
+from lightning_ckpt.core.wrapping import in_recompute
 
 GIB = 2**30
 
@@ -167,9 +167,9 @@ class _ActivationProbe:
 
 
 class RecomputeCostMode(OpCostMode):
-    """Count a step's FLOPs as the planner does (:class:`~lightning_ckpt.profiling.OpCostMode`: torch's formulas for
+    """Count a step's FLOPs as the planner does (:class:`~lightning_ckpt.core.profiling.OpCostMode`: torch's formulas for
     matmul, convolution and attention, one per output element for every other op) and, apart, those of checkpoint's
-    recomputation (ops run while :func:`~lightning_ckpt.wrapping.in_recompute` is true).
+    recomputation (ops run while :func:`~lightning_ckpt.core.wrapping.in_recompute` is true).
 
     ``OpCostMode`` rather than torch's ``FlopCounterMode``: ``FlopCounterMode`` counts only matmul-like ops, so the
     cheap ops that selective checkpointing recomputes would count as free and its share would read 0. Outputs that
@@ -177,7 +177,7 @@ class RecomputeCostMode(OpCostMode):
 
     Example::
 
-        >>> from lightning_ckpt.wrapping import apply_checkpointing
+        >>> from lightning_ckpt.core.wrapping import apply_checkpointing
         >>> layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
         >>> apply_checkpointing(layer, layer_cls=torch.nn.Sequential)
         ['']

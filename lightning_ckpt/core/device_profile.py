@@ -1,6 +1,6 @@
 """What a device does per second: the figures that turn a plan's recompute and transfers into predicted time.
 
-A :class:`DeviceProfile` prices one op of a layer's forward (an :class:`~lightning_ckpt.op_curve.OpRecord`):
+A :class:`DeviceProfile` prices one op of a layer's forward (an :class:`~lightning_ckpt.core.op_curve.OpRecord`):
 
 - matmul, convolution and attention run at ``matmul_flops``;
 - every other op is memory-bound: the bytes it reads and writes over ``memory_bandwidth``;
@@ -33,8 +33,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_ckpt.op_curve import OpRecord
-from lightning_ckpt.policies import COMPUTE_HEAVY_OPS
+from lightning_ckpt.core.op_curve import OpRecord
+from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS
 
 _HEAVY = frozenset(str(op) for op in COMPUTE_HEAVY_OPS)
 
@@ -221,7 +221,7 @@ def _overheads(device: torch.device, budget: float, blocks: int = 8) -> tuple[fl
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
 
-    from lightning_ckpt.policies import selective_context_fn
+    from lightning_ckpt.core.policies import selective_context_fn
 
     w1 = torch.randn(4, 8, device=device, requires_grad=True)
     w2 = torch.randn(8, 4, device=device, requires_grad=True)

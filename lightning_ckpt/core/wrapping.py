@@ -29,10 +29,10 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from lightning_ckpt.layer_state import CallState, LayerState
-from lightning_ckpt.offload import OffloadToHost
-from lightning_ckpt.policies import selective_context_fn
-from lightning_ckpt.selection import (
+from lightning_ckpt.core.layer_state import CallState, LayerState
+from lightning_ckpt.core.offload import OffloadToHost
+from lightning_ckpt.core.policies import selective_context_fn
+from lightning_ckpt.core.selection import (
     LayerClassArg,
     class_path,
     detect_block_class,
@@ -93,7 +93,7 @@ class CheckpointedForward:
     """The ``forward`` installed on a checkpointed module; calls the original forward under checkpoint.
 
     In eval mode or without grad it calls the original forward directly: nothing is saved for backward there.
-    Buffers the forward changes are put back around the recompute (see :mod:`lightning_ckpt.layer_state`).
+    Buffers the forward changes are put back around the recompute (see :mod:`lightning_ckpt.core.layer_state`).
     """
 
     def __init__(self, module: nn.Module, options: CheckpointOptions, original: Callable[..., Any] | None) -> None:

@@ -1,7 +1,7 @@
 """``lightning-ckpt plan``: what fits, before a run starts.
 
 One training step of a LightningCLI config's model and data is measured with every matched layer fully
-checkpointed (:func:`~lightning_ckpt.planner.measure_layer_costs`): each layer's activation bytes
+checkpointed (:func:`~lightning_ckpt.core.planner.measure_layer_costs`): each layer's activation bytes
 un-checkpointed, fully and selectively checkpointed, and its recompute FLOPs. From those numbers alone (no
 further runs) it predicts the activations and extra FLOPs of the standard settings (none, every 4th, every
 2nd, every layer, selective everywhere) and of the plan for ``--memory-budget``, and adds the static memory
@@ -37,7 +37,7 @@ Example::
 
 With ``--device`` (a preset such as ``h100-sxm``, or ``auto``: the accelerator the step runs on, measured) the
 plan minimises the predicted step time on that device, and every setting gets its predicted step time
-(:func:`~lightning_ckpt.planner.predict_seconds`). ``--offload auto|true|false`` (default: the config's
+(:func:`~lightning_ckpt.core.planner.predict_seconds`). ``--offload auto|true|false`` (default: the config's
 ``GradientCheckpointing`` offload) plans with offload; ``auto`` (which needs ``--device``) lets the plan choose per
 layer what lives in host memory, shown in the per-layer table (``+offload``) and in ``plan.json``'s ``offloaded``.
 
@@ -82,7 +82,6 @@ import importlib
 import json
 import math
 import os
-import re
 import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -103,11 +102,12 @@ from torch._subclasses import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_ckpt.callback import GradientCheckpointing
-from lightning_ckpt.cli_builder import run_cli
-from lightning_ckpt.device_profile import PRESET_NAMES, DeviceProfile
-from lightning_ckpt.op_curve import OpRecord, describe
-from lightning_ckpt.planner import (
+from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointing
+from lightning_ckpt.commands.arguments import add_device_argument, check_device_argument, parse_budget_arg, parse_bytes_arg
+from lightning_ckpt.commands.cli_builder import run_cli
+from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
+from lightning_ckpt.core.op_curve import OpRecord, describe
+from lightning_ckpt.core.planner import (
     CheckpointPlan,
     LayerCost,
     Offload,
@@ -117,8 +117,7 @@ from lightning_ckpt.planner import (
     predict,
     predict_seconds,
 )
-from lightning_ckpt.profiling import format_bytes, storage_key, tensor_bytes
-from lightning_ckpt.selection import parse_memory_budget
+from lightning_ckpt.core.profiling import format_bytes, storage_key, tensor_bytes
 from lightning_ckpt.strategies import CheckpointingFSDPStrategy
 
 if TYPE_CHECKING:
@@ -144,42 +143,6 @@ _LOG_WARNING = r"You are trying to `self.log\(\)` but the `self.trainer` referen
 
 
 # ------------------------------------------------------------------------------------------------ arguments
-
-
-def parse_budget_arg(text: str) -> float | int | str:
-    """``--memory-budget`` text as :func:`~lightning_ckpt.selection.parse_memory_budget` takes it.
-
-    Example::
-
-        >>> parse_budget_arg("0.3"), parse_budget_arg("2GiB"), parse_budget_arg("500000000")
-        (0.3, 2147483648, 500000000)
-    """
-    text = text.strip()
-    value: float | int | str = text
-    if re.fullmatch(r"\d+", text):
-        value = int(text)
-    elif re.fullmatch(r"\d*\.\d+(e-?\d+)?|\d+e-?\d+", text):
-        value = float(text)
-    parsed = parse_memory_budget(value)
-    assert parsed is not None
-    return parsed
-
-
-def parse_bytes_arg(text: str) -> int:
-    """``--device-memory`` text (``80GiB``, ``40e9``, ``1000000``) as bytes.
-
-    Example::
-
-        >>> parse_bytes_arg("80GiB"), parse_bytes_arg("40e9")
-        (85899345920, 40000000000)
-    """
-    text = text.strip()
-    if re.fullmatch(r"\d+(\.\d+)?e\d+", text):
-        return int(float(text))
-    parsed = parse_memory_budget(int(text) if text.isdigit() else text)
-    if not isinstance(parsed, int):
-        raise ValueError(f"{text!r} is not a number of bytes")
-    return parsed
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -230,20 +193,6 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"--device-memory {args.device_memory}: pass the device's memory in bytes, such as 80GiB,"
                          " 40e9 or 16000000000")
     return args
-
-
-def add_device_argument(parser: argparse.ArgumentParser, what: str, default: str) -> None:
-    """``--device NAME|auto``, as ``plan`` and ``compare`` take it: ``what`` it does and what its ``default`` means.
-    The parser must not allow abbreviations (``--device`` is a prefix of ``--device-memory``)."""
-    parser.add_argument("--device", default=None,
-                        help=f"{what}: a preset ({', '.join(PRESET_NAMES)}) or 'auto' (measure the device the step"
-                             f" runs on); {default}")
-
-
-def check_device_argument(parser: argparse.ArgumentParser, device: Optional[str]) -> None:
-    """A usage error (exit 2) unless ``device`` is ``None``, ``"auto"`` or a preset name."""
-    if device is not None and device != "auto" and device not in PRESET_NAMES:
-        parser.error(f"--device {device}: pass a preset ({', '.join(PRESET_NAMES)}) or 'auto'")
 
 
 # ------------------------------------------------------------------------------------------------- building
@@ -585,7 +534,7 @@ class Measurement:
 
 def measure(built: Built, batch_size: Optional[int] = None) -> Measurement:
     """One fully checkpointed training step at ``batch_size`` (default: the loader's; see
-    :func:`~lightning_ckpt.planner.measure_layer_costs`)."""
+    :func:`~lightning_ckpt.core.planner.measure_layer_costs`)."""
     if batch_size is None:
         batch_size = batch_size_of(next(_cycle(built.loader)))
     batch = _on_device(built, batch_of_size(built.loader, batch_size))
@@ -626,7 +575,7 @@ class StaticMemory:
 def sharded_bytes(tensors: Iterable[Optional[torch.Tensor]], shards: int) -> int:
     """Bytes one device holds of ``tensors`` when each is split along its first dimension over ``shards`` devices,
     as ``fully_shard`` splits parameters: rows padded to a multiple of ``shards`` (the largest share); 0-d tensors
-    whole; each storage once. With ``shards=1``: :func:`~lightning_ckpt.profiling.tensor_bytes`.
+    whole; each storage once. With ``shards=1``: :func:`~lightning_ckpt.core.profiling.tensor_bytes`.
 
     Example::
 

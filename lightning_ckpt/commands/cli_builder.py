@@ -1,6 +1,6 @@
 """Build the package's LightningCLI: any LightningModule and LightningDataModule named by ``class_path``.
 
-Lower than :mod:`lightning_ckpt.cli` (the command) and :mod:`lightning_ckpt.compare` (its workers): both
+Lower than :mod:`lightning_ckpt.commands.cli` (the command) and :mod:`lightning_ckpt.commands.compare.run` (its workers): both
 build their LightningCLI here, so neither imports the other for it.
 
 Example::

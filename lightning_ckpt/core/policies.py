@@ -23,7 +23,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lightning_ckpt.profiling import report_held
+from lightning_ckpt.core.profiling import report_held
 
 _aten = torch.ops.aten
 

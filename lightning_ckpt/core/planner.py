@@ -4,7 +4,7 @@
 un-checkpointed (``"none"``) and fully checkpointed (``"full"``: its inputs), and records its forward op by op:
 what each op's output would hold if kept and what the op costs to recompute. From that record come the other
 choices: ``"selective"`` (keep the outputs of matmul/attention/convolution ops) and ``"ops"``, any point of the
-layer's curve of (bytes held, recompute cost) from keeping chosen op outputs (:mod:`lightning_ckpt.op_curve`:
+layer's curve of (bytes held, recompute cost) from keeping chosen op outputs (:mod:`lightning_ckpt.core.op_curve`:
 in-place and random ops stay with their group). It then picks one choice per layer so that the predicted bytes
 fit the budget at the least cost: a multiple-choice knapsack, solved exactly up to a fine quantisation of bytes
 (rounded towards safety, so a plan never exceeds its budget). What a plan keeps: the layers (or op outputs) that
@@ -64,13 +64,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_ckpt.device_profile import DeviceProfile, resolve_device
-from lightning_ckpt.layer_state import buffers_restored
-from lightning_ckpt.offload import DEFAULT_MIN_BYTES
-from lightning_ckpt.op_curve import OpRecord, add_records, describe, op_curve, op_records, spread
-from lightning_ckpt.policies import COMPUTE_HEAVY_OPS, keep_ops_context_fn
-from lightning_ckpt.placement import _fsdp2
-from lightning_ckpt.profiling import (
+from lightning_ckpt.core.device_profile import DeviceProfile, resolve_device
+from lightning_ckpt.core.layer_state import buffers_restored
+from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
+from lightning_ckpt.core.op_curve import OpRecord, add_records, describe, op_curve, op_records, spread
+from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS, keep_ops_context_fn
+from lightning_ckpt.core.placement import _fsdp2
+from lightning_ckpt.core.profiling import (
     OpCostMode,
     OpRecordMode,
     SavedTensorCounter,
@@ -83,8 +83,8 @@ from lightning_ckpt.profiling import (
     storage_key,
     tensor_bytes,
 )
-from lightning_ckpt.selection import LayerClassArg, is_inside, layer_classes, parse_memory_budget, select_layers
-from lightning_ckpt.wrapping import (
+from lightning_ckpt.core.selection import LayerClassArg, is_inside, layer_classes, parse_memory_budget, select_layers
+from lightning_ckpt.core.wrapping import (
     CheckpointOptions,
     apply_checkpointing,
     check_no_nesting,
@@ -254,12 +254,12 @@ class LayerCostRecorder:
     """Measure each layer's :class:`LayerCost` during a step in which every layer is fully checkpointed.
 
     After each layer's (checkpointed) forward, a hook runs the same layer again, plainly, with the same inputs,
-    under a saved-tensor counter and :class:`~lightning_ckpt.profiling.OpRecordMode`, with the RNG forked and the
+    under a saved-tensor counter and :class:`~lightning_ckpt.core.profiling.OpRecordMode`, with the RNG forked and the
     layer's buffers restored; its result is dropped at once. The op records give the selective point (inputs and
     the outputs of matmul/attention/convolution ops; with ``selective=False`` it is the un-checkpointed one) and
-    the layer's op-level curve (:mod:`lightning_ckpt.op_curve`); with ``outside_ops=True`` the step's ops outside
+    the layer's op-level curve (:mod:`lightning_ckpt.core.op_curve`); with ``outside_ops=True`` the step's ops outside
     the layers are recorded too (:attr:`outside_ops`, for a predicted step time). ``held_bytes`` is what the fully
-    checkpointed step itself held for backward. The re-runs are hidden from counters outside (:func:`~lightning_ckpt.profiling.hidden_from_counters`): a monitor counting the step
+    checkpointed step itself held for backward. The re-runs are hidden from counters outside (:func:`~lightning_ckpt.core.profiling.hidden_from_counters`): a monitor counting the step
     sees the step's bytes only.
 
     Under FSDP2 each layer must be its own unit (as ``fully_shard`` per layer, or the ``fsdp_ckpt`` strategy,
@@ -456,7 +456,7 @@ def layer_options(cost: LayerCost, modes: Sequence[str] = PLAN_MODES, offload: O
                   points: int = CURVE_POINTS, device: Optional[DeviceProfile] = None,
                   window: tuple[float, float] = (0.0, 0.0), min_bytes: int = DEFAULT_MIN_BYTES) -> list[Option]:
     """``"none"`` first, then each mode in ``modes`` that frees device bytes; ``"ops"``: points of the layer's
-    op-level curve (:func:`~lightning_ckpt.op_curve.op_curve`) other than keeping nothing.
+    op-level curve (:func:`~lightning_ckpt.core.op_curve.op_curve`) other than keeping nothing.
 
     ``offload=True`` moves every checkpointed choice's inputs to host memory; ``"auto"`` offers each choice both
     ways, ``"none"`` included (all the layer saves goes to the host). What moves is what the engine moves
@@ -581,7 +581,7 @@ def choose(options: Sequence[Sequence[Option]], need_bytes: int, timed: bool = F
 
 def kept_on_device(chosen: Sequence[Option]) -> int:
     """Offloaded bytes the engine still holds on the device at the end of forward: those of the newest offloaded
-    layer, which backward needs first (:mod:`lightning_ckpt.offload`)."""
+    layer, which backward needs first (:mod:`lightning_ckpt.core.offload`)."""
     return next((o.host_bytes for o in reversed(chosen) if o.host_bytes), 0)
 
 
@@ -636,7 +636,7 @@ def cheapest_choices(costs: Sequence[LayerCost], need_bytes: int, modes: Sequenc
 
 
 def extra_seconds(cost: LayerCost, choice: Choice, keep: Sequence[int], device: DeviceProfile) -> float:
-    """Predicted extra step time of ``choice`` for one layer on ``device`` (see :mod:`lightning_ckpt.device_profile`).
+    """Predicted extra step time of ``choice`` for one layer on ``device`` (see :mod:`lightning_ckpt.core.device_profile`).
 
     Recomputed ops at their predicted time plus ``op_overhead`` each; under a policy (``"selective"``, ``"ops"``)
     every op of the forward and of the recompute also pays ``policy_overhead`` (torch dispatches each through
@@ -645,7 +645,7 @@ def extra_seconds(cost: LayerCost, choice: Choice, keep: Sequence[int], device: 
 
     Example::
 
-        >>> from lightning_ckpt.op_curve import OpRecord
+        >>> from lightning_ckpt.core.op_curve import OpRecord
         >>> ops = (OpRecord("aten.mm.default", 64, 10**6, 96), OpRecord("aten.gelu.default", 64, 16, 128))
         >>> cost = LayerCost("a", "Block", 128, 32, 96, 0, 10**6 + 16, 16, ops=ops)
         >>> device = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e9, host_bandwidth=1e9, op_overhead=1e-6)
@@ -733,7 +733,7 @@ class CheckpointPlan:
 
     ``layers`` maps every matched layer (in order) to ``"none"``, ``"full"``, ``"selective"`` or ``"ops"``; for an
     ``"ops"`` layer, ``kept_ops[name]`` lists the positions of the ops whose outputs it keeps (it recomputes the
-    others, see :mod:`lightning_ckpt.op_curve`). Bytes are activation bytes held for backward on the device
+    others, see :mod:`lightning_ckpt.core.op_curve`). Bytes are activation bytes held for backward on the device
     (``outside_bytes``: those of everything outside the matched layers, embeddings, head and loss, part of every
     figure). ``recompute_flops`` is the predicted extra FLOPs per step (see :class:`OpCostMode`). Planned for a
     device profile, ``predicted_step_seconds`` is the step's predicted time with the plan and
@@ -770,7 +770,7 @@ class CheckpointPlan:
         """Checkpoint ``module``'s layers as planned (layers planned ``"none"`` are left or made plain).
 
         ``checkpoint_options`` (``use_reentrant``, ``preserve_rng_state``, ``checkpoint_kwargs``) go to
-        :func:`~lightning_ckpt.wrapping.apply_checkpointing`. Returns the checkpointed names, in order.
+        :func:`~lightning_ckpt.core.wrapping.apply_checkpointing`. Returns the checkpointed names, in order.
         Everything is checked before anything changes.
         """
         unknown = set(checkpoint_options) - {"use_reentrant", "preserve_rng_state", "checkpoint_kwargs"}
@@ -959,14 +959,14 @@ def plan_checkpointing(
             not backpropagated (no gradient is touched).
         memory_budget: a fraction of the activation bytes held without checkpointing (``0.3``), or bytes
             (``"2GiB"``, ``500_000_000``). ``1.0``, or a budget already met, checkpoints nothing.
-        layer_cls: the layers to choose among, as in :func:`~lightning_ckpt.wrapping.apply_checkpointing`.
+        layer_cls: the layers to choose among, as in :func:`~lightning_ckpt.core.wrapping.apply_checkpointing`.
         modes: the checkpointing modes a layer may get, besides ``"none"``.
         offload: ``False``; ``True``: every checkpointed layer's inputs live in host memory (they count as host
             bytes, not device bytes); ``"auto"``: per layer, the planner chooses whether its held tensors live in
             host memory (a checkpointed layer's inputs, or all an un-checkpointed layer saves), pricing the part of
             each transfer the device profile says cannot hide behind compute. ``"auto"`` needs a ``device``, or a
             module on a CUDA device (whose profile is then measured, a few seconds).
-        device: ``None``, a :class:`~lightning_ckpt.device_profile.DeviceProfile` or a preset name
+        device: ``None``, a :class:`~lightning_ckpt.core.device_profile.DeviceProfile` or a preset name
             (``"h100-sxm"``): plan for the least predicted step time on that device rather than the fewest FLOPs.
         host_memory: bytes of host memory offloaded tensors may take (default: half of the host memory free now).
 
@@ -1089,7 +1089,7 @@ def predict_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord],
 
     Example::
 
-        >>> from lightning_ckpt.op_curve import OpRecord
+        >>> from lightning_ckpt.core.op_curve import OpRecord
         >>> ops = (OpRecord("aten.mm.default", 64, 10**9, 96),)
         >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 10**9, 0, ops=ops) for i in range(2)]
         >>> device = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e12, host_bandwidth=1e9)

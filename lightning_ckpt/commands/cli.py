@@ -1,7 +1,7 @@
 """The ``lightning-ckpt`` command: a LightningCLI for any LightningModule, plus ``compare`` and ``plan``.
 
-It sits on top of the package: it imports :mod:`lightning_ckpt.compare`, :mod:`lightning_ckpt.plan_command` and
-the LightningCLI builder (:func:`~lightning_ckpt.cli_builder.run_cli`, re-exported here), and nothing imports it.
+It sits on top of the package: it imports :mod:`lightning_ckpt.commands.compare.run`, :mod:`lightning_ckpt.commands.plan.measure` and
+the LightningCLI builder (:func:`~lightning_ckpt.commands.cli_builder.run_cli`, re-exported here), and nothing imports it.
 
 Example::
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from lightning_ckpt.cli_builder import run_cli
-from lightning_ckpt.compare import main as compare_main
-from lightning_ckpt.plan_command import main as plan_main
+from lightning_ckpt.commands.cli_builder import run_cli
+from lightning_ckpt.commands.compare.run import main as compare_main
+from lightning_ckpt.commands.plan.measure import main as plan_main
 
 __all__ = ["main", "run_cli"]
 

@@ -57,7 +57,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_ckpt.profiling import report_held
+from lightning_ckpt.core.profiling import report_held
 
 DEFAULT_MIN_BYTES = 1 << 20
 """Tensors smaller than this stay on the device: copying them costs more than it saves."""

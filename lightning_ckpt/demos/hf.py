@@ -1,0 +1,112 @@
+"""A Hugging Face causal LM with LoRA adapters (PEFT) as a LightningModule, and token data made in memory.
+
+The most common real case for checkpointing: fine-tune a Transformers model with PEFT, base weights
+frozen. The model is a tiny Llama built from a ``LlamaConfig`` (nothing is downloaded) in
+``configure_model``, as large models are under FSDP. ``transformers`` and ``peft`` come with the
+``test`` extra; ``import lightning_ckpt`` does not import this module or them.
+
+Example::
+
+    from lightning.pytorch import Trainer
+    from lightning_ckpt import GradientCheckpointing
+    from lightning_ckpt.demos.hf import LoraCausalLM, TokenDataModule
+
+    trainer = Trainer(max_steps=30, callbacks=[GradientCheckpointing()])  # detects LlamaDecoderLayer
+    trainer.fit(LoraCausalLM(), TokenDataModule())
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import lightning.pytorch as pl
+import peft
+import torch
+import transformers
+from torch.utils.data import DataLoader
+
+from lightning_ckpt.demos import counting_sequences
+
+
+class LoraCausalLM(pl.LightningModule):
+    """A ``LlamaForCausalLM`` built from a config, wrapped by ``peft.get_peft_model`` with LoRA adapters.
+
+    Batches are token ids ``[batch, seq]``; the loss is the causal LM loss (``labels=input_ids``).
+    Only the LoRA weights train. ``self.model`` is the ``PeftModel``, so the decoder layers are
+    ``model.base_model.model.model.layers.<i>`` from the LightningModule.
+
+    Example::
+
+        >>> module = LoraCausalLM(num_layers=2)
+        >>> module.configure_model()
+        >>> sum(p.requires_grad for p in module.parameters())  # lora_A and lora_B of q_proj and v_proj, 2 layers
+        8
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        hidden_size: int = 64,
+        num_layers: int = 4,
+        num_heads: int = 4,
+        intermediate_size: int = 128,
+        lora_r: int = 8,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.0,
+        target_modules: Optional[list[str]] = None,
+        lr: float = 3e-2,
+    ) -> None:
+        super().__init__()
+        if target_modules is None:
+            target_modules = ["q_proj", "v_proj"]
+        self.save_hyperparameters()
+        self.model: Optional[peft.PeftModel] = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        h = self.hparams
+        config = transformers.LlamaConfig(
+            vocab_size=h.vocab_size,
+            hidden_size=h.hidden_size,
+            num_hidden_layers=h.num_layers,
+            num_attention_heads=h.num_heads,
+            num_key_value_heads=h.num_heads,
+            intermediate_size=h.intermediate_size,
+            max_position_embeddings=256,
+            initializer_range=0.1,
+        )
+        base = transformers.AutoModelForCausalLM.from_config(config)
+        lora = peft.LoraConfig(
+            r=h.lora_r,
+            lora_alpha=h.lora_alpha,
+            lora_dropout=h.lora_dropout,
+            target_modules=list(h.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        self.model = peft.get_peft_model(base, lora)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
+
+
+class TokenDataModule(pl.LightningDataModule):
+    """Batches of token ids ``[batch_size, seq_len]``: counting sequences (see ``demos.counting_sequences``)."""
+
+    def __init__(self, vocab_size: int = 64, seq_len: int = 64, batch_size: int = 8, num_samples: int = 1024,
+                 seed: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self) -> DataLoader:
+        h = self.hparams
+        return DataLoader(counting_sequences(h.num_samples, h.seq_len, h.vocab_size, h.seed), batch_size=h.batch_size,
+                          shuffle=True)
