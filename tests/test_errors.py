@@ -485,20 +485,20 @@ def plan(tmp_path: Path, *args: str) -> int:
 
 COMMAND_CASES: dict[str, Case] = {
     "plan, text batches": Case(
-        "plan_command.batch_size_of", lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.StringData")),
+        "measure.batch_size_of", lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.StringData")),
         ValueError, "got a list of no tensor", "Make the dataloader yield tensors",
         "the training batch has no tensor with a batch dimension"),
     "plan, empty data": Case(
-        "plan_command._cycle", lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.EmptyData")),
+        "measure._cycle", lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.EmptyData")),
         ValueError, "the training dataloader is empty", "check the data's settings in the config",
         "the training dataloader is empty"),
     "plan, batches of two structures": Case(
-        "plan_command.batch_of_size",
+        "measure.batch_of_size",
         lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.MixedData"), "--device-memory", "1GiB"),
         ValueError, "cannot make a batch of 2 samples", "Make the dataloader yield every batch in one structure",
         "the loader's batches differ in structure"),
     "plan, no loss": Case(
-        "plan_command._loss", lambda tmp: plan(tmp, "--config", config(tmp, model="test_errors.NoLossGPT")),
+        "measure._loss", lambda tmp: plan(tmp, "--config", config(tmp, model="test_errors.NoLossGPT")),
         ValueError, "`training_step` returned None", "returns the loss, or a dict with 'loss': return it",
         "(manual optimization?)"),
     "compare, a run of no step": Case(
@@ -557,23 +557,23 @@ class Usage:
 
 USAGE_ERRORS: dict[str, Usage] = {
     "plan, no config": Usage(
-        ["plan"], "plan_command._parse", "--config is required", "pass the LightningCLI YAML of the run to plan",
+        ["plan"], "__init__._parse", "--config is required", "pass the LightningCLI YAML of the run to plan",
         "--config is required"),
     "plan, missing config": Usage(
-        ["plan", "--config", "nowhere.yaml"], "plan_command._parse", "--config nowhere.yaml: no such file",
+        ["plan", "--config", "nowhere.yaml"], "__init__._parse", "--config nowhere.yaml: no such file",
         "pass the path of a LightningCLI YAML config", ": no such file"),
     "plan, not an override": Usage(
-        ["plan", "--config", str(TINY), "--fakes"], "plan_command._parse", "unrecognized arguments: --fakes",
+        ["plan", "--config", str(TINY), "--fakes"], "__init__._parse", "unrecognized arguments: --fakes",
         "LightningCLI overrides start with --trainer., --model., --data.", "unrecognized arguments"),
     "plan, budget": Usage(
-        ["plan", "--config", str(TINY), "--memory-budget", "lots"], "plan_command._parse", "--memory-budget lots",
+        ["plan", "--config", str(TINY), "--memory-budget", "lots"], "__init__._parse", "--memory-budget lots",
         "pass a fraction in (0, 1] of the activations without checkpointing, such as 0.3, or bytes, such as 2GiB",
         ": pass a fraction in (0, 1]"),
     "plan, device": Usage(
-        ["plan", "--config", str(TINY), "--device", "h200"], "plan_command.check_device_argument", "--device h200",
+        ["plan", "--config", str(TINY), "--device", "h200"], "arguments.check_device_argument", "--device h200",
         "pass a preset (h100-sxm", ": pass a preset ("),
     "plan, device memory": Usage(
-        ["plan", "--config", str(TINY), "--device-memory", "0.5"], "plan_command._parse", "--device-memory 0.5",
+        ["plan", "--config", str(TINY), "--device-memory", "0.5"], "__init__._parse", "--device-memory 0.5",
         "pass the device's memory in bytes, such as 80GiB", ": pass the device's memory in bytes"),
     "compare, no config": Usage(
         ["compare"], "compare._parse", "--config is required", "pass the LightningCLI YAML of the run to compare",
@@ -646,13 +646,13 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
     "offload.FakeStreams._check": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
     "callback.check_lightning_strategy": (1, "DeepSpeed refused at setup: tested from a Trainer in"
                                                " test_parallelism.py, with a stand-in for deepspeed (not installed)"),
-    "plan_command.device_profile": (1, "`plan --device auto` for an accelerator missing here: printed with exit 2"),
+    "measure.device_profile": (1, "`plan --device auto` for an accelerator missing here: printed with exit 2"),
     "planner.solve": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
     "compare.variant_config": (2, "the command's parser refuses these first (usage errors 'compare, planned without a"
                                   " budget' and 'compare, unknown variant'); test_compare calls it directly"),
-    "plan_command.parse_bytes_arg": (1, "the command turns it into a usage error (usage error 'plan, device memory')"),
-    "plan_command.build": (1, "the command plans with fake tensors when the accelerator is missing; only `build` called"
-                              " alone raises it (test_plan_command)"),
+    "arguments.parse_bytes_arg": (1, "the command turns it into a usage error (usage error 'plan, device memory')"),
+    "measure.build": (1, "the command plans with fake tensors when the accelerator is missing; only `build` called"
+                         " alone raises it (test_plan_command)"),
     "strategies.CheckpointingFSDPStrategy.setup": (1, "FSDP1 modules under fsdp_ckpt: needs a distributed run with"
                                                       " FSDP1 wrapping, left to the strategies' own tests"),
 }

@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 from torch._subclasses.fake_tensor import FakeTensor
 
-from lightning_ckpt.commands.plan import measure as plan_command
 from lightning_ckpt.commands.cli import main as cli_main
-from lightning_ckpt.commands.plan.measure import batch_of_size, build, largest_batch, sharding_of, would_not_fit
+from lightning_ckpt.commands.plan import main as plan_main
+from lightning_ckpt.commands.plan import measure as plan_measure
+from lightning_ckpt.commands.plan.measure import batch_of_size, build, measure, sharding_of, would_not_fit
+from lightning_ckpt.commands.plan.predictions import largest_batch
+from lightning_ckpt.commands.plan.report import plot
 from lightning_ckpt.core.planner import make_plan
 from lightning_ckpt.core.profiling import SavedTensorCounter
 from lightning_ckpt.core.wrapping import apply_checkpointing
@@ -24,7 +27,7 @@ LAYERS = [f"model.blocks.{i}" for i in range(4)]
 
 
 def run_plan(args, out_dir, capsys):
-    rc = plan_command.main([*args, "--output-dir", str(out_dir)])
+    rc = plan_main([*args, "--output-dir", str(out_dir)])
     return rc, capsys.readouterr()
 
 
@@ -42,7 +45,7 @@ def num(cell: str) -> float:
 @pytest.fixture(scope="module")
 def real_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan_real")
-    rc = plan_command.main([*ARGS, "--output-dir", str(out)])
+    rc = plan_main([*ARGS, "--output-dir", str(out)])
     return rc, out
 
 
@@ -124,7 +127,7 @@ def test_plan_png_draws_every_setting_and_the_front_with_the_plan_marked(real_di
     data = json.loads((out / "plan.json").read_text())
     png = (out / "plan.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    fig = plan_command.plot(data, out / "again.png")
+    fig = plot(data, out / "again.png")
     [ax] = fig.axes
     drawn = {c.get_label(): c for c in ax.collections}
     assert list(drawn) == [s["name"] for s in data["settings"]]
@@ -143,7 +146,7 @@ def test_plan_png_draws_every_setting_and_the_front_with_the_plan_marked(real_di
 
 def test_argument_abbreviations_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        plan_command.main(["--config", str(TINY), "--device-mem", "80GiB"])
+        plan_main(["--config", str(TINY), "--device-mem", "80GiB"])
     assert exit_info.value.code == 2
     assert "unrecognized arguments: --device-mem" in capsys.readouterr().err
 
@@ -214,7 +217,7 @@ def measured_bytes(batch_size: int, modes: dict[str, str], plan_layers: bool = F
     layers need its kept ops), checked to be the plan in ``modes``."""
     built = build(TINY, fake=False)
     if plan_layers:
-        measurement = plan_command.measure(build(TINY, fake=False), 8)
+        measurement = measure(build(TINY, fake=False), 8)
         plan = make_plan(measurement.costs, measurement.outside_bytes, 0.5)
         assert plan.layers == modes
         plan.apply(built.module)
@@ -257,9 +260,9 @@ def test_fake_run_equals_real_run_in_bytes_and_flops(real_report, tmp_path, caps
 def test_fake_build_allocates_no_parameter_memory_and_is_chosen_when_the_model_would_not_fit(monkeypatch):
     built = build(TINY, fake=True)
     assert all(isinstance(p, FakeTensor) for p in built.module.parameters())
-    monkeypatch.setattr(plan_command, "_available_memory", lambda device: 10**12)
+    monkeypatch.setattr(plan_measure, "_available_memory", lambda device: 10**12)
     assert not would_not_fit(built)
-    monkeypatch.setattr(plan_command, "_available_memory", lambda device: 10**6)  # weights alone are 216 KB; x4 > 0.8 MB
+    monkeypatch.setattr(plan_measure, "_available_memory", lambda device: 10**6)  # weights alone are 216 KB; x4 > 0.8 MB
     assert would_not_fit(built)
 
 
@@ -279,7 +282,7 @@ def test_bad_arguments_exit_2_saying_what_to_pass(args, message, capsys):
 
 def test_missing_config_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        plan_command.main(["--config", str(tmp_path / "missing.yaml")])
+        plan_main(["--config", str(tmp_path / "missing.yaml")])
     assert exit_info.value.code == 2
     assert "missing.yaml: no such file" in capsys.readouterr().err
 
@@ -395,7 +398,7 @@ def test_missing_accelerator_without_fake_is_refused_by_build_with_what_to_pass(
 
 def test_arguments_that_are_not_lightningcli_overrides_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        plan_command.main(["--config", str(TINY), "--fakes"])
+        plan_main(["--config", str(TINY), "--fakes"])
     assert exit_info.value.code == 2
     assert "unrecognized arguments: --fakes (LightningCLI overrides start with --trainer." in capsys.readouterr().err
 
@@ -428,7 +431,7 @@ def test_device_prices_every_setting_and_plan_json_holds_the_report(real_report,
     assert seconds["plan"] <= min(seconds[name] for name in fits) * (1 + 1e-9)
     assert f"+{100 * (seconds['plan'] / seconds['none'] - 1):.0f}% step time" in report
     # and the same figure from the plain-PyTorch function, from the measured costs
-    measurement = plan_command.measure(build(TINY, fake=False), 8)
+    measurement = measure(build(TINY, fake=False), 8)
     plan_seconds, base = predict_seconds(measurement.costs, measurement.outside_ops, data["plan"]["layers"],
                                          DeviceProfile.preset("l4"), kept_ops=data["plan"]["kept_ops"])
     assert (plan_seconds, base) == pytest.approx((seconds["plan"], seconds["none"]))

@@ -1,5 +1,235 @@
-"""``lightning-ckpt plan``: what each checkpointing setting holds and recomputes, before a run."""
+"""``lightning-ckpt plan``: what fits, before a run starts.
 
-from lightning_ckpt.commands.plan.measure import main
+The command: its arguments and :func:`main`. How it measures is :mod:`~lightning_ckpt.commands.plan.measure`,
+what it predicts from the measurements :mod:`~lightning_ckpt.commands.plan.predictions`, and how it reports
+:mod:`~lightning_ckpt.commands.plan.report`.
+
+One training step of a LightningCLI config's model and data is measured with every matched layer fully
+checkpointed (:func:`~lightning_ckpt.core.planner.measure_layer_costs`): each layer's activation bytes
+un-checkpointed, fully and selectively checkpointed, and its recompute FLOPs. From those numbers alone (no
+further runs) it predicts the activations and extra FLOPs of the standard settings (none, every 4th, every
+2nd, every layer, selective everywhere) and of the plan for ``--memory-budget``, and adds the static memory
+(weights, gradients and the configured optimizer's state, counted after one optimizer step).
+
+With ``--device-memory`` the step is measured at two batch sizes, activations are fitted per setting as
+``fixed + per_sample * batch``, and the largest batch size each setting fits is printed (static memory
+plus activations; the transient memory of the backward pass is not included).
+
+With ``--fake``, or by default when the static memory would not fit this machine, the model is built and
+the step run under ``torch._subclasses.FakeTensorMode``: shapes, dtypes and bytes without any storage, as
+torch's own AutoSAC estimator measures. A 7B-parameter config can be planned on a laptop. When the config's
+accelerator is not available here (a ``cuda`` config on a laptop), ``--fake`` is implied and the trainer is built
+with ``accelerator="cpu", devices=1`` for planning, the precision kept (``bf16-mixed`` runs under CPU autocast
+to bfloat16): PyTorch built without CUDA cannot run autograd on fake CUDA tensors, so the step runs CPU kernels'
+shape and dtype rules, and the report says which attention kernel ran and how the target's may differ.
+
+Static memory is one device's share. The command launches no process: the trainer is built for one device
+without a strategy, and the configured ``trainer.strategy``, ``devices`` and ``num_nodes`` only say how static
+memory is divided (:func:`~lightning_ckpt.commands.plan.measure.sharding_of`). Under the package's ``fsdp_ckpt``,
+Lightning's ``FSDPStrategy`` (by its ``sharding_strategy``) or ``ModelParallelStrategy`` (a name, or a
+``class_path`` with ``init_args``), each device holds its share of the parameters, gradients and optimizer state
+over the data-parallel devices (devices x num_nodes for ``fsdp_ckpt`` and full sharding), rows padded as
+``fully_shard`` pads them; buffers and 0-d state whole. The largest batch is then per device.
+
+LightningCLI arguments after the options override the config, as for ``lightning-ckpt fit``.
+
+Example::
+
+    lightning-ckpt plan --config configs/tiny.yaml --memory-budget 0.3 --device-memory 80GiB
+    lightning-ckpt plan --config configs/tiny.yaml --trainer.accelerator=cuda --trainer.precision=bf16-mixed \
+        --model.init_args.n_embd=4096 --model.init_args.n_layer=32 --device-memory 80GiB
+
+With ``--device`` (a preset such as ``h100-sxm``, or ``auto``: the accelerator the step runs on, measured) the
+plan minimises the predicted step time on that device, and every setting gets its predicted step time
+(:func:`~lightning_ckpt.core.planner.predict_seconds`). ``--offload auto|true|false`` (default: the config's
+``GradientCheckpointing`` offload) plans with offload; ``auto`` (which needs ``--device``) lets the plan choose per
+layer what lives in host memory, shown in the per-layer table (``+offload``) and in ``plan.json``'s ``offloaded``.
+
+It prints a Markdown report and writes it to ``plan.md`` in ``--output-dir`` (default
+``lightning_ckpt_plan/<config name>``), with every figure in ``plan.json`` and a plot in ``plan.png``.
+Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 for a usage error.
+
+``plan.json`` (bytes and FLOPs as integers, ``null`` where a figure does not apply):
+
+- ``config``, ``model``: the config file's name and the LightningModule's class; ``fake``: measured under
+  FakeTensorMode; ``planned_for``: the configured accelerator when it is missing here, else ``null``.
+- ``batch_size``: the measured batch; ``batch_sizes``: both measured with ``--device-memory``.
+- ``memory_budget``: as given (a fraction or bytes); ``device_memory``: ``--device-memory`` in bytes;
+  ``device``: the ``--device`` profile's name, or ``null``.
+- ``outside_bytes``: activations held outside the matched layers (embeddings, head, loss), part of every setting.
+- ``static_bytes_per_device``: weights, gradients and optimizer state one device holds.
+- ``static``: ``weights_bytes`` (parameters and buffers), ``gradient_bytes``, ``optimizer_state_bytes``
+  (``null`` when ``configure_optimizers`` could not run), ``optimizer``, ``unsharded_bytes`` (the three summed,
+  undivided), ``strategy``, ``world`` (devices x num_nodes), ``weight_shards`` and ``state_shards`` (how many ways
+  parameters, and gradients and optimizer state, are divided), ``note`` (what is not modelled).
+- ``layers``: per matched layer ``{name, class, none_bytes, full_bytes, selective_bytes, full_flops,
+  selective_flops}``: bytes held not checkpointed, fully and selectively checkpointed; FLOPs recomputed.
+- ``settings``: per setting ``{name, description, checkpointed_layers, activation_bytes, recompute_flops,
+  predicted_step_seconds, fixed_bytes, per_sample_bytes, largest_batch}``, names ``none``, ``every_4th``,
+  ``every_2nd``, ``every_layer``, ``selective`` and ``plan`` (when the budget can be met).
+  ``predicted_step_seconds``: on the ``--device`` profile, ``null`` without one. ``fixed_bytes`` and ``per_sample_bytes``: the fit
+  ``activations = fixed + per_sample x batch`` and ``largest_batch`` the largest batch per device that fits in
+  ``device_memory`` with the static memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when
+  activations do not grow with the batch).
+- ``plan``: ``{layers, offloaded, kept_ops, budget_bytes, activation_bytes, host_bytes, recompute_flops,
+  predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
+  memory, the op outputs an ``ops`` layer keeps, the budget in bytes and the plan's predictions; ``null`` with
+  ``plan_error`` saying why when the budget cannot be met.
+- ``front``: the planner's plans for budgets from the least setting up to no checkpointing, each
+  ``{budget_bytes, activation_bytes, recompute_flops}`` (what ``plan.png`` draws as a line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+from lightning_ckpt.commands.arguments import add_device_argument, check_device_argument, parse_budget_arg, parse_bytes_arg
+from lightning_ckpt.commands.plan.measure import (
+    accelerator_available,
+    build,
+    configured_accelerator,
+    device_profile,
+    loader_batch_size,
+    static_memory,
+    would_not_fit,
+)
+# Aliased: bound here as `measure`, the function would hide the submodule `lightning_ckpt.commands.plan.measure`.
+from lightning_ckpt.commands.plan.measure import measure as measure_at
+from lightning_ckpt.commands.plan.predictions import planner_front, setting_choices, setting_rows
+from lightning_ckpt.commands.plan.report import plot, render, report_data
+from lightning_ckpt.core.device_profile import PRESET_NAMES
+from lightning_ckpt.core.planner import make_plan
 
 __all__ = ["main"]
+
+DEFAULT_BUDGET = 0.5
+#: Arguments after the options that go to LightningCLI (config overrides).
+_CLI_PREFIXES = ("--trainer.", "--model", "--data", "--seed_everything", "--optimizer", "--lr_scheduler")
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        # No abbreviations: an option added later (such as a `--device`) must not be read as `--device-memory`.
+        prog="lightning-ckpt plan", allow_abbrev=False,
+        description="Measure one training step of a LightningCLI config and show what each checkpointing setting"
+                    " holds and recomputes, the cheapest plan for a memory budget, and (with --device-memory) the"
+                    " largest batch size each setting fits.")
+    parser.add_argument("--config", type=Path, help="LightningCLI YAML config (model, data, trainer)")
+    parser.add_argument("--memory-budget", default=None,
+                        help="a fraction of the activations without checkpointing (0.3) or bytes (2GiB); default:"
+                             f" the config's GradientCheckpointing memory_budget, else {DEFAULT_BUDGET}")
+    parser.add_argument("--device-memory", default=None,
+                        help="memory of the target device (80GiB): also print the largest batch size each setting fits")
+    add_device_argument(parser, "plan for the least predicted step time on this device",
+                        "default: the fewest recompute FLOPs, no step times")
+    parser.add_argument("--offload", choices=("auto", "true", "false"), default=None,
+                        help="plan with offload: 'true' (every checkpointed layer's inputs in host memory), 'false', or"
+                             " 'auto' (the plan chooses per layer; needs --device); default: the config's"
+                             " GradientCheckpointing offload")
+    parser.add_argument("--fake", action="store_true",
+                        help="measure under FakeTensorMode: no memory allocated (default when the model would not fit"
+                             " this machine)")
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help="where to write plan.md and plan.json (default: lightning_ckpt_plan/<config name>)")
+    args, extra = parser.parse_known_args(list(argv))
+    bad = [a for a in extra if a.startswith("-") and not a.startswith(_CLI_PREFIXES)]
+    if bad or (extra and not extra[0].startswith("-")):
+        parser.error(f"unrecognized arguments: {' '.join(bad or extra[:1])} (LightningCLI overrides start with"
+                     " --trainer., --model., --data., such as --model.init_args.n_layer=32)")
+    args.cli_args = extra
+    if args.config is None:
+        parser.error("--config is required: pass the LightningCLI YAML of the run to plan, e.g. --config configs/tiny.yaml")
+    if not args.config.is_file():
+        parser.error(f"--config {args.config}: no such file; pass the path of a LightningCLI YAML config")
+    if args.memory_budget is not None:
+        try:
+            args.memory_budget = parse_budget_arg(args.memory_budget)
+        except (TypeError, ValueError):
+            parser.error(f"--memory-budget {args.memory_budget}: pass a fraction in (0, 1] of the activations without"
+                         " checkpointing, such as 0.3, or bytes, such as 2GiB or 500000000")
+    check_device_argument(parser, args.device)
+    if args.device_memory is not None:
+        try:
+            args.device_memory = parse_bytes_arg(args.device_memory)
+        except (TypeError, ValueError):
+            parser.error(f"--device-memory {args.device_memory}: pass the device's memory in bytes, such as 80GiB,"
+                         " 40e9 or 16000000000")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``lightning-ckpt plan --config X.yaml [--memory-budget 0.3] [--device-memory 80GiB] [--fake]``; the exit status."""
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    fake = args.fake
+    target = configured_accelerator(args.config, args.cli_args)
+    if not accelerator_available(target):
+        if not fake:
+            print(f"plan: the config's accelerator {target!r} is not available here; planning for it with fake tensors"
+                  " on the CPU (no memory allocated).", flush=True)
+        fake = True
+    built = build(args.config, fake=True, cli_args=args.cli_args)
+    if not fake and would_not_fit(built):
+        print(f"plan: the weights, gradients and optimizer state would not fit this machine's {built.device} memory;"
+              " measuring with fake tensors (no memory allocated).", flush=True)
+        fake = True
+    if not fake:
+        built = build(args.config, fake=False, cli_args=args.cli_args)
+    if args.offload is not None:
+        built.offload = {"true": True, "false": False, "auto": "auto"}[args.offload]
+    if built.offload == "auto" and args.device is None:
+        print("plan: offload 'auto' prices offload against recompute in time on a device: pass --device NAME (a preset"
+              f" such as {PRESET_NAMES[0]}) or --device auto, or --offload true/false.", file=sys.stderr)
+        return 2
+    config_budget = built.memory_budget if built.memory_budget not in (None, "auto") else None
+    budget = args.memory_budget if args.memory_budget is not None else config_budget or DEFAULT_BUDGET
+
+    size = loader_batch_size(built.loader)
+    main_m = measure_at(built, size)
+    other = None
+    if args.device_memory is not None:
+        other = measure_at(built, size // 2 if size >= 2 else 2)
+    try:
+        profile = device_profile(args.device, built)
+    except ValueError as err:
+        print(f"plan: {err}", file=sys.stderr)
+        return 2
+    plan, plan_error = None, None
+    try:
+        plan = make_plan(main_m.costs, main_m.outside_bytes, budget, offload=built.offload, device=profile,
+                         outside_ops=main_m.outside_ops)
+    except ValueError as err:
+        plan_error = str(err)
+    static = static_memory(built)
+    room = None if args.device_memory is None else args.device_memory - static.total
+    names = [c.name for c in main_m.costs]
+    rows = setting_rows(main_m, setting_choices(names, plan), built.offload, other, room,
+                        plan.kept_ops if plan is not None else {}, profile, plan.offloaded if plan is not None else ())
+    batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
+    report = render(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
+                    batch_sizes)
+    front = planner_front(main_m, built.offload, min(r.activation_bytes for r in rows),
+                          include=[plan.budget_bytes] if plan is not None else [], device=profile)
+    data = report_data(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
+                       batch_sizes, front, profile)
+    out_dir = (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "plan.md").write_text(report)
+    (out_dir / "plan.json").write_text(json.dumps(data, indent=1) + "\n")
+    drawn = plot(data, out_dir / "plan.png") is not None
+    print(report)
+    print(f"plan: wrote {out_dir / 'plan.md'}, plan.json" + (" and plan.png" if drawn else ""), flush=True)
+    if plan is None:
+        print(f"plan: memory_budget={budget!r} cannot be met; see 'No plan' above.", file=sys.stderr)
+        return 1
+    return 0

@@ -1,198 +1,46 @@
-"""``lightning-ckpt plan``: what fits, before a run starts.
+"""How ``lightning-ckpt plan`` measures: a config's model and data built for one device (for real or under
+``FakeTensorMode``), one fully checkpointed training step measured, the static memory one device holds under the
+configured strategy, and the ``--device`` profile.
 
-One training step of a LightningCLI config's model and data is measured with every matched layer fully
-checkpointed (:func:`~lightning_ckpt.core.planner.measure_layer_costs`): each layer's activation bytes
-un-checkpointed, fully and selectively checkpointed, and its recompute FLOPs. From those numbers alone (no
-further runs) it predicts the activations and extra FLOPs of the standard settings (none, every 4th, every
-2nd, every layer, selective everywhere) and of the plan for ``--memory-budget``, and adds the static memory
-(weights, gradients and the configured optimizer's state, counted after one optimizer step).
-
-With ``--device-memory`` the step is measured at two batch sizes, activations are fitted per setting as
-``fixed + per_sample * batch``, and the largest batch size each setting fits is printed (static memory
-plus activations; the transient memory of the backward pass is not included).
-
-With ``--fake``, or by default when the static memory would not fit this machine, the model is built and
-the step run under ``torch._subclasses.FakeTensorMode``: shapes, dtypes and bytes without any storage, as
-torch's own AutoSAC estimator measures. A 7B-parameter config can be planned on a laptop. When the config's
-accelerator is not available here (a ``cuda`` config on a laptop), ``--fake`` is implied and the trainer is built
-with ``accelerator="cpu", devices=1`` for planning, the precision kept (``bf16-mixed`` runs under CPU autocast
-to bfloat16): PyTorch built without CUDA cannot run autograd on fake CUDA tensors, so the step runs CPU kernels'
-shape and dtype rules, and the report says which attention kernel ran and how the target's may differ.
-
-Static memory is one device's share. The command launches no process: the trainer is built for one device
-without a strategy, and the configured ``trainer.strategy``, ``devices`` and ``num_nodes`` only say how static
-memory is divided (:func:`sharding_of`). Under the package's ``fsdp_ckpt``, Lightning's ``FSDPStrategy`` (by its
-``sharding_strategy``) or ``ModelParallelStrategy`` (a name, or a ``class_path`` with ``init_args``), each device
-holds its share of the parameters, gradients and optimizer state over the data-parallel devices (devices x
-num_nodes for ``fsdp_ckpt`` and full sharding), rows padded as ``fully_shard`` pads them; buffers and 0-d state
-whole. The largest batch is then per device.
-
-LightningCLI arguments after the options override the config, as for ``lightning-ckpt fit``.
-
-Example::
-
-    lightning-ckpt plan --config configs/tiny.yaml --memory-budget 0.3 --device-memory 80GiB
-    lightning-ckpt plan --config configs/tiny.yaml --trainer.accelerator=cuda --trainer.precision=bf16-mixed \
-        --model.init_args.n_embd=4096 --model.init_args.n_layer=32 --device-memory 80GiB
-
-With ``--device`` (a preset such as ``h100-sxm``, or ``auto``: the accelerator the step runs on, measured) the
-plan minimises the predicted step time on that device, and every setting gets its predicted step time
-(:func:`~lightning_ckpt.core.planner.predict_seconds`). ``--offload auto|true|false`` (default: the config's
-``GradientCheckpointing`` offload) plans with offload; ``auto`` (which needs ``--device``) lets the plan choose per
-layer what lives in host memory, shown in the per-layer table (``+offload``) and in ``plan.json``'s ``offloaded``.
-
-It prints a Markdown report and writes it to ``plan.md`` in ``--output-dir`` (default
-``lightning_ckpt_plan/<config name>``), with every figure in ``plan.json`` and a plot in ``plan.png``.
-Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 for a usage error.
-
-``plan.json`` (bytes and FLOPs as integers, ``null`` where a figure does not apply):
-
-- ``config``, ``model``: the config file's name and the LightningModule's class; ``fake``: measured under
-  FakeTensorMode; ``planned_for``: the configured accelerator when it is missing here, else ``null``.
-- ``batch_size``: the measured batch; ``batch_sizes``: both measured with ``--device-memory``.
-- ``memory_budget``: as given (a fraction or bytes); ``device_memory``: ``--device-memory`` in bytes;
-  ``device``: the ``--device`` profile's name, or ``null``.
-- ``outside_bytes``: activations held outside the matched layers (embeddings, head, loss), part of every setting.
-- ``static_bytes_per_device``: weights, gradients and optimizer state one device holds.
-- ``static``: ``weights_bytes`` (parameters and buffers), ``gradient_bytes``, ``optimizer_state_bytes``
-  (``null`` when ``configure_optimizers`` could not run), ``optimizer``, ``unsharded_bytes`` (the three summed,
-  undivided), ``strategy``, ``world`` (devices x num_nodes), ``weight_shards`` and ``state_shards`` (how many ways
-  parameters, and gradients and optimizer state, are divided), ``note`` (what is not modelled).
-- ``layers``: per matched layer ``{name, class, none_bytes, full_bytes, selective_bytes, full_flops,
-  selective_flops}``: bytes held not checkpointed, fully and selectively checkpointed; FLOPs recomputed.
-- ``settings``: per setting ``{name, description, checkpointed_layers, activation_bytes, recompute_flops,
-  predicted_step_seconds, fixed_bytes, per_sample_bytes, largest_batch}``, names ``none``, ``every_4th``,
-  ``every_2nd``, ``every_layer``, ``selective`` and ``plan`` (when the budget can be met).
-  ``predicted_step_seconds``: on the ``--device`` profile, ``null`` without one. ``fixed_bytes`` and ``per_sample_bytes``: the fit
-  ``activations = fixed + per_sample x batch`` and ``largest_batch`` the largest batch per device that fits in
-  ``device_memory`` with the static memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when
-  activations do not grow with the batch).
-- ``plan``: ``{layers, offloaded, kept_ops, budget_bytes, activation_bytes, host_bytes, recompute_flops,
-  predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
-  memory, the op outputs an ``ops`` layer keeps, the budget in bytes and the plan's predictions; ``null`` with
-  ``plan_error`` saying why when the budget cannot be met.
-- ``front``: the planner's plans for budgets from the least setting up to no checkpointing, each
-  ``{budget_bytes, activation_bytes, recompute_flops}`` (what ``plan.png`` draws as a line).
+The command itself is :mod:`lightning_ckpt.commands.plan`; the predictions made from these measurements are in
+:mod:`lightning_ckpt.commands.plan.predictions`, the report in :mod:`lightning_ckpt.commands.plan.report`.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
-import math
 import os
-import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import yaml
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import AcceleratorRegistry, CUDAAccelerator, MPSAccelerator
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
 from torch._subclasses import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointing
-from lightning_ckpt.commands.arguments import add_device_argument, check_device_argument, parse_budget_arg, parse_bytes_arg
 from lightning_ckpt.commands.cli_builder import run_cli
 from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
-from lightning_ckpt.core.op_curve import OpRecord, describe
-from lightning_ckpt.core.planner import (
-    CheckpointPlan,
-    LayerCost,
-    Offload,
-    make_option,
-    make_plan,
-    measure_step,
-    predict,
-    predict_seconds,
-)
-from lightning_ckpt.core.profiling import format_bytes, storage_key, tensor_bytes
+from lightning_ckpt.core.op_curve import OpRecord
+from lightning_ckpt.core.planner import LayerCost, Offload, measure_step
+from lightning_ckpt.core.profiling import storage_key, tensor_bytes
 from lightning_ckpt.strategies import CheckpointingFSDPStrategy
 
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
-DEFAULT_BUDGET = 0.5
-#: Standard setting -> description, in the order they are reported; each maps to layer modes in :func:`setting_choices`.
-SETTINGS = {
-    "none": "no checkpointing",
-    "every_4th": "every 4th layer, full",
-    "every_2nd": "every 2nd layer, full",
-    "every_layer": "every layer, full",
-    "selective": "every layer, selective",
-    "plan": "the plan for the budget",
-}
 #: What the trainer is built with when the configured accelerator is missing here (planning only, under --fake).
 PLANNING_TRAINER = ("--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto")
 #: One device, no strategy, whatever the config says: the command plans one device's share and launches nothing.
 ONE_DEVICE = PLANNING_TRAINER[1:]
-#: Arguments after the options that go to LightningCLI (config overrides).
-_CLI_PREFIXES = ("--trainer.", "--model", "--data", "--seed_everything", "--optimizer", "--lr_scheduler")
 _LOG_WARNING = r"You are trying to `self.log\(\)` but the `self.trainer` reference is not registered"
-
-
-# ------------------------------------------------------------------------------------------------ arguments
-
-
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        # No abbreviations: an option added later (such as a `--device`) must not be read as `--device-memory`.
-        prog="lightning-ckpt plan", allow_abbrev=False,
-        description="Measure one training step of a LightningCLI config and show what each checkpointing setting"
-                    " holds and recomputes, the cheapest plan for a memory budget, and (with --device-memory) the"
-                    " largest batch size each setting fits.")
-    parser.add_argument("--config", type=Path, help="LightningCLI YAML config (model, data, trainer)")
-    parser.add_argument("--memory-budget", default=None,
-                        help="a fraction of the activations without checkpointing (0.3) or bytes (2GiB); default:"
-                             f" the config's GradientCheckpointing memory_budget, else {DEFAULT_BUDGET}")
-    parser.add_argument("--device-memory", default=None,
-                        help="memory of the target device (80GiB): also print the largest batch size each setting fits")
-    add_device_argument(parser, "plan for the least predicted step time on this device",
-                        "default: the fewest recompute FLOPs, no step times")
-    parser.add_argument("--offload", choices=("auto", "true", "false"), default=None,
-                        help="plan with offload: 'true' (every checkpointed layer's inputs in host memory), 'false', or"
-                             " 'auto' (the plan chooses per layer; needs --device); default: the config's"
-                             " GradientCheckpointing offload")
-    parser.add_argument("--fake", action="store_true",
-                        help="measure under FakeTensorMode: no memory allocated (default when the model would not fit"
-                             " this machine)")
-    parser.add_argument("--output-dir", type=Path, default=None,
-                        help="where to write plan.md and plan.json (default: lightning_ckpt_plan/<config name>)")
-    args, extra = parser.parse_known_args(list(argv))
-    bad = [a for a in extra if a.startswith("-") and not a.startswith(_CLI_PREFIXES)]
-    if bad or (extra and not extra[0].startswith("-")):
-        parser.error(f"unrecognized arguments: {' '.join(bad or extra[:1])} (LightningCLI overrides start with"
-                     " --trainer., --model., --data., such as --model.init_args.n_layer=32)")
-    args.cli_args = extra
-    if args.config is None:
-        parser.error("--config is required: pass the LightningCLI YAML of the run to plan, e.g. --config configs/tiny.yaml")
-    if not args.config.is_file():
-        parser.error(f"--config {args.config}: no such file; pass the path of a LightningCLI YAML config")
-    if args.memory_budget is not None:
-        try:
-            args.memory_budget = parse_budget_arg(args.memory_budget)
-        except (TypeError, ValueError):
-            parser.error(f"--memory-budget {args.memory_budget}: pass a fraction in (0, 1] of the activations without"
-                         " checkpointing, such as 0.3, or bytes, such as 2GiB or 500000000")
-    check_device_argument(parser, args.device)
-    if args.device_memory is not None:
-        try:
-            args.device_memory = parse_bytes_arg(args.device_memory)
-        except (TypeError, ValueError):
-            parser.error(f"--device-memory {args.device_memory}: pass the device's memory in bytes, such as 80GiB,"
-                         " 40e9 or 16000000000")
-    return args
 
 
 # ------------------------------------------------------------------------------------------------- building
@@ -464,6 +312,17 @@ def batch_size_of(batch: Any) -> int:
     return leaves[0].shape[0]
 
 
+def loader_batch_size(loader: Any) -> int:
+    """The batch size ``loader`` yields: its first batch's.
+
+    Example::
+
+        >>> loader_batch_size([(torch.zeros(6, 2), torch.zeros(6)), (torch.zeros(2, 2), torch.zeros(2))])
+        6
+    """
+    return batch_size_of(next(_cycle(loader)))
+
+
 def batch_of_size(loader: Any, size: int) -> Any:
     """A batch of ``size`` samples: the loader's batches concatenated along the first dimension, then cut.
 
@@ -536,7 +395,7 @@ def measure(built: Built, batch_size: Optional[int] = None) -> Measurement:
     """One fully checkpointed training step at ``batch_size`` (default: the loader's; see
     :func:`~lightning_ckpt.core.planner.measure_layer_costs`)."""
     if batch_size is None:
-        batch_size = batch_size_of(next(_cycle(built.loader)))
+        batch_size = loader_batch_size(built.loader)
     batch = _on_device(built, batch_of_size(built.loader, batch_size))
     with built.mode():
         batch = built.precision.convert_input(batch)
@@ -658,369 +517,7 @@ def would_not_fit(built: Built) -> bool:
     return available is not None and need > 0.8 * available
 
 
-# ------------------------------------------------------------------------------------------------ predicting
-
-
-def setting_choices(names: Sequence[str], plan: Optional[CheckpointPlan]) -> dict[str, dict[str, str]]:
-    """Layer modes of each standard setting (``"plan"`` only when there is one).
-
-    Example::
-
-        >>> setting_choices(["a", "b", "c"], None)["every_2nd"]
-        {'a': 'full', 'c': 'full'}
-    """
-    out: dict[str, dict[str, str]] = {
-        "none": {},
-        "every_4th": {n: "full" for i, n in enumerate(names) if i % 4 == 0},
-        "every_2nd": {n: "full" for i, n in enumerate(names) if i % 2 == 0},
-        "every_layer": dict.fromkeys(names, "full"),
-        "selective": dict.fromkeys(names, "selective"),
-    }
-    if plan is not None:
-        out["plan"] = dict(plan.layers)
-    return out
-
-
-@dataclass
-class SettingRow:
-    name: str
-    layers: int
-    activation_bytes: int
-    recompute_flops: int
-    fixed_bytes: Optional[float] = None  # activations = fixed_bytes + per_sample_bytes * batch
-    per_sample_bytes: Optional[float] = None
-    largest_batch: Optional[int] = None
-    predicted_step_seconds: Optional[float] = None  # with a device profile
-
-
-def fit_line(x1: int, y1: int, x2: int, y2: int) -> tuple[float, float]:
-    """``(intercept, slope)`` of the line through two points.
-
-    Example::
-
-        >>> fit_line(4, 140, 8, 260)
-        (20.0, 30.0)
-    """
-    slope = (y2 - y1) / (x2 - x1)
-    return y1 - slope * x1, slope
-
-
-def largest_batch(fixed: float, per_sample: float, room: float) -> Optional[int]:
-    """The largest batch ``b >= 0`` with ``fixed + per_sample * b <= room``; ``None`` when unbounded.
-
-    Example::
-
-        >>> largest_batch(20, 30, 1000), largest_batch(20, 30, 10), largest_batch(20, 0, 1000)
-        (32, 0, None)
-    """
-    if per_sample <= 0:
-        return None if fixed <= room else 0
-    return max(0, math.floor((room - fixed) / per_sample + 1e-9))
-
-
-def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], offload: Offload,
-                 other: Optional[Measurement] = None, room: Optional[int] = None,
-                 kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({}),
-                 device: Optional[DeviceProfile] = None, plan_offloaded: Sequence[str] = ()) -> list[SettingRow]:
-    """Predicted bytes and FLOPs of each setting at ``main``'s batch size; with ``other`` (a second batch size)
-    the linear fit, with ``room`` (device memory minus static memory) the largest batch that fits, and with
-    ``device`` the predicted step time. An ``"ops"`` layer keeps the ops at positions ``kept_ops[name]``."""
-    rows = []
-    for name, layers in choices.items():
-        # "auto" is the plan's choice (its layers, in `plan_offloaded`); the standard settings then offload nothing
-        moved: Union[bool, list[str]] = list(plan_offloaded) if name == "plan" else offload is True
-        act, flops = predict(main.costs, main.outside_bytes, layers, moved, kept_ops)
-        row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops)
-        if device is not None:
-            row.predicted_step_seconds, _ = predict_seconds(main.costs, main.outside_ops, layers, device, moved,
-                                                            kept_ops)
-        if other is not None:
-            act2, _ = predict(other.costs, other.outside_bytes, layers, moved, kept_ops)
-            row.fixed_bytes, row.per_sample_bytes = fit_line(main.batch_size, act, other.batch_size, act2)
-            if room is not None:
-                row.largest_batch = largest_batch(row.fixed_bytes, row.per_sample_bytes, room)
-        rows.append(row)
-    return rows
-
-
-def planner_front(main: Measurement, offload: Offload, lowest: int, points: int = 16,
-                  include: Sequence[int] = (), device: Optional[DeviceProfile] = None) -> list[dict[str, Any]]:
-    """The planner's plans for ``points`` budgets from ``lowest`` bytes up to the activations without checkpointing,
-    and for the budgets in ``include`` (the run's own), each ``{budget_bytes, activation_bytes, recompute_flops}``;
-    budgets it cannot meet are left out, equal plans kept once.
-
-    Example::
-
-        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
-        >>> [(p["activation_bytes"], p["recompute_flops"]) for p in planner_front(Measurement(8, costs, 100), False, 140, 4)]
-        [(140, 200), (260, 20), (380, 10), (500, 0)]
-    """
-    baseline, _ = predict(main.costs, main.outside_bytes, {}, offload is True)
-    front: list[dict[str, int]] = []
-    budgets = {round(lowest + (baseline - lowest) * i / max(1, points - 1)) for i in range(points)} | set(include)
-    for budget in sorted(budgets):
-        try:
-            plan = make_plan(main.costs, main.outside_bytes, max(1, budget), offload=offload, device=device,
-                             outside_ops=main.outside_ops)
-        except ValueError:
-            continue
-        point = {"budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes,
-                 "recompute_flops": plan.recompute_flops, "predicted_step_seconds": plan.predicted_step_seconds}
-        if not front or (front[-1]["activation_bytes"], front[-1]["recompute_flops"]) != (plan.planned_bytes,
-                                                                                         plan.recompute_flops):
-            front.append(point)
-    return front
-
-
-# ------------------------------------------------------------------------------------------------ reporting
-
-
-def _b(n: Optional[float]) -> str:
-    return "n/a" if n is None else f"{round(n):,}"
-
-
-_CPU_FLASH = "aten._scaled_dot_product_flash_attention_for_cpu"
-
-
-def where_measured(built: Built) -> list[str]:
-    """Report paragraphs: the precision and attention kernels the step ran with and, when the configured accelerator
-    is missing here, what the measurement stands in for and how the target's kernels may differ."""
-    name = str(getattr(built.precision, "precision", "32-true"))
-    dtype = "torch.bfloat16" if name.startswith("bf16") else "torch.float16"
-    autocast = (f" (the step under torch.autocast({built.precision.device!r}, {dtype}))"
-                if isinstance(built.precision, MixedPrecision) else "")
-    kernels = ", ".join(f"`{k}`" for k in sorted(built.attention_kernels)) or "none (no fused attention ran)"
-    lines = [f"Precision: {name}{autocast}. Attention kernels: {kernels}.", ""]
-    if built.planned_for is None:
-        return lines
-    lines += [
-        f"**Planned for accelerator={built.planned_for!r} on this machine's CPU.** The config asks for"
-        f" {built.planned_for!r}, which is not available here, so the trainer was built with"
-        f" {', '.join(a.split('.', 1)[1] for a in PLANNING_TRAINER)} for planning, precision kept ({name})."
-        " PyTorch without CUDA cannot run autograd on fake CUDA tensors, so the step ran on fake CPU tensors with"
-        " CPU kernels' shapes and dtypes; static memory is one device's share (see Static memory).",
-        "",
-    ]
-    if _CPU_FLASH in built.attention_kernels:
-        lines += [
-            "How the target may differ: CPU flash attention saves query, key, value, output and a float32"
-            " log-sum-exp per row, as CUDA's flash and memory-efficient kernels do (plus a few bytes of RNG state;"
-            " the memory-efficient kernel pads the log-sum-exp to a multiple of 32 rows). Where the target falls back"
-            " to the math kernel (a head size, dtype or mask its fused kernels do not support), attention saves its"
-            " batch x heads x seq x seq weights and holds far more than planned. CUDA and CPU autocast cast a few ops"
-            " differently; matmuls and linears run in the autocast dtype on both.",
-            "",
-        ]
-    else:
-        lines += ["How the target may differ: no fused attention kernel ran here. CPU runs attention with dropout (and"
-                  " some masks) as the math implementation, which saves the batch x heads x seq x seq weights; CUDA's"
-                  " flash kernel supports dropout and saves only a log-sum-exp per row, so the target may hold less"
-                  " than planned. A model that picks its attention implementation by device may differ too.", ""]
-    return lines
-
-
-def sharding_lines(static: StaticMemory) -> list[str]:
-    """Report paragraph: whether, and how, the figures above are one device's share of sharded static memory."""
-    s = static.sharding
-    if s.states == 1 and s.weights == 1:
-        text = (f"Not sharded (strategy {s.strategy!r}, {s.world} device{'s' * (s.world > 1)} in all: devices x"
-                " num_nodes): every device holds all of it." + (f" Note: {s.note}." if s.note else ""))
-        return [text, ""]
-    unsharded = "" if static.unsharded is None else f" ({format_bytes(static.unsharded)} unsharded)"
-    what = (f"parameters, gradients and optimizer state over {s.states} devices" if s.weights == s.states else
-            f"gradients and optimizer state over {s.states} devices, parameters over {s.weights}")
-    return [f"**One device's share{unsharded}:** strategy {s.strategy!r} shards {what}"
-            f" ({s.world} in all: devices x num_nodes), rows padded as `fully_shard` pads them; buffers and 0-d"
-            " optimizer state (step counters) are whole on every device. The command launches no process: it plans"
-            " one device's share, and the largest batch is per device." + (f" Note: {s.note}." if s.note else ""), ""]
-
-
-def render(title: str, built: Built, main: Measurement, plan: Optional[CheckpointPlan], plan_error: Optional[str],
-           budget: object, rows: Sequence[SettingRow], static: StaticMemory, device_memory: Optional[int],
-           batch_sizes: Sequence[int]) -> str:
-    """The report, as Markdown."""
-    how = ("fake tensors (FakeTensorMode: no memory allocated)" if built.fake_mode is not None else "real tensors")
-    lines = [
-        f"# Checkpointing plan: {title}",
-        "",
-        f"One training step of {type(built.module).__name__} at batch size {main.batch_size}, measured on"
-        f" {built.device} with {how}, every matched layer fully checkpointed. Bytes are activations held for"
-        " backward; FLOPs are recomputed in backward per step (matmul and attention as torch's FlopCounterMode"
-        " counts them, one per output element for other ops). Every figure below is predicted from this one"
-        " measurement; no setting was run."
-        + (" Offload is on: checkpointed layers' inputs count as host memory." if built.offload is True else "")
-        + (" Offload is 'auto': the plan chooses per layer what lives in host memory (its `offload` column)."
-           if built.offload == "auto" else ""),
-        "",
-        *where_measured(built),
-        "## Layers",
-        "",
-        "| layer | class | none (B) | full (B) | selective (B) | recompute full (FLOP) | recompute selective (FLOP)"
-        " | plan | plan (B) | recompute plan (FLOP) |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
-    ]
-    planned_costs = {c.name: c for c in plan.costs} if plan else {}
-    for c in main.costs:
-        mode, keep = (plan.layers[c.name], plan.kept_ops.get(c.name, ())) if plan else ("-", ())
-        planned = "- | -"
-        if plan:
-            option = make_option(planned_costs[c.name], mode, keep, c.name in plan.offloaded)  # type: ignore[arg-type]
-            planned = f"{_b(option.device_bytes)} | {_b(option.flops)}"
-            mode += " +offload" if plan.offload == "auto" and c.name in plan.offloaded else ""
-        lines.append(f"| {c.name} | {c.cls} | {_b(c.none_bytes)} | {_b(c.device_bytes('full', built.offload is True))}"
-                     f" | {_b(c.device_bytes('selective', built.offload is True))} | {_b(c.full_flops)}"
-                     f" | {_b(c.selective_flops)} | {mode} | {planned} |")
-    lines += [f"| (outside the layers) | | {_b(main.outside_bytes)} | {_b(main.outside_bytes)} | {_b(main.outside_bytes)}"
-              " | 0 | 0 | | | |", ""]
-    if plan is not None and plan.kept_ops:
-        lines += ["Op-level choices (`ops`): which op outputs each layer keeps and which ops it recomputes:", "",
-                  *[f"- {name}: {describe(c.ops, plan.kept_ops[name])}" for c in main.costs
-                    for name in [c.name] if name in plan.kept_ops],
-                  ""]
-    lines += [f"## Plan for memory_budget={budget!r}", ""]
-    if plan is not None:
-        n = sum(m != "none" for m in plan.layers.values())
-        lines.append(f"{n} of {len(plan.layers)} layers checkpointed"
-                     f" ({', '.join(f'{k}: {v}' for k, v in plan.layers.items() if v != 'none') or 'none needed'}):"
-                     f" activations {format_bytes(plan.planned_bytes)} ({100 * plan.planned_bytes / plan.baseline_bytes:.0f}%"
-                     f" of {format_bytes(plan.baseline_bytes)} without checkpointing), budget {format_bytes(plan.budget_bytes)};"
-                     f" recompute {_b(plan.recompute_flops)} FLOP per step"
-                     + (f"; {plan.step_time_text()}." if plan.predicted_step_seconds is not None else "."))
-    else:
-        lines.append(f"No plan: {plan_error}")
-    memory_head = f" | largest batch in {format_bytes(device_memory)}" if device_memory is not None else ""
-    timed = rows[0].predicted_step_seconds is not None
-    time_head = f" | predicted step time on {plan.device if plan else 'the device'} | vs none" if timed else ""
-    fit_head = " | fixed (B) | per sample (B)" if len(batch_sizes) > 1 else ""
-    none_bytes = rows[0].activation_bytes
-    lines += [
-        "",
-        "## Settings",
-        "",
-        f"| setting | checkpointed layers | activations (B) | activations | of none | recompute (FLOP)"
-        f" | static + activations{fit_head}{memory_head}{time_head} |",
-        "|---|---:|---:|---:|---:|---:|---:"
-        + "|---:" * ((len(batch_sizes) > 1) * 2 + (device_memory is not None) + 2 * timed) + "|",
-    ]
-    for r in rows:
-        fit = f" | {_b(r.fixed_bytes)} | {_b(r.per_sample_bytes)}" if len(batch_sizes) > 1 else ""
-        fits = (f" | {'unbounded' if r.largest_batch is None else r.largest_batch}" if device_memory is not None else "")
-        step = (f" | {1000 * r.predicted_step_seconds:.2f} ms"
-                f" | +{100 * (r.predicted_step_seconds / rows[0].predicted_step_seconds - 1):.0f}%"
-                if r.predicted_step_seconds is not None and rows[0].predicted_step_seconds else "")
-        lines.append(f"| {r.name} | {r.layers} | {_b(r.activation_bytes)} | {format_bytes(r.activation_bytes)}"
-                     f" | {100 * r.activation_bytes / none_bytes:.0f}% | {_b(r.recompute_flops)}"
-                     f" | {format_bytes(static.total + r.activation_bytes)}{fit}{fits}{step} |")
-    lines += ["", "Settings: " + "; ".join(f"{k}: {v}" for k, v in SETTINGS.items() if k in {r.name for r in rows}) + "."]
-    if len(batch_sizes) > 1:
-        lines.append(f"Activations were measured at batch sizes {batch_sizes[0]} and {batch_sizes[1]} and fitted as"
-                     " fixed + per sample x batch.")
-    if device_memory is not None:
-        lines.append(f"Largest batch: static memory plus activations within {format_bytes(device_memory)}"
-                     f" ({_b(device_memory)} B); the backward pass's transient memory (gradients being computed,"
-                     " recomputed layers, allocator slack) needs some headroom on top.")
-    state = "unknown" if static.optimizer_state is None else _b(static.optimizer_state)
-    lines += [
-        "",
-        "## Static memory (checkpointing does not change it)",
-        "",
-        "| weights and buffers (B) | gradients (B) | optimizer state (B) | optimizer | total |",
-        "|---:|---:|---:|---|---:|",
-        f"| {_b(static.weights)} | {_b(static.gradients)} | {state} | {static.optimizer} | {format_bytes(static.total)} |",
-        "",
-        *sharding_lines(static),
-        f"Optimizer state counted after one optimizer step. Without checkpointing, activations are"
-        f" {100 * none_bytes / (none_bytes + static.total):.0f}% of static memory plus activations"
-        + (": checkpointing cannot save much here; shard the weights and optimizer state (FSDP) or train fewer"
-           " parameters (PEFT)." if none_bytes < static.total else "."),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def report_data(title: str, built: Built, main: Measurement, plan: Optional[CheckpointPlan], plan_error: Optional[str],
-                budget: object, rows: Sequence[SettingRow], static: StaticMemory, device_memory: Optional[int],
-                batch_sizes: Sequence[int], front: Sequence[Mapping[str, int]],
-                profile: Optional[DeviceProfile] = None) -> dict[str, Any]:
-    """Every figure of the report as plain data (``plan.json``; the keys are listed in the module docstring)."""
-    s = static.sharding
-    return {
-        "config": title,
-        "model": type(built.module).__name__,
-        "fake": built.fake_mode is not None,
-        "planned_for": built.planned_for,
-        "batch_sizes": list(batch_sizes),
-        "batch_size": main.batch_size,
-        "memory_budget": budget,
-        "device_memory": device_memory,
-        "device": profile.name if profile is not None else None,
-        "outside_bytes": main.outside_bytes,
-        "static_bytes_per_device": static.total,
-        "static": {"weights_bytes": static.weights, "gradient_bytes": static.gradients,
-                   "optimizer_state_bytes": static.optimizer_state, "optimizer": static.optimizer,
-                   "unsharded_bytes": static.unsharded, "strategy": s.strategy, "world": s.world,
-                   "weight_shards": s.weights, "state_shards": s.states, "note": s.note},
-        "layers": [{"name": c.name, "class": c.cls, "none_bytes": c.none_bytes,
-                    "full_bytes": c.device_bytes("full", built.offload is True),
-                    "selective_bytes": c.device_bytes("selective", built.offload is True), "full_flops": c.full_flops,
-                    "selective_flops": c.selective_flops} for c in main.costs],
-        "settings": [{"name": r.name, "description": SETTINGS.get(r.name, r.name), "checkpointed_layers": r.layers,
-                      "activation_bytes": r.activation_bytes, "recompute_flops": r.recompute_flops,
-                      "predicted_step_seconds": r.predicted_step_seconds, "fixed_bytes": r.fixed_bytes,
-                      "per_sample_bytes": r.per_sample_bytes, "largest_batch": r.largest_batch} for r in rows],
-        "plan": None if plan is None else {
-            "layers": dict(plan.layers),
-            "offloaded": list(plan.offloaded),
-            "budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes,
-            "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops,
-            "kept_ops": plan.kept_ops, "predicted_step_seconds": plan.predicted_step_seconds,
-            "baseline_step_seconds": plan.baseline_step_seconds},
-        "plan_error": plan_error,
-        "front": [dict(p) for p in front],
-    }
-
-
-def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
-    """Activations against recompute cost (predicted step time when every setting has one, else recompute FLOPs)
-    of every setting in ``data`` (:func:`report_data`), the planner's front over budgets as a line and the chosen
-    plan as a star; saved as a PNG. Returns the figure (``None`` without matplotlib). Points are in bytes and FLOPs
-    (or seconds), the axes' labels formatted for people.
-    """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import EngFormatter, MaxNLocator
-    except ImportError:
-        print("plan: the plot needs matplotlib (`pip install matplotlib`); wrote the report only.", file=sys.stderr)
-        return None
-    settings = data["settings"]
-    timed = all(s["predicted_step_seconds"] is not None for s in settings)
-    cost = "predicted_step_seconds" if timed else "recompute_flops"
-    fig = Figure(figsize=(6.5, 4.5), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    front = [p for p in data["front"] if p.get(cost) is not None]
-    if front:
-        front = sorted(front, key=lambda p: p[cost])
-        ax.plot([p[cost] for p in front], [p["activation_bytes"] for p in front], ".-", color="tab:gray", alpha=0.6,
-                label="planner's front over budgets")
-    for s in settings:
-        chosen = s["name"] == "plan"
-        ax.scatter([s[cost]], [s["activation_bytes"]], marker="*" if chosen else "o", s=160 if chosen else 40,
-                   color="tab:red" if chosen else "black" if s["name"] == "none" else "tab:blue", zorder=3,
-                   label=s["name"])
-        ax.annotate("plan (chosen)" if chosen else s["name"], (s[cost], s["activation_bytes"]),
-                    textcoords="offset points", xytext=(5, 5), fontsize=9)
-    ax.xaxis.set_major_locator(MaxNLocator(5))
-    ax.xaxis.set_major_formatter(EngFormatter(unit="s" if timed else "FLOP"))
-    ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
-    ax.set_xlabel("predicted step time" if timed else "recompute per step")
-    ax.set_ylabel("activations held for backward, per device (MB = 10⁶ B)")
-    ax.legend(handles=ax.lines, loc="upper right", fontsize=8)
-    ax.set_title(f"Checkpointing plan: activations vs recompute\n{data['config']}", fontsize=10)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    return fig
+# ------------------------------------------------------------------------------------------------ device
 
 
 def device_profile(device: Optional[str], built: Built) -> Optional[DeviceProfile]:
@@ -1031,77 +528,3 @@ def device_profile(device: Optional[str], built: Built) -> Optional[DeviceProfil
         raise ValueError(f"--device auto measures the accelerator the step runs on, but the config's"
                          f" {built.planned_for!r} is not here; pass a preset instead ({', '.join(PRESET_NAMES)}).")
     return DeviceProfile.measure(built.device)
-
-
-# ------------------------------------------------------------------------------------------------ driver
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``lightning-ckpt plan --config X.yaml [--memory-budget 0.3] [--device-memory 80GiB] [--fake]``; the exit status."""
-    args = _parse(sys.argv[1:] if argv is None else argv)
-    fake = args.fake
-    target = configured_accelerator(args.config, args.cli_args)
-    if not accelerator_available(target):
-        if not fake:
-            print(f"plan: the config's accelerator {target!r} is not available here; planning for it with fake tensors"
-                  " on the CPU (no memory allocated).", flush=True)
-        fake = True
-    built = build(args.config, fake=True, cli_args=args.cli_args)
-    if not fake and would_not_fit(built):
-        print(f"plan: the weights, gradients and optimizer state would not fit this machine's {built.device} memory;"
-              " measuring with fake tensors (no memory allocated).", flush=True)
-        fake = True
-    if not fake:
-        built = build(args.config, fake=False, cli_args=args.cli_args)
-    if args.offload is not None:
-        built.offload = {"true": True, "false": False, "auto": "auto"}[args.offload]
-    if built.offload == "auto" and args.device is None:
-        print("plan: offload 'auto' prices offload against recompute in time on a device: pass --device NAME (a preset"
-              f" such as {PRESET_NAMES[0]}) or --device auto, or --offload true/false.", file=sys.stderr)
-        return 2
-    config_budget = built.memory_budget if built.memory_budget not in (None, "auto") else None
-    budget = args.memory_budget if args.memory_budget is not None else config_budget or DEFAULT_BUDGET
-
-    size = batch_size_of(next(_cycle(built.loader)))
-    main_m = measure(built, size)
-    other = None
-    if args.device_memory is not None:
-        other = measure(built, size // 2 if size >= 2 else 2)
-    try:
-        profile = device_profile(args.device, built)
-    except ValueError as err:
-        print(f"plan: {err}", file=sys.stderr)
-        return 2
-    plan, plan_error = None, None
-    try:
-        plan = make_plan(main_m.costs, main_m.outside_bytes, budget, offload=built.offload, device=profile,
-                         outside_ops=main_m.outside_ops)
-    except ValueError as err:
-        plan_error = str(err)
-    static = static_memory(built)
-    room = None if args.device_memory is None else args.device_memory - static.total
-    names = [c.name for c in main_m.costs]
-    rows = setting_rows(main_m, setting_choices(names, plan), built.offload, other, room,
-                        plan.kept_ops if plan is not None else {}, profile, plan.offloaded if plan is not None else ())
-    batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
-    report = render(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
-                    batch_sizes)
-    front = planner_front(main_m, built.offload, min(r.activation_bytes for r in rows),
-                          include=[plan.budget_bytes] if plan is not None else [], device=profile)
-    data = report_data(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
-                       batch_sizes, front, profile)
-    out_dir = (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "plan.md").write_text(report)
-    (out_dir / "plan.json").write_text(json.dumps(data, indent=1) + "\n")
-    drawn = plot(data, out_dir / "plan.png") is not None
-    print(report)
-    print(f"plan: wrote {out_dir / 'plan.md'}, plan.json" + (" and plan.png" if drawn else ""), flush=True)
-    if plan is None:
-        print(f"plan: memory_budget={budget!r} cannot be met; see 'No plan' above.", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,142 @@
+"""What ``lightning-ckpt plan`` predicts from its measurements: the layer modes of each standard setting, each
+setting's activations, recompute FLOPs and step time, the fit of activations over the batch size, the largest
+batch that fits, and the planner's front over budgets. Arithmetic only, on
+:class:`~lightning_ckpt.commands.plan.measure.Measurement`: nothing here builds or runs a model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.planner import CheckpointPlan, Offload, make_plan, predict, predict_seconds
+
+if TYPE_CHECKING:
+    from lightning_ckpt.commands.plan.measure import Measurement
+
+#: Standard setting -> description, in the order they are reported; each maps to layer modes in :func:`setting_choices`.
+SETTINGS = {
+    "none": "no checkpointing",
+    "every_4th": "every 4th layer, full",
+    "every_2nd": "every 2nd layer, full",
+    "every_layer": "every layer, full",
+    "selective": "every layer, selective",
+    "plan": "the plan for the budget",
+}
+
+
+def setting_choices(names: Sequence[str], plan: Optional[CheckpointPlan]) -> dict[str, dict[str, str]]:
+    """Layer modes of each standard setting (``"plan"`` only when there is one).
+
+    Example::
+
+        >>> setting_choices(["a", "b", "c"], None)["every_2nd"]
+        {'a': 'full', 'c': 'full'}
+    """
+    out: dict[str, dict[str, str]] = {
+        "none": {},
+        "every_4th": {n: "full" for i, n in enumerate(names) if i % 4 == 0},
+        "every_2nd": {n: "full" for i, n in enumerate(names) if i % 2 == 0},
+        "every_layer": dict.fromkeys(names, "full"),
+        "selective": dict.fromkeys(names, "selective"),
+    }
+    if plan is not None:
+        out["plan"] = dict(plan.layers)
+    return out
+
+
+@dataclass
+class SettingRow:
+    name: str
+    layers: int
+    activation_bytes: int
+    recompute_flops: int
+    fixed_bytes: Optional[float] = None  # activations = fixed_bytes + per_sample_bytes * batch
+    per_sample_bytes: Optional[float] = None
+    largest_batch: Optional[int] = None
+    predicted_step_seconds: Optional[float] = None  # with a device profile
+
+
+def fit_line(x1: int, y1: int, x2: int, y2: int) -> tuple[float, float]:
+    """``(intercept, slope)`` of the line through two points.
+
+    Example::
+
+        >>> fit_line(4, 140, 8, 260)
+        (20.0, 30.0)
+    """
+    slope = (y2 - y1) / (x2 - x1)
+    return y1 - slope * x1, slope
+
+
+def largest_batch(fixed: float, per_sample: float, room: float) -> Optional[int]:
+    """The largest batch ``b >= 0`` with ``fixed + per_sample * b <= room``; ``None`` when unbounded.
+
+    Example::
+
+        >>> largest_batch(20, 30, 1000), largest_batch(20, 30, 10), largest_batch(20, 0, 1000)
+        (32, 0, None)
+    """
+    if per_sample <= 0:
+        return None if fixed <= room else 0
+    return max(0, math.floor((room - fixed) / per_sample + 1e-9))
+
+
+def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], offload: Offload,
+                 other: Optional[Measurement] = None, room: Optional[int] = None,
+                 kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({}),
+                 device: Optional[DeviceProfile] = None, plan_offloaded: Sequence[str] = ()) -> list[SettingRow]:
+    """Predicted bytes and FLOPs of each setting at ``main``'s batch size; with ``other`` (a second batch size)
+    the linear fit, with ``room`` (device memory minus static memory) the largest batch that fits, and with
+    ``device`` the predicted step time. An ``"ops"`` layer keeps the ops at positions ``kept_ops[name]``."""
+    rows = []
+    for name, layers in choices.items():
+        # "auto" is the plan's choice (its layers, in `plan_offloaded`); the standard settings then offload nothing
+        moved: Union[bool, list[str]] = list(plan_offloaded) if name == "plan" else offload is True
+        act, flops = predict(main.costs, main.outside_bytes, layers, moved, kept_ops)
+        row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops)
+        if device is not None:
+            row.predicted_step_seconds, _ = predict_seconds(main.costs, main.outside_ops, layers, device, moved,
+                                                            kept_ops)
+        if other is not None:
+            act2, _ = predict(other.costs, other.outside_bytes, layers, moved, kept_ops)
+            row.fixed_bytes, row.per_sample_bytes = fit_line(main.batch_size, act, other.batch_size, act2)
+            if room is not None:
+                row.largest_batch = largest_batch(row.fixed_bytes, row.per_sample_bytes, room)
+        rows.append(row)
+    return rows
+
+
+def planner_front(main: Measurement, offload: Offload, lowest: int, points: int = 16,
+                  include: Sequence[int] = (), device: Optional[DeviceProfile] = None) -> list[dict[str, Any]]:
+    """The planner's plans for ``points`` budgets from ``lowest`` bytes up to the activations without checkpointing,
+    and for the budgets in ``include`` (the run's own), each ``{budget_bytes, activation_bytes, recompute_flops}``;
+    budgets it cannot meet are left out, equal plans kept once.
+
+    Example::
+
+        >>> from lightning_ckpt.commands.plan.measure import Measurement
+        >>> from lightning_ckpt.core.planner import LayerCost
+        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> [(p["activation_bytes"], p["recompute_flops"]) for p in planner_front(Measurement(8, costs, 100), False, 140, 4)]
+        [(140, 200), (260, 20), (380, 10), (500, 0)]
+    """
+    baseline, _ = predict(main.costs, main.outside_bytes, {}, offload is True)
+    front: list[dict[str, int]] = []
+    budgets = {round(lowest + (baseline - lowest) * i / max(1, points - 1)) for i in range(points)} | set(include)
+    for budget in sorted(budgets):
+        try:
+            plan = make_plan(main.costs, main.outside_bytes, max(1, budget), offload=offload, device=device,
+                             outside_ops=main.outside_ops)
+        except ValueError:
+            continue
+        point = {"budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes,
+                 "recompute_flops": plan.recompute_flops, "predicted_step_seconds": plan.predicted_step_seconds}
+        if not front or (front[-1]["activation_bytes"], front[-1]["recompute_flops"]) != (plan.planned_bytes,
+                                                                                         plan.recompute_flops):
+            front.append(point)
+    return front

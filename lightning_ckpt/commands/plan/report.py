@@ -1,0 +1,278 @@
+"""How ``lightning-ckpt plan`` reports: the Markdown report (``plan.md``), every figure as plain data
+(``plan.json``) and the plot of activations against recompute (``plan.png``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_ckpt.commands.plan.measure import PLANNING_TRAINER, Built, Measurement, StaticMemory
+from lightning_ckpt.commands.plan.predictions import SETTINGS, SettingRow
+from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.op_curve import describe
+from lightning_ckpt.core.planner import CheckpointPlan, make_option
+from lightning_ckpt.core.profiling import format_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def _b(n: Optional[float]) -> str:
+    """A count for the report's tables: rounded, thousands separated; ``n/a`` for a figure that does not apply.
+
+    Example::
+
+        >>> _b(1234567.6), _b(0), _b(None)
+        ('1,234,568', '0', 'n/a')
+    """
+    return "n/a" if n is None else f"{round(n):,}"
+
+
+_CPU_FLASH = "aten._scaled_dot_product_flash_attention_for_cpu"
+
+
+def where_measured(built: Built) -> list[str]:
+    """Report paragraphs: the precision and attention kernels the step ran with and, when the configured accelerator
+    is missing here, what the measurement stands in for and how the target's kernels may differ."""
+    name = str(getattr(built.precision, "precision", "32-true"))
+    dtype = "torch.bfloat16" if name.startswith("bf16") else "torch.float16"
+    autocast = (f" (the step under torch.autocast({built.precision.device!r}, {dtype}))"
+                if isinstance(built.precision, MixedPrecision) else "")
+    kernels = ", ".join(f"`{k}`" for k in sorted(built.attention_kernels)) or "none (no fused attention ran)"
+    lines = [f"Precision: {name}{autocast}. Attention kernels: {kernels}.", ""]
+    if built.planned_for is None:
+        return lines
+    lines += [
+        f"**Planned for accelerator={built.planned_for!r} on this machine's CPU.** The config asks for"
+        f" {built.planned_for!r}, which is not available here, so the trainer was built with"
+        f" {', '.join(a.split('.', 1)[1] for a in PLANNING_TRAINER)} for planning, precision kept ({name})."
+        " PyTorch without CUDA cannot run autograd on fake CUDA tensors, so the step ran on fake CPU tensors with"
+        " CPU kernels' shapes and dtypes; static memory is one device's share (see Static memory).",
+        "",
+    ]
+    if _CPU_FLASH in built.attention_kernels:
+        lines += [
+            "How the target may differ: CPU flash attention saves query, key, value, output and a float32"
+            " log-sum-exp per row, as CUDA's flash and memory-efficient kernels do (plus a few bytes of RNG state;"
+            " the memory-efficient kernel pads the log-sum-exp to a multiple of 32 rows). Where the target falls back"
+            " to the math kernel (a head size, dtype or mask its fused kernels do not support), attention saves its"
+            " batch x heads x seq x seq weights and holds far more than planned. CUDA and CPU autocast cast a few ops"
+            " differently; matmuls and linears run in the autocast dtype on both.",
+            "",
+        ]
+    else:
+        lines += ["How the target may differ: no fused attention kernel ran here. CPU runs attention with dropout (and"
+                  " some masks) as the math implementation, which saves the batch x heads x seq x seq weights; CUDA's"
+                  " flash kernel supports dropout and saves only a log-sum-exp per row, so the target may hold less"
+                  " than planned. A model that picks its attention implementation by device may differ too.", ""]
+    return lines
+
+
+def sharding_lines(static: StaticMemory) -> list[str]:
+    """Report paragraph: whether, and how, the figures above are one device's share of sharded static memory."""
+    s = static.sharding
+    if s.states == 1 and s.weights == 1:
+        text = (f"Not sharded (strategy {s.strategy!r}, {s.world} device{'s' * (s.world > 1)} in all: devices x"
+                " num_nodes): every device holds all of it." + (f" Note: {s.note}." if s.note else ""))
+        return [text, ""]
+    unsharded = "" if static.unsharded is None else f" ({format_bytes(static.unsharded)} unsharded)"
+    what = (f"parameters, gradients and optimizer state over {s.states} devices" if s.weights == s.states else
+            f"gradients and optimizer state over {s.states} devices, parameters over {s.weights}")
+    return [f"**One device's share{unsharded}:** strategy {s.strategy!r} shards {what}"
+            f" ({s.world} in all: devices x num_nodes), rows padded as `fully_shard` pads them; buffers and 0-d"
+            " optimizer state (step counters) are whole on every device. The command launches no process: it plans"
+            " one device's share, and the largest batch is per device." + (f" Note: {s.note}." if s.note else ""), ""]
+
+
+def render(title: str, built: Built, main: Measurement, plan: Optional[CheckpointPlan], plan_error: Optional[str],
+           budget: object, rows: Sequence[SettingRow], static: StaticMemory, device_memory: Optional[int],
+           batch_sizes: Sequence[int]) -> str:
+    """The report, as Markdown."""
+    how = ("fake tensors (FakeTensorMode: no memory allocated)" if built.fake_mode is not None else "real tensors")
+    lines = [
+        f"# Checkpointing plan: {title}",
+        "",
+        f"One training step of {type(built.module).__name__} at batch size {main.batch_size}, measured on"
+        f" {built.device} with {how}, every matched layer fully checkpointed. Bytes are activations held for"
+        " backward; FLOPs are recomputed in backward per step (matmul and attention as torch's FlopCounterMode"
+        " counts them, one per output element for other ops). Every figure below is predicted from this one"
+        " measurement; no setting was run."
+        + (" Offload is on: checkpointed layers' inputs count as host memory." if built.offload is True else "")
+        + (" Offload is 'auto': the plan chooses per layer what lives in host memory (its `offload` column)."
+           if built.offload == "auto" else ""),
+        "",
+        *where_measured(built),
+        "## Layers",
+        "",
+        "| layer | class | none (B) | full (B) | selective (B) | recompute full (FLOP) | recompute selective (FLOP)"
+        " | plan | plan (B) | recompute plan (FLOP) |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    planned_costs = {c.name: c for c in plan.costs} if plan else {}
+    for c in main.costs:
+        mode, keep = (plan.layers[c.name], plan.kept_ops.get(c.name, ())) if plan else ("-", ())
+        planned = "- | -"
+        if plan:
+            option = make_option(planned_costs[c.name], mode, keep, c.name in plan.offloaded)  # type: ignore[arg-type]
+            planned = f"{_b(option.device_bytes)} | {_b(option.flops)}"
+            mode += " +offload" if plan.offload == "auto" and c.name in plan.offloaded else ""
+        lines.append(f"| {c.name} | {c.cls} | {_b(c.none_bytes)} | {_b(c.device_bytes('full', built.offload is True))}"
+                     f" | {_b(c.device_bytes('selective', built.offload is True))} | {_b(c.full_flops)}"
+                     f" | {_b(c.selective_flops)} | {mode} | {planned} |")
+    lines += [f"| (outside the layers) | | {_b(main.outside_bytes)} | {_b(main.outside_bytes)} | {_b(main.outside_bytes)}"
+              " | 0 | 0 | | | |", ""]
+    if plan is not None and plan.kept_ops:
+        lines += ["Op-level choices (`ops`): which op outputs each layer keeps and which ops it recomputes:", "",
+                  *[f"- {name}: {describe(c.ops, plan.kept_ops[name])}" for c in main.costs
+                    for name in [c.name] if name in plan.kept_ops],
+                  ""]
+    lines += [f"## Plan for memory_budget={budget!r}", ""]
+    if plan is not None:
+        n = sum(m != "none" for m in plan.layers.values())
+        lines.append(f"{n} of {len(plan.layers)} layers checkpointed"
+                     f" ({', '.join(f'{k}: {v}' for k, v in plan.layers.items() if v != 'none') or 'none needed'}):"
+                     f" activations {format_bytes(plan.planned_bytes)} ({100 * plan.planned_bytes / plan.baseline_bytes:.0f}%"
+                     f" of {format_bytes(plan.baseline_bytes)} without checkpointing), budget {format_bytes(plan.budget_bytes)};"
+                     f" recompute {_b(plan.recompute_flops)} FLOP per step"
+                     + (f"; {plan.step_time_text()}." if plan.predicted_step_seconds is not None else "."))
+    else:
+        lines.append(f"No plan: {plan_error}")
+    memory_head = f" | largest batch in {format_bytes(device_memory)}" if device_memory is not None else ""
+    timed = rows[0].predicted_step_seconds is not None
+    time_head = f" | predicted step time on {plan.device if plan else 'the device'} | vs none" if timed else ""
+    fit_head = " | fixed (B) | per sample (B)" if len(batch_sizes) > 1 else ""
+    none_bytes = rows[0].activation_bytes
+    lines += [
+        "",
+        "## Settings",
+        "",
+        f"| setting | checkpointed layers | activations (B) | activations | of none | recompute (FLOP)"
+        f" | static + activations{fit_head}{memory_head}{time_head} |",
+        "|---|---:|---:|---:|---:|---:|---:"
+        + "|---:" * ((len(batch_sizes) > 1) * 2 + (device_memory is not None) + 2 * timed) + "|",
+    ]
+    for r in rows:
+        fit = f" | {_b(r.fixed_bytes)} | {_b(r.per_sample_bytes)}" if len(batch_sizes) > 1 else ""
+        fits = (f" | {'unbounded' if r.largest_batch is None else r.largest_batch}" if device_memory is not None else "")
+        step = (f" | {1000 * r.predicted_step_seconds:.2f} ms"
+                f" | +{100 * (r.predicted_step_seconds / rows[0].predicted_step_seconds - 1):.0f}%"
+                if r.predicted_step_seconds is not None and rows[0].predicted_step_seconds else "")
+        lines.append(f"| {r.name} | {r.layers} | {_b(r.activation_bytes)} | {format_bytes(r.activation_bytes)}"
+                     f" | {100 * r.activation_bytes / none_bytes:.0f}% | {_b(r.recompute_flops)}"
+                     f" | {format_bytes(static.total + r.activation_bytes)}{fit}{fits}{step} |")
+    lines += ["", "Settings: " + "; ".join(f"{k}: {v}" for k, v in SETTINGS.items() if k in {r.name for r in rows}) + "."]
+    if len(batch_sizes) > 1:
+        lines.append(f"Activations were measured at batch sizes {batch_sizes[0]} and {batch_sizes[1]} and fitted as"
+                     " fixed + per sample x batch.")
+    if device_memory is not None:
+        lines.append(f"Largest batch: static memory plus activations within {format_bytes(device_memory)}"
+                     f" ({_b(device_memory)} B); the backward pass's transient memory (gradients being computed,"
+                     " recomputed layers, allocator slack) needs some headroom on top.")
+    state = "unknown" if static.optimizer_state is None else _b(static.optimizer_state)
+    lines += [
+        "",
+        "## Static memory (checkpointing does not change it)",
+        "",
+        "| weights and buffers (B) | gradients (B) | optimizer state (B) | optimizer | total |",
+        "|---:|---:|---:|---|---:|",
+        f"| {_b(static.weights)} | {_b(static.gradients)} | {state} | {static.optimizer} | {format_bytes(static.total)} |",
+        "",
+        *sharding_lines(static),
+        f"Optimizer state counted after one optimizer step. Without checkpointing, activations are"
+        f" {100 * none_bytes / (none_bytes + static.total):.0f}% of static memory plus activations"
+        + (": checkpointing cannot save much here; shard the weights and optimizer state (FSDP) or train fewer"
+           " parameters (PEFT)." if none_bytes < static.total else "."),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def report_data(title: str, built: Built, main: Measurement, plan: Optional[CheckpointPlan], plan_error: Optional[str],
+                budget: object, rows: Sequence[SettingRow], static: StaticMemory, device_memory: Optional[int],
+                batch_sizes: Sequence[int], front: Sequence[Mapping[str, int]],
+                profile: Optional[DeviceProfile] = None) -> dict[str, Any]:
+    """Every figure of the report as plain data (``plan.json``; the keys are listed in the docstring of
+    :mod:`lightning_ckpt.commands.plan`)."""
+    s = static.sharding
+    return {
+        "config": title,
+        "model": type(built.module).__name__,
+        "fake": built.fake_mode is not None,
+        "planned_for": built.planned_for,
+        "batch_sizes": list(batch_sizes),
+        "batch_size": main.batch_size,
+        "memory_budget": budget,
+        "device_memory": device_memory,
+        "device": profile.name if profile is not None else None,
+        "outside_bytes": main.outside_bytes,
+        "static_bytes_per_device": static.total,
+        "static": {"weights_bytes": static.weights, "gradient_bytes": static.gradients,
+                   "optimizer_state_bytes": static.optimizer_state, "optimizer": static.optimizer,
+                   "unsharded_bytes": static.unsharded, "strategy": s.strategy, "world": s.world,
+                   "weight_shards": s.weights, "state_shards": s.states, "note": s.note},
+        "layers": [{"name": c.name, "class": c.cls, "none_bytes": c.none_bytes,
+                    "full_bytes": c.device_bytes("full", built.offload is True),
+                    "selective_bytes": c.device_bytes("selective", built.offload is True), "full_flops": c.full_flops,
+                    "selective_flops": c.selective_flops} for c in main.costs],
+        "settings": [{"name": r.name, "description": SETTINGS.get(r.name, r.name), "checkpointed_layers": r.layers,
+                      "activation_bytes": r.activation_bytes, "recompute_flops": r.recompute_flops,
+                      "predicted_step_seconds": r.predicted_step_seconds, "fixed_bytes": r.fixed_bytes,
+                      "per_sample_bytes": r.per_sample_bytes, "largest_batch": r.largest_batch} for r in rows],
+        "plan": None if plan is None else {
+            "layers": dict(plan.layers),
+            "offloaded": list(plan.offloaded),
+            "budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes,
+            "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops,
+            "kept_ops": plan.kept_ops, "predicted_step_seconds": plan.predicted_step_seconds,
+            "baseline_step_seconds": plan.baseline_step_seconds},
+        "plan_error": plan_error,
+        "front": [dict(p) for p in front],
+    }
+
+
+def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
+    """Activations against recompute cost (predicted step time when every setting has one, else recompute FLOPs)
+    of every setting in ``data`` (:func:`report_data`), the planner's front over budgets as a line and the chosen
+    plan as a star; saved as a PNG. Returns the figure (``None`` without matplotlib). Points are in bytes and FLOPs
+    (or seconds), the axes' labels formatted for people.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import EngFormatter, MaxNLocator
+    except ImportError:
+        print("plan: the plot needs matplotlib (`pip install matplotlib`); wrote the report only.", file=sys.stderr)
+        return None
+    settings = data["settings"]
+    timed = all(s["predicted_step_seconds"] is not None for s in settings)
+    cost = "predicted_step_seconds" if timed else "recompute_flops"
+    fig = Figure(figsize=(6.5, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    front = [p for p in data["front"] if p.get(cost) is not None]
+    if front:
+        front = sorted(front, key=lambda p: p[cost])
+        ax.plot([p[cost] for p in front], [p["activation_bytes"] for p in front], ".-", color="tab:gray", alpha=0.6,
+                label="planner's front over budgets")
+    for s in settings:
+        chosen = s["name"] == "plan"
+        ax.scatter([s[cost]], [s["activation_bytes"]], marker="*" if chosen else "o", s=160 if chosen else 40,
+                   color="tab:red" if chosen else "black" if s["name"] == "none" else "tab:blue", zorder=3,
+                   label=s["name"])
+        ax.annotate("plan (chosen)" if chosen else s["name"], (s[cost], s["activation_bytes"]),
+                    textcoords="offset points", xytext=(5, 5), fontsize=9)
+    ax.xaxis.set_major_locator(MaxNLocator(5))
+    ax.xaxis.set_major_formatter(EngFormatter(unit="s" if timed else "FLOP"))
+    ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
+    ax.set_xlabel("predicted step time" if timed else "recompute per step")
+    ax.set_ylabel("activations held for backward, per device (MB = 10⁶ B)")
+    ax.legend(handles=ax.lines, loc="upper right", fontsize=8)
+    ax.set_title(f"Checkpointing plan: activations vs recompute\n{data['config']}", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    return fig
