@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_ckpt.callbacks.memory_monitor as monitor_module
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequences
-from lightning_ckpt.callbacks.memory_monitor import (
+from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
+from lightning_ckpt.core.memory_stats import (
     ACTIVATIONS,
     ACTIVATIONS_OFFLOADED,
     GIB,
@@ -31,7 +32,6 @@ from lightning_ckpt.callbacks.memory_monitor import (
     SAMPLES_PER_SEC,
     STEP_SEC,
     TOKENS_PER_SEC,
-    MemoryMonitor,
     all_gather_released,
 )
 from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, default_engine, use_engine
@@ -233,7 +233,7 @@ def test_cuda_device_peaks_and_real_offload(tmp_path, monkeypatch):
 
 def test_device_is_synchronised_only_on_logging_steps(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(monitor_module, "_synchronize", lambda device: calls.append(device))
+    monkeypatch.setattr(monitor_module, "synchronize", lambda device: calls.append(device))
     logger = CSVLogger(tmp_path, name="sync")
     trainer(tmp_path, [MemoryMonitor(log_every_n_steps=3)], logger=logger, max_steps=7).fit(tiny_gpt(), data())
     assert len(calls) == 2 + 1  # steps 3 and 6, and once for the end-of-fit summary

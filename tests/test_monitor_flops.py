@@ -8,9 +8,11 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_ckpt.callbacks.memory_monitor as monitor_module
+import lightning_ckpt.core.memory_stats as memory_stats
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequences
-from lightning_ckpt.callbacks.memory_monitor import RECOMPUTE_FLOPS_SHARE, MemoryMonitor, RecomputeCostMode
+from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
+from lightning_ckpt.core.memory_stats import RECOMPUTE_FLOPS_SHARE, RecomputeCostMode
 from lightning_ckpt.core.profiling import count_cost
 from lightning_ckpt.core.wrapping import apply_checkpointing
 from test_monitor import one_thread  # noqa: F401 - autouse: one intra-op thread on this small, shared machine
@@ -76,7 +78,7 @@ def test_flops_are_counted_on_logging_steps_only(tmp_path, monkeypatch):
             trainer_steps.append(trainer.global_step + 1)  # the optimizer step this batch belongs to
             super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
-    monkeypatch.setattr(monitor_module, "RecomputeCostMode", Spy)
+    monkeypatch.setattr(memory_stats, "RecomputeCostMode", Spy)
     monkeypatch.setattr(monitor_module, "FLOP_COUNT_EVERY", 4)
     monitor = fit(tmp_path, [StepOf(layer_cls=Block)], max_steps=11, log_every_n_steps=2)
     assert trainer_steps == list(range(1, 12))

@@ -7,225 +7,60 @@ Example::
 
     trainer = Trainer(log_every_n_steps=50, callbacks=[GradientCheckpointing(every_n_layers=2), MemoryMonitor()])
     trainer.fit(model)  # logs memory/*, throughput/*, time/step_sec, compute/*; prints a summary at the end
+
+The callback decides when to measure, gather and log; what it measures and computes (the probes, the reduction over
+ranks, the memory breakdown) is in :mod:`lightning_ckpt.core.memory_stats`, plain PyTorch.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
-import psutil
 import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lightning_ckpt.core.profiling import OpCostMode, SavedTensorCounter, optimizer_state_bytes, tensor_bytes
-from lightning_ckpt.core.wrapping import in_recompute
+from lightning_ckpt.core.memory_stats import (
+    ActivationProbe,
+    FlopProbe,
+    all_gather_released,
+    device_peak_bytes,
+    format_summary,
+    host_peak_rss_bytes,
+    host_rss_bytes,
+    interval_metrics,
+    local_summary,
+    metrics_vector,
+    reduce_metrics,
+    reduce_summary,
+    reset_device_peaks,
+    synchronize,
+    tokens_in_batch,
+)
 
-GIB = 2**30
+# Not used here: the compare command and tests/test_callback_budget.py still read these from this module.
+from lightning_ckpt.core.memory_stats import (  # noqa: F401
+    ACTIVATIONS,
+    ACTIVATIONS_OFFLOADED,
+    GIB,
+    HOST_RSS,
+    PEAK_ALLOCATED,
+    PEAK_RESERVED,
+    RECOMPUTE_FLOPS_SHARE,
+    SAMPLES_PER_SEC,
+    STEP_SEC,
+    TOKENS_PER_SEC,
+)
+from lightning_ckpt.core.profiling import tensor_bytes
 
-PEAK_ALLOCATED = "memory/peak_allocated_gib"
-PEAK_RESERVED = "memory/peak_reserved_gib"
-HOST_RSS = "memory/host_rss_gib"
-ACTIVATIONS = "memory/activations_gib"
-ACTIVATIONS_OFFLOADED = "memory/activations_offloaded_gib"
-SAMPLES_PER_SEC = "throughput/samples_per_sec"
-TOKENS_PER_SEC = "throughput/tokens_per_sec"
-STEP_SEC = "time/step_sec"
-RECOMPUTE_FLOPS_SHARE = "compute/recompute_flops_share"
 #: FLOPs are counted on a logging step at least this many optimizer steps after the last counted one.
 FLOP_COUNT_EVERY = 100
 
-#: Every key the monitor can log, and how it is combined over ranks: memory and step time are the
-#: maximum (the rank that runs out first / the slowest rank), rates are the sum.
-REDUCTIONS: dict[str, str] = {
-    PEAK_ALLOCATED: "max",
-    PEAK_RESERVED: "max",
-    HOST_RSS: "max",
-    ACTIVATIONS: "max",
-    ACTIVATIONS_OFFLOADED: "max",
-    SAMPLES_PER_SEC: "sum",
-    TOKENS_PER_SEC: "sum",
-    STEP_SEC: "max",
-    RECOMPUTE_FLOPS_SHARE: "max",
-}
-_KEYS = tuple(REDUCTIONS)
-
 Count = Union[int, torch.Tensor]
-
-
-def main_tensor(batch: Any) -> Optional[torch.Tensor]:
-    """The first tensor of a batch, depth first (a tensor, or inside tuples, lists and dicts), or ``None``.
-
-    Example::
-
-        >>> main_tensor({"input_ids": torch.zeros(2, 5, dtype=torch.long), "labels": torch.zeros(2)}).shape
-        torch.Size([2, 5])
-    """
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
-        for item in batch:
-            found = main_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
-def tokens_in_batch(batch: Any) -> Optional[int]:
-    """``batch * seq`` when the batch's main tensor holds token ids ``[batch, seq]`` (2-D, integer), else ``None``.
-
-    Example::
-
-        >>> tokens_in_batch((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long)))
-        64
-    """
-    tensor = main_tensor(batch)
-    if tensor is None or tensor.dim() != 2 or tensor.is_floating_point() or tensor.is_complex():
-        return None
-    return tensor.numel()
-
-
-def host_rss_bytes() -> int:
-    """Resident set size of this process, in bytes."""
-    return psutil.Process().memory_info().rss
-
-
-def host_peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far, in bytes (0 where the platform does not say)."""
-    try:
-        import resource
-    except ImportError:  # Windows
-        return getattr(psutil.Process().memory_info(), "peak_wset", 0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if psutil.MACOS else peak * 1024  # macOS reports bytes, Linux KiB
-
-
-def _device_module(device: torch.device) -> Optional[Any]:
-    """The ``torch.cuda``-like module of an accelerator that keeps allocator statistics, or ``None`` (CPU, MPS, ...)."""
-    if device.type == "cpu":
-        return None
-    module = getattr(torch, device.type, None)
-    if module is None or not hasattr(module, "max_memory_allocated"):
-        return None
-    return module
-
-
-def device_peak_bytes(device: torch.device) -> Optional[tuple[int, int]]:
-    """``(peak allocated, peak reserved)`` bytes on ``device`` since its peak counters were last reset, or ``None``."""
-    module = _device_module(device)
-    if module is None:
-        return None
-    return module.max_memory_allocated(device), module.max_memory_reserved(device)
-
-
-def reset_device_peaks(device: torch.device) -> None:
-    """Reset the peak memory counters of ``device`` (no-op without allocator statistics)."""
-    module = _device_module(device)
-    if module is not None:
-        module.reset_peak_memory_stats(device)
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for the work queued on ``device``, so that wall time covers it. No-op on CPU."""
-    if device.type == "cpu":
-        return
-    module = getattr(torch, device.type, None)
-    if module is not None and hasattr(module, "synchronize"):
-        module.synchronize(device)
-
-
-class _ActivationProbe:
-    """Counts bytes saved for backward between ``start`` (before a training forward) and ``stop`` (before backward)."""
-
-    def __init__(self) -> None:
-        self._counter: Optional[SavedTensorCounter] = None
-
-    @property
-    def active(self) -> bool:
-        return self._counter is not None
-
-    def start(self, parameters: Iterable[torch.Tensor]) -> None:
-        self.stop()
-        self._counter = SavedTensorCounter(exclude=parameters)
-        self._counter.__enter__()
-
-    def stop(self) -> Optional[tuple[int, int]]:
-        """Leave the hooks; return ``(bytes, offloaded bytes)`` if a count was running."""
-        counter, self._counter = self._counter, None
-        if counter is None:
-            return None
-        counter.__exit__(None, None, None)
-        return counter.bytes, counter.offloaded_bytes
-
-
-class RecomputeCostMode(OpCostMode):
-    """Count a step's FLOPs as the planner does (:class:`~lightning_ckpt.core.profiling.OpCostMode`: torch's formulas for
-    matmul, convolution and attention, one per output element for every other op) and, apart, those of checkpoint's
-    recomputation (ops run while :func:`~lightning_ckpt.core.wrapping.in_recompute` is true).
-
-    ``OpCostMode`` rather than torch's ``FlopCounterMode``: ``FlopCounterMode`` counts only matmul-like ops, so the
-    cheap ops that selective checkpointing recomputes would count as free and its share would read 0. Outputs that
-    selective checkpointing kept are not run again in the recompute, and not counted. Only the totals are kept.
-
-    Example::
-
-        >>> from lightning_ckpt.core.wrapping import apply_checkpointing
-        >>> layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
-        >>> apply_checkpointing(layer, layer_cls=torch.nn.Sequential)
-        ['']
-        >>> with RecomputeCostMode() as cost:
-        ...     layer(torch.randn(4, 8)).sum().backward()
-        >>> cost.recompute  # the matmul (2 * 4 * 8 * 8) again, to get GELU's input back; GELU itself is not needed
-        512
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.recompute = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict] = None) -> Any:
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        flops, _ = self.log.pop()  # totals only: a step runs too many ops to keep each one
-        if in_recompute():
-            self.recompute += flops
-        return out
-
-
-class _FlopProbe:
-    """Counts FLOPs (all, and recomputed) between ``start`` (a training batch starts) and ``stop`` (its backward is
-    done), summed over the micro-batches of one optimizer step until ``take``."""
-
-    def __init__(self) -> None:
-        self._mode: Optional[RecomputeCostMode] = None
-        self.total = 0
-        self.recompute = 0
-
-    def start(self) -> None:
-        self.stop()
-        self._mode = RecomputeCostMode()
-        self._mode.__enter__()
-
-    def stop(self) -> None:
-        mode, self._mode = self._mode, None
-        if mode is not None:
-            mode.__exit__(None, None, None)
-            self.total += mode.total
-            self.recompute += mode.recompute
-
-    def take(self) -> Optional[float]:
-        """The recompute's share of the FLOPs counted since the last ``take`` (``None`` if none were); resets."""
-        self.stop()
-        share = self.recompute / self.total if self.total else None
-        self.total = self.recompute = 0
-        return share
 
 
 class MemoryMonitor(Callback):
@@ -244,8 +79,8 @@ class MemoryMonitor(Callback):
       tensor holds token ids ``[batch, seq]``), ``time/step_sec``: averages over the steps since the last log,
       validation excluded.
     - ``compute/recompute_flops_share``: the FLOPs that checkpointing recomputes over all FLOPs of the step's forward
-      and backward (0 without checkpointing; optimizer step excluded), counted by :class:`RecomputeCostMode` as the
-      planner counts them. Counting puts every op through a Python dispatch mode, which slows that step (and runs a
+      and backward (0 without checkpointing; optimizer step excluded), counted by
+      :class:`~lightning_ckpt.core.memory_stats.RecomputeCostMode` as the planner counts them. Counting puts every op through a Python dispatch mode, which slows that step (and runs a
       compiled model eagerly for it), so it runs on logging steps only, never the first step, and at most once every
       :data:`FLOP_COUNT_EVERY` optimizer steps; logging steps in between repeat the last count. No other step is
       touched.
@@ -292,8 +127,8 @@ class MemoryMonitor(Callback):
         self.metrics: dict[str, float] = {}
         self.local_metrics: dict[str, float] = {}
         self.summary: dict[str, Any] = {}
-        self._probe = _ActivationProbe()
-        self._flops = _FlopProbe()
+        self._probe = ActivationProbe()
+        self._flops = FlopProbe()
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -435,77 +270,59 @@ class MemoryMonitor(Callback):
     def _local_values(self, trainer: pl.Trainer) -> dict[str, float]:
         """This rank's figures since the last log. Synchronises the device (only called on logging steps)."""
         device = trainer.strategy.root_device
-        _synchronize(device)
+        synchronize(device)
         samples, tokens = int(self._samples), int(self._tokens)
         self._throughput.update(
             time=self._elapsed(), batches=self._steps, samples=samples, lengths=tokens if self._has_tokens else None
         )
         rates = self._throughput.compute()
-        values = {key: math.nan for key in _KEYS}
         peaks = device_peak_bytes(device)
         if peaks is not None:
-            values[PEAK_ALLOCATED], values[PEAK_RESERVED] = peaks[0] / GIB, peaks[1] / GIB
             self._peak_device = max(self._peak_device, peaks)
             reset_device_peaks(device)
         rss = host_rss_bytes()
         self._peak_rss = max(self._peak_rss, rss)
-        values[HOST_RSS] = rss / GIB
-        if self._step_activations is not None:
-            values[ACTIVATIONS] = self._step_activations[0] / GIB
-            values[ACTIVATIONS_OFFLOADED] = self._step_activations[1] / GIB
-        values[SAMPLES_PER_SEC] = rates["device/samples_per_sec"]
-        if "device/items_per_sec" in rates:
-            values[TOKENS_PER_SEC] = rates["device/items_per_sec"]
-        values[STEP_SEC] = 1.0 / rates["device/batches_per_sec"]
         share = self._flops.take()
         if share is not None:
             self._recompute_share, self._flops_counted_at = share, trainer.global_step
-        if self._recompute_share is not None:
-            values[RECOMPUTE_FLOPS_SHARE] = self._recompute_share
-        return values
+        return interval_metrics(
+            host_rss=rss,
+            samples_per_sec=rates["device/samples_per_sec"],
+            batches_per_sec=rates["device/batches_per_sec"],
+            tokens_per_sec=rates.get("device/items_per_sec"),
+            device_peaks=peaks,
+            activations=self._step_activations,
+            recompute_share=self._recompute_share,
+        )
 
     def _log(self, trainer: pl.Trainer) -> None:
-        self.local_metrics = {k: v for k, v in self._local_values(trainer).items() if not math.isnan(v)}
-        local = torch.tensor([self.local_metrics.get(k, math.nan) for k in _KEYS], dtype=torch.float64)
-        self.metrics = _reduce_over_ranks(trainer, local)
+        self.local_metrics = self._local_values(trainer)
+        self.metrics = reduce_metrics(_gather(trainer, metrics_vector(self.local_metrics)))
         step = trainer.global_step - 1  # the index Lightning logs `self.log` values of this step under
         for logger in trainer.loggers:
             logger.log_metrics(self.metrics, step=step)
 
     def _summarize(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         device = trainer.strategy.root_device
-        _synchronize(device)
+        synchronize(device)
         elapsed = self._elapsed()
         peaks = device_peak_bytes(device)
         if peaks is not None:
             self._peak_device = max(self._peak_device, peaks)
-        local = {
-            "peak_allocated_bytes": float(self._peak_device[0]) if peaks is not None else math.nan,
-            "peak_reserved_bytes": float(self._peak_device[1]) if peaks is not None else math.nan,
-            "peak_host_rss_bytes": float(max(self._peak_rss, host_peak_rss_bytes())),
-            "activation_bytes": float(self._peak_activations[0]),
-            "offloaded_activation_bytes": float(self._peak_activations[1]),
-            "parameter_bytes": float(tensor_bytes(pl_module.parameters())),
-            "gradient_bytes": float(self._gradient_bytes or 0),
-            "optimizer_state_bytes": float(optimizer_state_bytes(trainer.optimizers)),
-            "samples_per_sec": int(self._samples) / elapsed if elapsed > 0 else math.nan,
-            "tokens_per_sec": int(self._tokens) / elapsed if elapsed > 0 and self._has_tokens else math.nan,
-        }
+        local = local_summary(
+            parameters=pl_module.parameters(),
+            optimizers=trainer.optimizers,
+            gradient_bytes=self._gradient_bytes,
+            activations=self._peak_activations,
+            peak_host_rss=max(self._peak_rss, host_peak_rss_bytes()),
+            peak_device=self._peak_device if peaks is not None else None,
+            samples=int(self._samples),
+            tokens=int(self._tokens) if self._has_tokens else None,
+            elapsed=elapsed,
+        )
         gathered = _gather(trainer, torch.tensor(list(local.values()), dtype=torch.float64))
-        summary: dict[str, Any] = {"steps": self._steps, "world_size": gathered.shape[0], "device": device.type}
-        for i, key in enumerate(local):
-            column = gathered[:, i]
-            if torch.isnan(column).any():
-                summary[key] = None
-            elif key.endswith("_per_sec"):
-                summary[key] = float(column.sum())
-            else:
-                summary[key] = float(column.max())
-        for key in ("peak_allocated_bytes", "peak_reserved_bytes", "peak_host_rss_bytes", "activation_bytes",
-                    "offloaded_activation_bytes", "parameter_bytes", "gradient_bytes", "optimizer_state_bytes"):
-            if summary[key] is not None:
-                summary[key] = int(summary[key])
-        return summary
+        return {"steps": self._steps, "world_size": gathered.shape[0], "device": device.type,
+                **reduce_summary(list(local), gathered)}
 
 
 def _gather(trainer: pl.Trainer, local: torch.Tensor) -> torch.Tensor:
@@ -514,92 +331,3 @@ def _gather(trainer: pl.Trainer, local: torch.Tensor) -> torch.Tensor:
     if on_device.device.type == "cpu" and torch.distributed.is_available() and torch.distributed.is_initialized():
         return all_gather_released(on_device).reshape(-1, local.numel())
     return trainer.strategy.all_gather(on_device).reshape(-1, local.numel()).cpu()
-
-
-def all_gather_released(tensor: torch.Tensor, timeout: float = 10.0) -> torch.Tensor:
-    """``[world_size, *tensor.shape]``: ``tensor`` from every rank of the default process group, returned only once
-    the process group has let go of the tensors it was given (at most ``timeout`` seconds after the collective).
-
-    Gloo runs a collective on a worker thread, which drops its references to the input and output tensors only
-    *after* the caller has returned. Dropping the last C++ reference to a tensor that Python created takes the GIL.
-    When the summary gathered at the end of ``fit`` is the last thing a process does, the interpreter can start
-    shutting down first: the worker thread, waiting for the GIL, is then ended mid-destructor and the process aborts
-    ("terminate called without an active exception"), although training finished. Waiting here (the GIL released,
-    usually well under a millisecond) takes that race away.
-
-    Example::
-
-        >>> all_gather_released(torch.tensor([1.0, 2.0]))  # one process, no process group: just this rank
-        tensor([[1., 2.]])
-    """
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return tensor.unsqueeze(0)
-    outputs = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(outputs, tensor)
-    held = [tensor, *outputs]
-    deadline = time.monotonic() + timeout
-    while any(t._use_count() > 1 for t in held) and time.monotonic() < deadline:
-        time.sleep(1e-4)
-    return torch.stack(outputs)
-
-
-def _reduce_over_ranks(trainer: pl.Trainer, local: torch.Tensor) -> dict[str, float]:
-    """Combine each rank's values per :data:`REDUCTIONS`; keys missing on any rank are left out."""
-    gathered = _gather(trainer, local)
-    metrics = {}
-    for i, key in enumerate(_KEYS):
-        column = gathered[:, i]
-        if torch.isnan(column).any():
-            continue
-        metrics[key] = float(column.sum() if REDUCTIONS[key] == "sum" else column.max())
-    return metrics
-
-
-def _gib(num_bytes: Optional[float]) -> str:
-    return "n/a" if num_bytes is None else f"{num_bytes / GIB:.3g} GiB"
-
-
-def format_summary(summary: Mapping[str, Any]) -> str:
-    """The end-of-fit report of :class:`MemoryMonitor` as text.
-
-    Example::
-
-        >>> print(format_summary({"steps": 10, "world_size": 1, "device": "cpu", "peak_allocated_bytes": None,
-        ...     "peak_reserved_bytes": None, "peak_host_rss_bytes": 2**30, "activation_bytes": 2**29,
-        ...     "offloaded_activation_bytes": 0, "parameter_bytes": 2**20, "gradient_bytes": 2**20,
-        ...     "optimizer_state_bytes": 2**21, "samples_per_sec": 100.0, "tokens_per_sec": None}).splitlines()[-1])
-          Activations (0.5 GiB) are the largest part: checkpointing more layers (smaller `every_n_layers`) or `offload=True` shrinks them.
-    """
-    ranks = f", {summary['world_size']} processes" if summary["world_size"] > 1 else ""
-    lines = [f"MemoryMonitor summary ({summary['steps']} steps{ranks}):"]
-    if summary["peak_allocated_bytes"] is not None:
-        lines.append(f"  peak device memory: {_gib(summary['peak_allocated_bytes'])} allocated,"
-                     f" {_gib(summary['peak_reserved_bytes'])} reserved; peak host RSS {_gib(summary['peak_host_rss_bytes'])}")
-    else:
-        lines.append(f"  peak device memory: n/a ({summary['device']} run); peak host RSS {_gib(summary['peak_host_rss_bytes'])}")
-    offloaded = summary["offloaded_activation_bytes"]
-    lines.append(f"  peak activations:   {_gib(summary['activation_bytes'])} held for backward"
-                 + (f" (+ {_gib(offloaded)} offloaded to host memory)" if offloaded else ""))
-    rate = summary["samples_per_sec"]
-    tokens = summary.get("tokens_per_sec")
-    lines.append(f"  throughput:         {rate:,.1f} samples/s" + (f", {tokens:,.0f} tokens/s" if tokens else "")
-                 if rate is not None else "  throughput:         n/a")
-    weights = summary["parameter_bytes"] + summary["gradient_bytes"] + summary["optimizer_state_bytes"]
-    activations = summary["activation_bytes"]
-    per = " per process" if summary["world_size"] > 1 else ""
-    lines.append(f"  memory breakdown{per}: parameters {_gib(summary['parameter_bytes'])}, gradients"
-                 f" {_gib(summary['gradient_bytes'])}, optimizer state {_gib(summary['optimizer_state_bytes'])},"
-                 f" activations {_gib(activations)}")
-    if weights >= activations:
-        lines.append(
-            f"  Parameters, gradients and optimizer state ({_gib(weights)}) outweigh activations ({_gib(activations)}):"
-            " checkpointing cannot shrink them. Shard them across devices (FSDP, DeepSpeed ZeRO) or train fewer"
-            " parameters (parameter-efficient tuning such as LoRA) instead."
-        )
-    else:
-        lines.append(
-            f"  Activations ({_gib(activations)}) are the largest part: checkpointing more layers (smaller"
-            " `every_n_layers`) or `offload=True` shrinks them."
-        )
-    return "\n".join(lines)

@@ -6,6 +6,8 @@
 - :mod:`~lightning_ckpt.core.policies`: selective checkpointing (which op outputs are kept);
 - :mod:`~lightning_ckpt.core.offload`: saved tensors in pinned host memory, on side streams;
 - :mod:`~lightning_ckpt.core.profiling`: bytes held for backward and FLOPs;
+- :mod:`~lightning_ckpt.core.memory_stats`: what ``MemoryMonitor`` measures and computes (probes, reductions over
+  ranks, the memory breakdown);
 - :mod:`~lightning_ckpt.core.op_curve`, :mod:`~lightning_ckpt.core.planner`,
   :mod:`~lightning_ckpt.core.device_profile`: the memory-budget planner and its time model;
 - :mod:`~lightning_ckpt.core.placement`: checkpointing inside FSDP units, never around them.

@@ -1,0 +1,333 @@
+"""The arithmetic of MemoryMonitor without a Trainer: reductions over ranks on hand-made gathered tensors, the summary's
+breakdown and its advice, batches' tokens, and the probes on a tiny model (bytes checked with torch's own hooks)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_ckpt.core.memory_stats import (
+    ACTIVATIONS,
+    ACTIVATIONS_OFFLOADED,
+    GIB,
+    HOST_RSS,
+    METRIC_KEYS,
+    PEAK_ALLOCATED,
+    PEAK_RESERVED,
+    RECOMPUTE_FLOPS_SHARE,
+    REDUCTIONS,
+    SAMPLES_PER_SEC,
+    STEP_SEC,
+    TOKENS_PER_SEC,
+    ActivationProbe,
+    FlopProbe,
+    all_gather_released,
+    device_peak_bytes,
+    format_summary,
+    interval_metrics,
+    local_summary,
+    main_tensor,
+    metrics_vector,
+    reduce_metrics,
+    reduce_summary,
+    tokens_in_batch,
+)
+from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.profiling import count_cost
+from lightning_ckpt.core.wrapping import apply_checkpointing
+
+NAN = math.nan
+
+
+# ------------------------------------------------------------------------------------------------
+# Over ranks
+# ------------------------------------------------------------------------------------------------
+
+
+def test_reductions_are_max_for_memory_and_time_and_sum_for_rates():
+    assert {key for key, how in REDUCTIONS.items() if how == "sum"} == {SAMPLES_PER_SEC, TOKENS_PER_SEC}
+    assert set(REDUCTIONS.values()) == {"max", "sum"} and METRIC_KEYS == tuple(REDUCTIONS)
+    ranks = [
+        {PEAK_ALLOCATED: 3.0, PEAK_RESERVED: 4.0, HOST_RSS: 1.5, ACTIVATIONS: 0.25, ACTIVATIONS_OFFLOADED: 0.0,
+         SAMPLES_PER_SEC: 100.0, TOKENS_PER_SEC: 1600.0, STEP_SEC: 0.2, RECOMPUTE_FLOPS_SHARE: 0.3},
+        {PEAK_ALLOCATED: 5.0, PEAK_RESERVED: 6.0, HOST_RSS: 1.0, ACTIVATIONS: 0.5, ACTIVATIONS_OFFLOADED: 0.125,
+         SAMPLES_PER_SEC: 80.0, TOKENS_PER_SEC: 1280.0, STEP_SEC: 0.25, RECOMPUTE_FLOPS_SHARE: 0.2},
+        {PEAK_ALLOCATED: 4.0, PEAK_RESERVED: 7.0, HOST_RSS: 2.0, ACTIVATIONS: 0.375, ACTIVATIONS_OFFLOADED: 0.0,
+         SAMPLES_PER_SEC: 90.0, TOKENS_PER_SEC: 1440.0, STEP_SEC: 0.3, RECOMPUTE_FLOPS_SHARE: 0.25},
+    ]
+    gathered = torch.stack([metrics_vector(rank) for rank in ranks])
+    assert gathered.shape == (3, len(METRIC_KEYS)) and gathered.dtype == torch.float64
+    reduced = reduce_metrics(gathered)
+    assert reduced == {PEAK_ALLOCATED: 5.0, PEAK_RESERVED: 7.0, HOST_RSS: 2.0, ACTIVATIONS: 0.5,
+                       ACTIVATIONS_OFFLOADED: 0.125, SAMPLES_PER_SEC: 270.0, TOKENS_PER_SEC: 4320.0, STEP_SEC: 0.3,
+                       RECOMPUTE_FLOPS_SHARE: 0.3}
+    assert list(reduced) == list(METRIC_KEYS)  # logged in the keys' order
+    assert all(type(value) is float for value in reduced.values())
+
+
+def test_a_key_missing_on_any_rank_is_dropped_and_one_rank_is_its_own_metrics():
+    one = {HOST_RSS: 1.0, SAMPLES_PER_SEC: 10.0, STEP_SEC: 0.5, PEAK_ALLOCATED: 2.0}
+    two = {HOST_RSS: 3.0, SAMPLES_PER_SEC: 20.0, STEP_SEC: 0.25}  # a rank without device peaks, say
+    assert reduce_metrics(metrics_vector(one).unsqueeze(0)) == one
+    assert reduce_metrics(torch.stack([metrics_vector(one), metrics_vector(two)])) == {
+        HOST_RSS: 3.0, SAMPLES_PER_SEC: 30.0, STEP_SEC: 0.5}
+    assert reduce_metrics(torch.full((2, len(METRIC_KEYS)), NAN, dtype=torch.float64)) == {}
+
+
+def test_metrics_vector_puts_each_key_in_its_column():
+    row = metrics_vector({TOKENS_PER_SEC: 7.0, PEAK_RESERVED: 2.0})
+    assert row[METRIC_KEYS.index(TOKENS_PER_SEC)] == 7.0 and row[METRIC_KEYS.index(PEAK_RESERVED)] == 2.0
+    assert int(torch.isnan(row).sum()) == len(METRIC_KEYS) - 2
+
+
+def test_summary_reduction_sums_rates_takes_the_largest_bytes_as_ints_and_none_for_missing():
+    keys = ["peak_allocated_bytes", "parameter_bytes", "samples_per_sec", "tokens_per_sec"]
+    gathered = torch.tensor([[2.0 * GIB, 1024.0, 10.5, NAN],
+                             [3.0 * GIB, 2048.0, 12.0, 100.0]], dtype=torch.float64)
+    summary = reduce_summary(keys, gathered)
+    assert summary == {"peak_allocated_bytes": 3 * GIB, "parameter_bytes": 2048, "samples_per_sec": 22.5,
+                       "tokens_per_sec": None}
+    assert type(summary["parameter_bytes"]) is int and type(summary["samples_per_sec"]) is float
+
+
+def test_all_gather_released_without_a_process_group_is_this_rank_alone():
+    local = torch.tensor([1.0, NAN, 3.0], dtype=torch.float64)
+    gathered = all_gather_released(local)
+    assert gathered.shape == (1, 3) and torch.equal(gathered[0, [0, 2]], local[[0, 2]])
+    assert reduce_metrics(all_gather_released(metrics_vector({STEP_SEC: 0.5}))) == {STEP_SEC: 0.5}
+
+
+# ------------------------------------------------------------------------------------------------
+# One rank's figures
+# ------------------------------------------------------------------------------------------------
+
+
+def test_interval_metrics_in_gib_and_per_second_unmeasured_left_out():
+    metrics = interval_metrics(host_rss=3 * GIB // 2, samples_per_sec=64.0, batches_per_sec=8.0, tokens_per_sec=1024.0,
+                               device_peaks=(GIB, 2 * GIB), activations=(GIB // 4, GIB // 8), recompute_share=0.3)
+    assert metrics == {PEAK_ALLOCATED: 1.0, PEAK_RESERVED: 2.0, HOST_RSS: 1.5, ACTIVATIONS: 0.25,
+                       ACTIVATIONS_OFFLOADED: 0.125, SAMPLES_PER_SEC: 64.0, TOKENS_PER_SEC: 1024.0, STEP_SEC: 0.125,
+                       RECOMPUTE_FLOPS_SHARE: 0.3}
+    cpu = interval_metrics(host_rss=GIB, samples_per_sec=NAN, batches_per_sec=2.0)
+    assert cpu == {HOST_RSS: 1.0, STEP_SEC: 0.5}  # a rate that is not a number is left out too
+    assert interval_metrics(host_rss=0, samples_per_sec=1.0, batches_per_sec=1.0, recompute_share=0.0)[
+        RECOMPUTE_FLOPS_SHARE] == 0.0  # 0 (nothing recomputed) is a figure, not a missing one
+
+
+def test_local_summary_counts_parameters_once_and_adam_state_and_rates():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.Linear(6, 10, bias=True))
+    model[1].weight = model[0].weight  # tied: one storage, counted once
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params == 10 * 6 + 10
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    adam.step()
+    figures = local_summary(parameters=model.parameters(), optimizers=[adam], gradient_bytes=4 * n_params,
+                            activations=(3 * 2**20, 2**20), peak_host_rss=GIB, peak_device=(5 * GIB, 6 * GIB),
+                            samples=300, tokens=900, elapsed=4.0)
+    assert figures == {
+        "peak_allocated_bytes": 5.0 * GIB, "peak_reserved_bytes": 6.0 * GIB, "peak_host_rss_bytes": 1.0 * GIB,
+        "activation_bytes": 3.0 * 2**20, "offloaded_activation_bytes": 1.0 * 2**20,
+        "parameter_bytes": 4.0 * n_params, "gradient_bytes": 4.0 * n_params,
+        # two float32 moments per parameter, and a float32 `step` per parameter tensor (2 tensors: the tied one once)
+        "optimizer_state_bytes": 8.0 * n_params + 4 * 2,
+        "samples_per_sec": 75.0, "tokens_per_sec": 225.0,
+    }
+    cpu = local_summary(parameters=[], optimizers=[], gradient_bytes=None, activations=(0, 0), peak_host_rss=1,
+                        samples=5, elapsed=0.0)
+    assert cpu["gradient_bytes"] == 0.0
+    assert all(math.isnan(cpu[key]) for key in
+               ("peak_allocated_bytes", "peak_reserved_bytes", "samples_per_sec", "tokens_per_sec"))
+
+
+# ------------------------------------------------------------------------------------------------
+# The summary's text
+# ------------------------------------------------------------------------------------------------
+
+
+def summary(**figures) -> dict:
+    base = {"steps": 10, "world_size": 1, "device": "cpu", "peak_allocated_bytes": None, "peak_reserved_bytes": None,
+            "peak_host_rss_bytes": 2 * GIB, "activation_bytes": GIB, "offloaded_activation_bytes": 0,
+            "parameter_bytes": GIB // 8, "gradient_bytes": GIB // 8, "optimizer_state_bytes": GIB // 4,
+            "samples_per_sec": 1234.5, "tokens_per_sec": None}
+    return {**base, **figures}
+
+
+def test_summary_says_activations_are_the_largest_part_when_they_are():
+    lines = format_summary(summary()).splitlines()
+    assert lines == [
+        "MemoryMonitor summary (10 steps):",
+        "  peak device memory: n/a (cpu run); peak host RSS 2 GiB",
+        "  peak activations:   1 GiB held for backward",
+        "  throughput:         1,234.5 samples/s",
+        "  memory breakdown: parameters 0.125 GiB, gradients 0.125 GiB, optimizer state 0.25 GiB, activations 1 GiB",
+        "  Activations (1 GiB) are the largest part: checkpointing more layers (smaller `every_n_layers`) or"
+        " `offload=True` shrinks them.",
+    ]
+
+
+def test_summary_says_weights_outweigh_activations_and_names_the_processes():
+    text = format_summary(summary(world_size=4, device="cuda", peak_allocated_bytes=3 * GIB,
+                                  peak_reserved_bytes=4 * GIB, activation_bytes=GIB // 4,
+                                  offloaded_activation_bytes=GIB // 16, optimizer_state_bytes=GIB,
+                                  tokens_per_sec=98765.4))
+    lines = text.splitlines()
+    assert lines[0] == "MemoryMonitor summary (10 steps, 4 processes):"
+    assert lines[1] == "  peak device memory: 3 GiB allocated, 4 GiB reserved; peak host RSS 2 GiB"
+    assert lines[2] == "  peak activations:   0.25 GiB held for backward (+ 0.0625 GiB offloaded to host memory)"
+    assert lines[3] == "  throughput:         1,234.5 samples/s, 98,765 tokens/s"
+    assert lines[4].startswith("  memory breakdown per process: parameters 0.125 GiB")
+    # 0.125 + 0.125 + 1 GiB of weights against 0.25 GiB of activations
+    assert lines[5].startswith("  Parameters, gradients and optimizer state (1.25 GiB) outweigh activations (0.25 GiB):"
+                               " checkpointing cannot shrink them.")
+    assert "largest part" not in text
+
+
+def test_summary_ties_go_to_the_weights_and_missing_throughput_reads_na():
+    # weights (0.125 + 0.125 + 0.25 GiB) equal to the activations: checkpointing is not the lever
+    lines = format_summary(summary(samples_per_sec=None, activation_bytes=GIB // 2)).splitlines()
+    assert lines[3] == "  throughput:         n/a"
+    assert "(0.5 GiB) outweigh activations (0.5 GiB)" in lines[5]
+    assert "largest part" in format_summary(summary(activation_bytes=GIB // 2, optimizer_state_bytes=GIB // 4 - 1))
+
+
+def test_two_ranks_from_local_figures_to_the_text():
+    model = torch.nn.Linear(256, 256, bias=False)  # 256 KiB of float32
+    ranks = [local_summary(parameters=model.parameters(), optimizers=[], gradient_bytes=2**18, activations=(act, 0),
+                           peak_host_rss=rss, samples=100, elapsed=2.0)
+             for act, rss in ((2**20, GIB), (2**21, GIB // 2))]
+    keys = list(ranks[0])
+    gathered = torch.stack([torch.tensor(list(rank.values()), dtype=torch.float64) for rank in ranks])
+    reduced = {"steps": 5, "world_size": 2, "device": "cpu", **reduce_summary(keys, gathered)}
+    assert reduced["activation_bytes"] == 2**21 and reduced["peak_host_rss_bytes"] == GIB
+    assert reduced["samples_per_sec"] == 100.0 and reduced["tokens_per_sec"] is None
+    assert reduced["peak_allocated_bytes"] is None
+    text = format_summary(reduced)
+    assert "(5 steps, 2 processes)" in text and "100.0 samples/s\n" in text
+    assert text.endswith("Activations (0.00195 GiB) are the largest part: checkpointing more layers (smaller"
+                         " `every_n_layers`) or `offload=True` shrinks them.")
+
+
+# ------------------------------------------------------------------------------------------------
+# Batches and device reads
+# ------------------------------------------------------------------------------------------------
+
+
+def test_main_tensor_is_the_first_tensor_depth_first_in_nested_batches():
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    batch = ("a caption", [{"meta": "x", "input_ids": ids}, torch.ones(3)], torch.zeros(3, 7))
+    assert main_tensor(batch) is ids
+    assert main_tensor({"empty": [], "inner": {"mask": ids}}) is ids
+    assert main_tensor(["text", b"bytes", {"k": 1}]) is None
+
+
+@pytest.mark.parametrize("batch, tokens", [
+    ((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4)), 64),
+    ({"batch": [{"input_ids": torch.zeros(2, 9, dtype=torch.int32)}], "labels": torch.zeros(2, 9)}, 18),
+    (torch.zeros(4, 16), None),  # float features, not token ids
+    (torch.zeros(4, 16, dtype=torch.complex64), None),
+    (torch.zeros(16, dtype=torch.long), None),  # 1-D: no sequence dimension
+    (torch.zeros(2, 3, 4, dtype=torch.long), None),
+    ([{"text": "no tensor"}], None),
+])
+def test_tokens_in_batch(batch, tokens):
+    assert tokens_in_batch(batch) == tokens
+
+
+def test_devices_without_allocator_statistics_have_no_peaks():
+    assert device_peak_bytes(torch.device("cpu")) is None
+    assert device_peak_bytes(torch.device("meta")) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# The probes
+# ------------------------------------------------------------------------------------------------
+
+
+def two_layers() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU()), torch.nn.Linear(16, 4))
+
+
+def bytes_saved_by_hooks(model: torch.nn.Module, x: torch.Tensor, exclude_parameters: bool = True) -> int:
+    """Bytes of the storages that torch's saved-tensor hooks see saved in a forward, parameters left out."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters() if exclude_parameters}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x).sum()
+    return sum(storages.values())
+
+
+def test_activation_probe_counts_what_torchs_hooks_see_saved():
+    model, x = two_layers(), torch.randn(4, 8)
+    probe = ActivationProbe()
+    probe.start(model.parameters())
+    assert probe.active
+    loss = model(x).sum()
+    counted = probe.stop()
+    # the input of the first Linear (4 x 8) and the ReLU's output, which is the second Linear's input (4 x 16)
+    assert counted == (4 * 8 * 4 + 4 * 16 * 4, 0) == (bytes_saved_by_hooks(model, x), 0)
+    assert not probe.active and probe.stop() is None
+    loss.backward()  # the hooks are gone; backward runs as usual
+    probe.start(model.parameters())
+    probe.start(model.parameters())  # a second start restarts the count
+    model(x).sum()
+    assert probe.stop() == counted
+
+
+def test_activation_probe_counts_parameters_when_not_told_they_are_parameters():
+    model, x = two_layers(), torch.randn(4, 8)
+    probe = ActivationProbe()
+    probe.start([])
+    model(x).sum()
+    # the second Linear's weight, saved for its input's gradient; not the first's (its input needs none), no bias
+    weights = 4 * 16 * 4
+    assert probe.stop() == (384 + weights, 0) == (bytes_saved_by_hooks(model, x, exclude_parameters=False), 0)
+
+
+def test_activation_probe_splits_offloaded_bytes():
+    model, x = two_layers(), torch.randn(4, 8)
+    apply_checkpointing(model[0], layer_cls=torch.nn.Sequential, offload=True)
+    probe = ActivationProbe()
+    with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)):
+        probe.start(model.parameters())
+        loss = model(x).sum()
+        counted = probe.stop()
+        loss.backward()
+    # the checkpointed layer's input goes to "host"; the ReLU output, the next Linear's input, stays
+    assert counted == (4 * 16 * 4, 4 * 8 * 4)
+
+
+def test_flop_probe_share_is_the_recomputed_flops_over_all():
+    plain, checkpointed, x = two_layers(), two_layers(), torch.randn(4, 8)
+    apply_checkpointing(checkpointed[0], layer_cls=torch.nn.Sequential)
+    step = lambda model: model(x).sum().backward()  # noqa: E731
+    plain_cost = count_cost(lambda: step(plain))
+    checkpointed.zero_grad(set_to_none=True)
+    checkpointed_cost = count_cost(lambda: step(checkpointed))
+    recomputed = 2 * 4 * 8 * 16 + 4 * 16  # the first Linear's matmul and the ReLU, run again in backward
+    assert checkpointed_cost - plain_cost == recomputed
+
+    probe = FlopProbe()
+    for _ in range(2):  # two micro-batches of one optimizer step
+        checkpointed.zero_grad(set_to_none=True)
+        probe.start()
+        step(checkpointed)
+        probe.stop()
+    assert (probe.total, probe.recompute) == (2 * checkpointed_cost, 2 * recomputed)
+    assert probe.take() == pytest.approx(recomputed / checkpointed_cost, rel=1e-12)
+    assert probe.take() is None and probe.total == probe.recompute == 0
+
+    probe.start()
+    step(plain)
+    assert probe.take() == 0.0  # take stops a count still running
