@@ -14,23 +14,22 @@ import yaml
 from matplotlib.container import ErrorbarContainer
 
 from lightning_ckpt.commands.cli import main as cli_main
+from lightning_ckpt.commands.compare import DEFAULT_WARMUP
+from lightning_ckpt.commands.compare.report import plot, prediction_text, render_markdown, to_json
 from lightning_ckpt.commands.compare.run import (
-    DEFAULT_WARMUP,
-    MIN_TIMED_STEPS,
     PERTURB_ENV,
     TimeModel,
-    VariantResult,
     available_variants,
-    first_step_difference,
     planned_settings,
-    plot,
-    predict_variants,
-    prediction_text,
-    render_markdown,
     schedule,
-    time_difference,
-    to_json,
     variant_config,
+)
+from lightning_ckpt.commands.compare.stats import (
+    MIN_TIMED_STEPS,
+    VariantResult,
+    first_step_difference,
+    predict_variants,
+    time_difference,
 )
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.op_curve import OpRecord
