@@ -1,7 +1,8 @@
 """The ``lightning-ckpt`` command: a LightningCLI for any LightningModule, plus ``compare`` and ``plan``.
 
-It sits on top of the package: it imports :mod:`lightning_ckpt.commands.compare`, :mod:`lightning_ckpt.commands.plan.measure` and
-the LightningCLI builder (:func:`~lightning_ckpt.commands.cli_builder.run_cli`, re-exported here), and nothing imports it.
+It sits on top of the package: it imports :mod:`lightning_ckpt.commands.compare`,
+:mod:`lightning_ckpt.commands.plan.measure` and the LightningCLI builder
+(:func:`~lightning_ckpt.commands.cli_builder.run_cli`, re-exported here), and nothing imports it.
 
 Example::
 

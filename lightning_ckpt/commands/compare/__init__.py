@@ -5,8 +5,8 @@ checkpointing, every layer, every layer with selective checkpointing, every 2nd,
 offload, and, when the config's ``GradientCheckpointing`` has a ``memory_budget``, that callback as configured
 (``planned``). The config's own ``GradientCheckpointing`` entry is replaced per variant, keeping its other
 settings (``layer_cls``, ``use_reentrant``, ...). Memory and time come from
-:class:`~lightning_ckpt.callbacks.memory_monitor.MemoryMonitor` logging every step to a CSV file; loss and gradients after step 1
-are compared with the run without checkpointing.
+:class:`~lightning_ckpt.callbacks.memory_monitor.MemoryMonitor` logging every step to a CSV file; loss and gradients
+after step 1 are compared with the run without checkpointing.
 
 Timing is made to be trusted, not glanced at: every variant runs in ``--rounds`` fresh processes, the rounds
 interleaved and alternately reversed (``none, every_layer, ..., offload``, then ``offload, ..., none``, ...) so

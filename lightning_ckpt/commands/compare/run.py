@@ -133,7 +133,8 @@ def variant_config(base: Mapping[str, Any], variant: str, steps: int, run_dir: P
     ckpt_args.pop("memory_budget", None)  # the fixed variants choose the layers themselves
     # The monitor before the checkpointing: saved-tensor hooks entered later are inner, and a budget's measuring
     # step must see every saved tensor itself.
-    kept.append({"class_path": "lightning_ckpt.callbacks.memory_monitor.MemoryMonitor", "init_args": {"log_every_n_steps": 1}})
+    kept.append({"class_path": "lightning_ckpt.callbacks.memory_monitor.MemoryMonitor",
+                 "init_args": {"log_every_n_steps": 1}})
     if variant == PLANNED:
         kept.append({"class_path": CALLBACK_PATH, "init_args": dict(settings)})
     elif settings is not None:
@@ -259,8 +260,8 @@ def run_worker(variant_dir: Path) -> None:
 
 
 def read_monitor_csv(path: Path) -> list[dict[str, float]]:
-    """The rows :class:`~lightning_ckpt.callbacks.memory_monitor.MemoryMonitor` wrote to a CSVLogger ``metrics.csv``, as floats
-    (none when the run logged nothing, and so wrote no file)."""
+    """The rows :class:`~lightning_ckpt.callbacks.memory_monitor.MemoryMonitor` wrote to a CSVLogger ``metrics.csv``,
+    as floats (none when the run logged nothing, and so wrote no file)."""
     if not path.exists():
         return []
     with open(path, newline="") as f:
@@ -321,9 +322,9 @@ class TimeModel:
 
 
 def measure_time_model(config: Path, device: Optional[str] = None) -> TimeModel:
-    """Measure one step of ``config``'s model as ``lightning-ckpt plan`` does (:func:`~lightning_ckpt.commands.plan.measure.
-    measure`) and get the profile ``device`` names (a preset, or ``None``/``"auto"``: the device the step runs on,
-    measured with :meth:`DeviceProfile.measure`)."""
+    """Measure one step of ``config``'s model as ``lightning-ckpt plan`` does
+    (:func:`~lightning_ckpt.commands.plan.measure.measure`) and get the profile ``device`` names (a preset, or
+    ``None``/``"auto"``: the device the step runs on, measured with :meth:`DeviceProfile.measure`)."""
     from lightning_ckpt.commands.plan.measure import build, device_profile, measure
 
     built = build(config, fake=False)

@@ -289,8 +289,8 @@ def first_step_difference(baseline: Mapping[str, Any], other: Mapping[str, Any],
 
 def predict_variants(results: Sequence[VariantResult], model: TimeModel) -> list[str]:
     """Set each variant's predicted step time and its ratio to no checkpointing's, from the layers it checkpointed
-    (:func:`~lightning_ckpt.core.planner.predict_seconds`). Returns what could not be predicted, and why: a variant whose
-    layers the measured step does not have is left without a prediction."""
+    (:func:`~lightning_ckpt.core.planner.predict_seconds`). Returns what could not be predicted, and why: a variant
+    whose layers the measured step does not have is left without a prediction."""
     costs, outside = model.measurement.costs, model.measurement.outside_ops
     known = {c.name for c in costs}
     problems = []
