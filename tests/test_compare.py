@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from pathlib import Path
 
@@ -13,24 +14,27 @@ import torch
 import yaml
 from matplotlib.container import ErrorbarContainer
 
+from lightning_ckpt.callbacks.memory_monitor import ACTIVATIONS, SAMPLES_PER_SEC, STEP_SEC
 from lightning_ckpt.commands.cli import main as cli_main
+from lightning_ckpt.commands.compare import DEFAULT_WARMUP
+from lightning_ckpt.commands.compare.report import plot, prediction_text, render_markdown, to_json
 from lightning_ckpt.commands.compare.run import (
-    DEFAULT_WARMUP,
-    MIN_TIMED_STEPS,
     PERTURB_ENV,
     TimeModel,
-    VariantResult,
     available_variants,
-    first_step_difference,
+    config_seed,
     planned_settings,
-    plot,
-    predict_variants,
-    prediction_text,
-    render_markdown,
+    read_monitor_csv,
     schedule,
-    time_difference,
-    to_json,
     variant_config,
+)
+from lightning_ckpt.commands.compare.stats import (
+    MIN_TIMED_STEPS,
+    VariantResult,
+    first_step_difference,
+    measurements,
+    predict_variants,
+    time_difference,
 )
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.op_curve import OpRecord
@@ -137,6 +141,20 @@ def test_schedule_interleaves_rounds_in_alternating_directions():
     assert rounds == [FIXED, FIXED[::-1], FIXED]
 
 
+def test_config_seed_is_the_configs_number_or_the_default():
+    assert config_seed({"seed_everything": 7}) == 7
+    # `seed_everything: true` lets each process draw its own seed; the variants must share one
+    assert config_seed({"seed_everything": True}) == 1234
+    assert config_seed({}, default=3) == 3
+
+
+def test_read_monitor_csv_keeps_the_logged_steps_as_floats(tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_text(f"step,{STEP_SEC},{ACTIVATIONS}\n0,0.5,1.25\n1,,\n2,0.25,\n")
+    assert read_monitor_csv(path) == [{"step": 0.0, STEP_SEC: 0.5, ACTIVATIONS: 1.25}, {"step": 2.0, STEP_SEC: 0.25}]
+    assert read_monitor_csv(tmp_path / "missing.csv") == []  # a run that logged nothing wrote no file
+
+
 # ---------------------------------------------------------------------------------------------------- statistics
 
 
@@ -153,6 +171,39 @@ def test_a_wrong_small_gradient_is_not_hidden_by_a_large_one():
     assert first_step_difference(ref, off_loss, rtol=1e-3, atol=1e-6)[2] == "loss"
     assert "different parameters" in first_step_difference(ref, {"loss": 2.0, "grads": {"big": ref["grads"]["big"]}},
                                                            rtol=1e-3, atol=1e-6)[2]
+
+
+def test_time_difference_is_the_ratio_of_pooled_medians_inside_its_interval():
+    d = time_difference([[0.010, 0.012], [0.011]], [[0.022], [0.020, 0.024]])
+    assert d.ratio == pytest.approx(0.022 / 0.011) and d.timed_steps == 3
+    # every resample lies between the slowest base step against the fastest other step and the reverse
+    assert 0.020 / 0.012 <= d.low < d.ratio < d.high <= 0.024 / 0.010 and not d.within_noise
+    assert time_difference([[0.010, 0.012], [0.011]], [[0.022], [0.020, 0.024]]) == d  # deterministic
+    empty = time_difference([], [[0.01]])
+    assert math.isnan(empty.ratio) and empty.timed_steps == 0
+    assert empty.describe() == "n/a: 0 timed steps, too few to tell"
+
+
+def test_measurements_take_peaks_over_every_step_and_times_after_warmup():
+    def rows(*steps):
+        return [{STEP_SEC: s, ACTIVATIONS: a, SAMPLES_PER_SEC: n} for s, a, n in steps]
+
+    done = {"checkpointed_layers": ["a", "b"], "device": "cpu"}
+    runs = [(rows((9.0, 3.0, 1.0), (0.1, 1.0, 10.0), (0.3, 1.5, 30.0)), done),
+            (rows((8.0, 2.0, 2.0), (0.2, 1.2, 20.0)), done)]
+    r = measurements("every_2nd", runs, warmup=1)
+    assert r.step_times == [[0.1, 0.3], [0.2]]  # each process's first step is its warm-up
+    assert (r.step.median, r.step.q1, r.step.q3, r.step.n) == pytest.approx((0.2, 0.15, 0.25, 3))
+    assert r.activations_gib == 3.0 and r.memory_gib == 3.0 and r.timed_memory_gib == 1.5  # warm-up step included
+    assert r.samples_per_sec == 20.0 and r.tokens_per_sec is None and r.peak_allocated_gib is None
+    assert r.layer_modes == {"a": "full", "b": "full"} and r.kept_ops == {} and r.offload is False
+    assert measurements("offload", runs, warmup=1).offload is True
+    assert measurements("selective", runs, warmup=1).layer_modes == {"a": "selective", "b": "selective"}
+
+    plan = {"layers": {"a": "selective", "b": "none"}, "kept_ops": {"a": [0, 2]}, "offloaded": ["b"]}
+    planned = measurements("planned", [(runs[0][0], {"checkpointed_layers": ["a"], "plan": plan})], warmup=1)
+    assert planned.layer_modes == {"a": "selective"} and planned.kept_ops == {"a": [0, 2]}
+    assert planned.offload == ["b"]  # the layers the plan offloads, not every checkpointed one
 
 
 def test_a_planted_zero_difference_is_reported_within_noise_never_as_a_gain():
@@ -227,6 +278,31 @@ def test_plot_draws_interquartile_error_bars(tmp_path):
         (start, end), = [segment[:, 0] for segment in container.lines[2][0].get_segments()]
         assert (start, end) == pytest.approx((1000 * result.step.q1, 1000 * result.step.q3))
         assert end - start > 0
+
+
+def test_render_markdown_shows_memory_saved_a_failed_variant_and_a_warm_up_peak():
+    samples = step_samples(seed=1)
+    planned = synthetic("planned", samples)
+    planned.timed_memory_gib = 0.25  # its measuring first step held 0.5 GiB
+    failed = VariantResult(name="every_2nd", error="see every_2nd/round1/worker.log")
+    results = [synthetic("none", samples), synthetic("every_layer", samples), failed, planned]
+    markdown = render_markdown(results, "synthetic", 1e-3, 1e-6, timing="Timed in 3 rounds.")
+    assert markdown.startswith("# Checkpointing comparison: synthetic\n")
+    assert "Timed in 3 rounds." in markdown and "95% bootstrap interval" in markdown
+    assert "tolerance: |diff| <= 1e-06 + 0.001 x the largest |value|" in markdown
+    rows = table(markdown)
+    assert rows["every_layer"]["memory saved"] == "0.5 GiB (50%)"  # activations 1.0 -> 0.5 GiB
+    assert float(rows["every_layer"]["step"]) == pytest.approx(1000 * np.median(samples), rel=1e-2)
+    assert rows["every_2nd"]["check"] == "FAILED: see every_2nd/round1/worker.log"
+    assert ("`planned`: the warm-up steps held the most (0.5 GiB, in the table); the timed steps at most 0.25 GiB"
+            " (the first step measures for the memory_budget plan).") in markdown
+    assert "`every_layer`: the warm-up" not in markdown
+
+    written = to_json(results, {"seed": 3})
+    assert written["seed"] == 3
+    assert written["variants"][2] == {"name": "every_2nd", "description": "every 2nd layer",
+                                      "error": "see every_2nd/round1/worker.log"}
+    assert written["variants"][1]["time_lost"]["within_noise"] is True  # the same samples
 
 
 # ---------------------------------------------------------------------------------------------------- predicted

@@ -30,7 +30,7 @@ import lightning_ckpt
 from lightning_ckpt import DeviceProfile, GradientCheckpointing, MemoryMonitor, apply_checkpointing
 from lightning_ckpt.callbacks.gradient_checkpointing import auto_memory_budget
 from lightning_ckpt.commands.cli import main as cli_main
-from lightning_ckpt.commands.compare.run import measurements
+from lightning_ckpt.commands.compare.stats import measurements
 from lightning_ckpt.demos import GPT, Block
 from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost, make_plan, plan_checkpointing

@@ -1,7 +1,8 @@
 """The ``lightning-ckpt`` command: a LightningCLI for any LightningModule, plus ``compare`` and ``plan``.
 
-It sits on top of the package: it imports :mod:`lightning_ckpt.commands.compare.run`, :mod:`lightning_ckpt.commands.plan` and
-the LightningCLI builder (:func:`~lightning_ckpt.commands.cli_builder.run_cli`, re-exported here), and nothing imports it.
+It sits on top of the package: it imports :mod:`lightning_ckpt.commands.compare`, :mod:`lightning_ckpt.commands.plan`
+and the LightningCLI builder (:func:`~lightning_ckpt.commands.cli_builder.run_cli`, re-exported here), and nothing
+imports it.
 
 Example::
 
@@ -15,7 +16,7 @@ import sys
 from typing import Optional
 
 from lightning_ckpt.commands.cli_builder import run_cli
-from lightning_ckpt.commands.compare.run import main as compare_main
+from lightning_ckpt.commands.compare import main as compare_main
 from lightning_ckpt.commands.plan import main as plan_main
 
 __all__ = ["main", "run_cli"]

@@ -1,0 +1,307 @@
+"""What ``compare``'s runs measured, in numbers: each variant's memory and step times (:class:`VariantResult`), its
+step time against the baseline's with a bootstrap interval (:func:`time_difference`), its first step's loss and
+gradients against the baseline's (:func:`first_step_difference`), and the step time the planner's time model predicts
+for it (:func:`predict_variants`). Plain functions of numbers and tensors: nothing here runs a process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from lightning_ckpt.callbacks.memory_monitor import (
+    ACTIVATIONS,
+    ACTIVATIONS_OFFLOADED,
+    HOST_RSS,
+    PEAK_ALLOCATED,
+    PEAK_RESERVED,
+    SAMPLES_PER_SEC,
+    STEP_SEC,
+    TOKENS_PER_SEC,
+)
+from lightning_ckpt.commands.compare.run import PLANNED, VARIANTS, TimeModel
+from lightning_ckpt.core.planner import predict_seconds
+
+#: With fewer timed steps than this (either side), no verdict on time is given.
+MIN_TIMED_STEPS = 10
+#: Why a variant that ran without an error has nothing to show.
+NO_STEPS = ("the run trained no step, so the monitor logged nothing. Check the config's `limit_train_batches` and"
+            " `max_steps` (compare sets `max_steps` itself), and that the training dataloader is not empty.")
+CONFIDENCE = 0.95
+RESAMPLES = 2000
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and interquartile range (``q1``, ``q3``) of ``n`` samples."""
+
+    median: float
+    q1: float
+    q3: float
+    n: int
+
+
+def spread(samples: Sequence[float]) -> Spread:
+    """Median and quartiles of ``samples`` (linear interpolation, as ``numpy.percentile``).
+
+    Example::
+
+        >>> spread([1.0, 2.0, 3.0, 4.0, 100.0])
+        Spread(median=3.0, q1=2.0, q3=4.0, n=5)
+    """
+    if len(samples) == 0:
+        return Spread(math.nan, math.nan, math.nan, 0)
+    q1, median, q3 = (float(v) for v in np.percentile(np.asarray(samples, dtype=float), [25, 50, 75]))
+    return Spread(median, q1, q3, len(samples))
+
+
+@dataclass(frozen=True)
+class TimeDifference:
+    """Step time of a variant against the baseline: ``ratio`` of medians and its bootstrap interval."""
+
+    ratio: float
+    low: float
+    high: float
+    timed_steps: int  # the fewer of the two sides
+    confidence: float = CONFIDENCE
+
+    @property
+    def enough_steps(self) -> bool:
+        return self.timed_steps >= MIN_TIMED_STEPS
+
+    @property
+    def within_noise(self) -> bool:
+        """Whether no difference is one of the ratios the interval allows (then it is not a result)."""
+        return self.low <= 1.0 <= self.high
+
+    @property
+    def noise(self) -> float:
+        """Within noise, the largest difference (as a fraction) that the interval allows; otherwise ``nan``."""
+        return max(self.high - 1.0, 1.0 - self.low) if self.within_noise else math.nan
+
+    def describe(self) -> str:
+        """The table's words for it: ``≈0%, within noise ±6%``, a loss or gain with its interval, or why there is no
+        verdict.
+
+        Example::
+
+            >>> TimeDifference(1.02, 0.97, 1.06, 30).describe()
+            '≈0%, within noise ±6.0%'
+            >>> TimeDifference(1.31, 1.27, 1.35, 30).describe()
+            '+31% (+27% to +35%)'
+            >>> TimeDifference(0.80, 0.75, 0.90, 30).describe()
+            '-20% (-25% to -10%), faster'
+            >>> TimeDifference(0.78, 0.70, 0.90, 3).describe()
+            'n/a: 3 timed steps, too few to tell'
+        """
+        if not self.enough_steps:
+            return f"n/a: {self.timed_steps} timed steps, too few to tell"
+        if self.within_noise:
+            return f"≈0%, within noise ±{_percent(self.noise)}%"
+        text = f"{_signed(self.ratio - 1)} ({_signed(self.low - 1)} to {_signed(self.high - 1)})"
+        return text if self.ratio > 1 else text + ", faster"
+
+
+def _signed(fraction: float) -> str:
+    return ("+" if fraction >= 0 else "-") + _percent(abs(fraction)) + "%"
+
+
+def _percent(fraction: float) -> str:
+    value = 100 * fraction
+    return f"{value:.1f}" if value < 9.95 else f"{value:.0f}"
+
+
+def _pad(rounds: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.array([len(r) for r in rounds])
+    table = np.zeros((len(rounds), int(lengths.max())))
+    for i, r in enumerate(rounds):
+        table[i, : len(r)] = r
+    return table, lengths
+
+
+def _resampled_medians(rounds: Sequence[Sequence[float]], picks: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Medians of two-level bootstrap resamples: the rounds in ``picks`` (``[B, R]``), steps drawn within each."""
+    table, lengths = _pad(rounds)
+    n = lengths[picks]                                                     # [B, R] steps in each picked round
+    width = table.shape[1]
+    steps = np.floor(rng.random(picks.shape + (width,)) * n[..., None]).astype(int)
+    values = table[picks[..., None], steps]                                # [B, R, width]
+    values[np.arange(width) >= n[..., None]] = np.nan                      # a round contributes only its own size
+    return np.nanmedian(values.reshape(len(picks), -1), axis=1)
+
+
+def time_difference(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]],
+                    confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = 0) -> TimeDifference:
+    """Median step time of ``other`` over that of ``base``, with a percentile bootstrap interval.
+
+    Both are step-time samples in rounds (one list per process). A resample draws rounds with replacement (the
+    same round numbers for both sides when they have as many, since round ``k`` of each ran at about the same
+    time), then steps with replacement within each drawn round; so the interval counts the differences between
+    processes as well as between steps. Deterministic for a given ``seed``.
+
+    Example::
+
+        >>> d = time_difference([[1.0, 1.1, 0.9] * 5], [[1.3, 1.43, 1.17] * 5])
+        >>> round(d.ratio, 2), d.within_noise
+        (1.3, False)
+    """
+    base = [list(r) for r in base if len(r)]
+    other = [list(r) for r in other if len(r)]
+    timed = min(sum(map(len, base)), sum(map(len, other)))
+    if not base or not other:
+        return TimeDifference(math.nan, math.nan, math.nan, timed, confidence)
+    ratio = float(np.median(np.concatenate(other)) / np.median(np.concatenate(base)))
+    rng = np.random.default_rng(seed)
+    base_picks = rng.integers(0, len(base), (resamples, len(base)))
+    other_picks = base_picks if len(other) == len(base) else rng.integers(0, len(other), (resamples, len(other)))
+    ratios = _resampled_medians(other, other_picks, rng) / _resampled_medians(base, base_picks, rng)
+    tail = 100 * (1 - confidence) / 2
+    low, high = (float(v) for v in np.percentile(ratios, [tail, 100 - tail]))
+    return TimeDifference(ratio, min(low, ratio), max(high, ratio), timed, confidence)
+
+
+@dataclass
+class VariantResult:
+    """What one variant measured: memory in GiB, step times in seconds (per round), its step-1 differences."""
+
+    name: str
+    checkpointed_layers: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    peak_allocated_gib: Optional[float] = None
+    peak_reserved_gib: Optional[float] = None
+    host_rss_gib: float = math.nan
+    activations_gib: float = math.nan
+    offloaded_gib: float = 0.0
+    step_times: list[list[float]] = field(default_factory=list)
+    samples_per_sec: float = math.nan
+    tokens_per_sec: Optional[float] = None
+    loss_diff: Optional[float] = None
+    grad_diff: Optional[float] = None
+    mismatch: Optional[str] = None
+    error: Optional[str] = None
+    timed_memory_gib: Optional[float] = None  # the memory of memory_gib over the timed steps only
+    #: What the variant checkpointed, as :func:`~lightning_ckpt.core.planner.predict_seconds` takes it.
+    layer_modes: dict[str, str] = field(default_factory=dict)
+    kept_ops: dict[str, list[int]] = field(default_factory=dict)
+    offload: Union[bool, list[str]] = False  # True: every checkpointed layer's inputs; a plan: the layers it offloads
+    #: The time model's step time and its ratio to the baseline's (:func:`predict_variants`); None: no prediction.
+    predicted_step_seconds: Optional[float] = None
+    predicted_ratio: Optional[float] = None
+
+    @property
+    def memory_gib(self) -> float:
+        """The memory that checkpointing is meant to cut: device peak on an accelerator, else activations."""
+        return self.peak_allocated_gib if self.peak_allocated_gib is not None else self.activations_gib
+
+    @property
+    def step(self) -> Spread:
+        """Median and interquartile range of the timed step times, all rounds pooled."""
+        return spread([t for r in self.step_times for t in r])
+
+    @property
+    def step_sec(self) -> float:
+        return self.step.median
+
+
+def measurements(name: str, runs: Sequence[tuple[Sequence[Mapping[str, float]], Mapping[str, Any]]],
+                 warmup: int) -> VariantResult:
+    """One variant from its processes' ``(monitor rows, result.json)``: peaks over every step of every process;
+    step times per process after its first ``warmup`` steps; throughput as the median over those steps."""
+    if not runs or not all(rows for rows, _ in runs):
+        raise ValueError(f"{name}: {NO_STEPS}")
+    rows = [row for run_rows, _ in runs for row in run_rows]
+    timed = [row for run_rows, _ in runs for row in run_rows[warmup:]]
+    result = runs[0][1]
+
+    def peak(key: str) -> Optional[float]:
+        values = [r[key] for r in rows if key in r]
+        return max(values) if values else None
+
+    def median(key: str) -> Optional[float]:
+        values = [r[key] for r in timed if key in r]
+        return float(np.median(values)) if values else None
+
+    memory_key = PEAK_ALLOCATED if peak(PEAK_ALLOCATED) is not None else ACTIVATIONS
+    timed_memory = [r[memory_key] for r in timed if memory_key in r]
+    layers = list(result.get("checkpointed_layers", []))
+    settings = VARIANTS.get(name)
+    plan = result.get("plan") or {}
+    if name == PLANNED and plan:
+        modes = {n: m for n, m in plan["layers"].items() if m != "none"}
+        kept, offload = {n: list(k) for n, k in plan.get("kept_ops", {}).items()}, list(plan.get("offloaded", []))
+    else:
+        modes = dict.fromkeys(layers, settings["mode"] if settings else "full")
+        kept, offload = {}, bool(settings and settings["offload"])
+
+    return VariantResult(
+        name=name,
+        checkpointed_layers=list(result.get("checkpointed_layers", [])),
+        device=result.get("device", "cpu"),
+        peak_allocated_gib=peak(PEAK_ALLOCATED),
+        peak_reserved_gib=peak(PEAK_RESERVED),
+        host_rss_gib=peak(HOST_RSS) or math.nan,
+        activations_gib=peak(ACTIVATIONS) or 0.0,
+        offloaded_gib=peak(ACTIVATIONS_OFFLOADED) or 0.0,
+        step_times=[[r[STEP_SEC] for r in run_rows[warmup:]] for run_rows, _ in runs],
+        samples_per_sec=median(SAMPLES_PER_SEC) or math.nan,
+        tokens_per_sec=median(TOKENS_PER_SEC),
+        timed_memory_gib=max(timed_memory) if timed_memory else None,
+        layer_modes=modes,
+        kept_ops=kept,
+        offload=offload,
+    )
+
+
+def first_step_difference(baseline: Mapping[str, Any], other: Mapping[str, Any], rtol: float,
+                          atol: float) -> tuple[float, float, Optional[str]]:
+    """``(|loss difference|, largest |gradient difference|, what is beyond tolerance or None)``.
+
+    A gradient is beyond tolerance when ``max|g - g_ref| > atol + rtol * max|g_ref|`` for that parameter, so a
+    wrong small gradient is not hidden by a large one elsewhere.
+
+    Example::
+
+        >>> import torch
+        >>> ref = {"loss": 1.0, "grads": {"w": torch.tensor([1.0, -2.0])}}
+        >>> first_step_difference(ref, {"loss": 1.0, "grads": {"w": torch.tensor([1.0, -1.0])}}, 1e-3, 1e-6)
+        (0.0, 1.0, 'gradient of w')
+    """
+    loss_diff = abs(other["loss"] - baseline["loss"])
+    ref, got = baseline["grads"], other["grads"]
+    if set(ref) != set(got):
+        missing = sorted(set(ref) ^ set(got))
+        return loss_diff, math.inf, f"gradients of different parameters ({', '.join(missing[:3])})"
+    grad_diff, problem = 0.0, None
+    for name, g_ref in ref.items():
+        diff = float((got[name] - g_ref).abs().max()) if g_ref.numel() else 0.0
+        grad_diff = max(grad_diff, diff)
+        scale = float(g_ref.abs().max()) if g_ref.numel() else 0.0
+        if problem is None and not diff <= atol + rtol * scale:
+            problem = f"gradient of {name}"
+    if problem is None and not loss_diff <= atol + rtol * abs(baseline["loss"]):
+        problem = "loss"
+    return loss_diff, grad_diff, problem
+
+
+def predict_variants(results: Sequence[VariantResult], model: TimeModel) -> list[str]:
+    """Set each variant's predicted step time and its ratio to no checkpointing's, from the layers it checkpointed
+    (:func:`~lightning_ckpt.core.planner.predict_seconds`). Returns what could not be predicted, and why: a variant
+    whose layers the measured step does not have is left without a prediction."""
+    costs, outside = model.measurement.costs, model.measurement.outside_ops
+    known = {c.name for c in costs}
+    problems = []
+    for r in results:
+        if r.error:
+            continue
+        missing = sorted(set(r.layer_modes) - known)
+        if missing:
+            problems.append(f"`{r.name}` checkpointed {', '.join(missing[:3])}, which the measured step does not have")
+            continue
+        seconds, baseline = predict_seconds(costs, outside, r.layer_modes, model.profile,
+                                            offload=r.offload if model.offload_moves else False, kept_ops=r.kept_ops)
+        r.predicted_step_seconds, r.predicted_ratio = seconds, seconds / baseline
+    return problems
