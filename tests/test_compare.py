@@ -14,7 +14,6 @@ import torch
 import yaml
 from matplotlib.container import ErrorbarContainer
 
-from lightning_ckpt.callbacks.memory_monitor import ACTIVATIONS, SAMPLES_PER_SEC, STEP_SEC
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.compare import DEFAULT_WARMUP
 from lightning_ckpt.commands.compare.report import plot, prediction_text, render_markdown, to_json
@@ -36,9 +35,10 @@ from lightning_ckpt.commands.compare.stats import (
     predict_variants,
     time_difference,
 )
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.commands.plan.measure import Measurement, build, measure
+from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.memory_stats import ACTIVATIONS, SAMPLES_PER_SEC, STEP_SEC
+from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.planner import LayerCost, predict_seconds
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"

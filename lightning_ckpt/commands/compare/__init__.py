@@ -58,7 +58,6 @@ from typing import Any, Optional
 import torch
 import yaml
 
-from lightning_ckpt.callbacks.memory_monitor import ACTIVATIONS, STEP_SEC
 from lightning_ckpt.commands.arguments import add_device_argument, check_device_argument
 from lightning_ckpt.commands.compare.report import _ms, _num, plot, prediction_text, render_markdown, to_json
 from lightning_ckpt.commands.compare.run import (
@@ -84,6 +83,7 @@ from lightning_ckpt.commands.compare.stats import (
     predict_variants,
     spread,
 )
+from lightning_ckpt.core.memory_stats import ACTIVATIONS, STEP_SEC
 
 __all__ = ["main"]
 

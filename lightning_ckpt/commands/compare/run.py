@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_ckpt.callbacks.memory_monitor import STEP_SEC
 from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.memory_stats import STEP_SEC
 
 if TYPE_CHECKING:
     from lightning_ckpt.commands.plan.measure import Measurement

@@ -13,7 +13,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from lightning_ckpt.callbacks.memory_monitor import (
+from lightning_ckpt.commands.compare.run import PLANNED, VARIANTS, TimeModel
+from lightning_ckpt.core.memory_stats import (
     ACTIVATIONS,
     ACTIVATIONS_OFFLOADED,
     HOST_RSS,
@@ -23,7 +24,6 @@ from lightning_ckpt.callbacks.memory_monitor import (
     STEP_SEC,
     TOKENS_PER_SEC,
 )
-from lightning_ckpt.commands.compare.run import PLANNED, VARIANTS, TimeModel
 from lightning_ckpt.core.planner import predict_seconds
 
 #: With fewer timed steps than this (either side), no verdict on time is given.
