@@ -28,10 +28,10 @@ from torch.utils.data import DataLoader
 
 import lightning_ckpt
 from lightning_ckpt import DeviceProfile, GradientCheckpointing, MemoryMonitor, apply_checkpointing
-from lightning_ckpt.callbacks.gradient_checkpointing import auto_memory_budget
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.compare.run import measurements
 from lightning_ckpt.demos import GPT, Block
+from lightning_ckpt.core.budget import auto_memory_budget
 from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost, make_plan, plan_checkpointing
 
@@ -270,7 +270,7 @@ CASES: dict[str, Case] = {
         ValueError, "`FSDPStrategy(activation_checkpointing_policy=...)`", "Remove `activation_checkpointing_policy`",
         "would both checkpoint the model"),
     "budget auto, device full": Case(
-        "callback.auto_memory_budget", lambda: auto_memory_budget(80 * 2**30, 75 * 2**30, 2 * 2**30), ValueError,
+        "budget.auto_memory_budget", lambda: auto_memory_budget(80 * 2**30, 75 * 2**30, 2 * 2**30), ValueError,
         "0.9 x 80.0 GiB of device memory leaves nothing for activations after 75.0 GiB",
         "shard the weights and optimizer state (`strategy='fsdp_ckpt'`)", "leaves nothing for activations"),
     "CheckpointWrapper too": Case(
