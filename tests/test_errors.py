@@ -28,12 +28,15 @@ from torch.utils.data import DataLoader
 
 import lightning_ckpt
 from lightning_ckpt import DeviceProfile, GradientCheckpointing, MemoryMonitor, apply_checkpointing
+from lightning_ckpt.callbacks.gradient_checkpointing import find_checkpointing_callback
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.compare.run import measurements
 from lightning_ckpt.demos import GPT, Block
 from lightning_ckpt.core.budget import auto_memory_budget
 from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost, make_plan, plan_checkpointing
+from lightning_ckpt.strategies.ddp import check_ddp_settings
+from lightning_ckpt.strategies.fsdp import CheckpointingFSDPStrategy, mixed_precision_policy, shard_for_checkpointing
 
 ROOT = Path(__file__).parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -82,7 +85,7 @@ def two_callbacks() -> None:
     the strategies, which look the callback up."""
     trainer = cpu_trainer(callbacks=[GradientCheckpointing(every_n_layers=2)])
     trainer.callbacks.append(GradientCheckpointing())
-    _strategies().find_checkpointing_callback(trainer)
+    find_checkpointing_callback(trainer)
 
 
 def wrapped_after_the_callback() -> None:
@@ -167,16 +170,10 @@ def reentrant_model() -> nn.Module:
     return model
 
 
-def _strategies() -> Any:
-    from lightning_ckpt import strategies
-
-    return strategies
-
-
 def sixteen_mixed() -> None:
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    _strategies().mixed_precision_policy(MixedPrecision("16-mixed", "cpu"))
+    mixed_precision_policy(MixedPrecision("16-mixed", "cpu"))
 
 
 CASES: dict[str, Case] = {
@@ -239,32 +236,32 @@ CASES: dict[str, Case] = {
         "selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=[0.5]), TypeError,
         "`memory_budget=[0.5]`", "bytes such as '2GiB' or 500_000_000", "is not understood. Pass None"),
     "budget and every_n_layers": Case(
-        "callback._validate", lambda: GradientCheckpointing(memory_budget=0.5, every_n_layers=2), ValueError,
+        "gradient_checkpointing._validate", lambda: GradientCheckpointing(memory_budget=0.5, every_n_layers=2), ValueError,
         "`memory_budget=0.5` and `every_n_layers=2`", "Pass one", "are two ways of choosing the checkpointed layers"),
     "unknown option": Case(
-        "callback.GradientCheckpointing._update_settings",
+        "gradient_checkpointing.GradientCheckpointing._update_settings",
         lambda: GradientCheckpointing().load_state_dict({"settings": {"every_n": 2}}), ValueError,
         "no option 'every_n'", "the options are layer_cls, every_n_layers", "GradientCheckpointing has no option"),
     # --- the callback in a Trainer
     "budget auto on the CPU": Case(
-        "callback.GradientCheckpointing.setup",
+        "gradient_checkpointing.GradientCheckpointing.setup",
         lambda: setup_callback(GradientCheckpointing(memory_budget="auto"), cpu_trainer()), ValueError,
         "`memory_budget='auto'`", "Pass a fraction of the un-checkpointed activation memory (`memory_budget=0.5`)",
         "plans for the accelerator's memory, but this run is on the CPU"),
     "offload auto on the CPU": Case(
-        "callback._measure_device",
+        "gradient_checkpointing._measure_device",
         lambda: setup_callback(GradientCheckpointing(memory_budget=0.5, offload="auto"), cpu_trainer()), ValueError,
         "`offload='auto'`", "Pass offload=False on the CPU, or run on a GPU", "this run is on the CPU, where nothing is"
         " offloaded"),
     "offload auto without a budget": Case(
-        "callback._validate", lambda: GradientCheckpointing(offload="auto"), ValueError,
+        "gradient_checkpointing._validate", lambda: GradientCheckpointing(offload="auto"), ValueError,
         "`memory_budget=None`", "Pass a memory_budget (0.5, '2GiB' or 'auto'), or offload=True / False",
         "lets the memory-budget plan choose which layers offload"),
     "two callbacks": Case(
-        "callback.find_checkpointing_callback", two_callbacks, ValueError,
+        "gradient_checkpointing.find_checkpointing_callback", two_callbacks, ValueError,
         "has 2 `GradientCheckpointing` callbacks", "pass one (its `layer_cls` can be a list", "`GradientCheckpointing` callbacks; pass one"),
     "Lightning FSDP checkpointing too": Case(
-        "callback.check_lightning_strategy",
+        "gradient_checkpointing.check_lightning_strategy",
         lambda: setup_callback(GradientCheckpointing(),
                                SimpleNamespace(strategy=FSDPStrategy(activation_checkpointing_policy={Block}))),
         ValueError, "`FSDPStrategy(activation_checkpointing_policy=...)`", "Remove `activation_checkpointing_policy`",
@@ -371,13 +368,13 @@ CASES: dict[str, Case] = {
         "does not have: apply a plan"),
     # --- MemoryMonitor
     "monitor log_every_n_steps": Case(
-        "monitor.MemoryMonitor.__init__", lambda: MemoryMonitor(log_every_n_steps=0), ValueError,
+        "memory_monitor.MemoryMonitor.__init__", lambda: MemoryMonitor(log_every_n_steps=0), ValueError,
         "got 0", "an int >= 1 or None (use the trainer's)", "`log_every_n_steps` must be an int >= 1 or None"),
     "monitor function": Case(
-        "monitor.MemoryMonitor.__init__", lambda: MemoryMonitor(batch_size_fn=3), TypeError,
+        "memory_monitor.MemoryMonitor.__init__", lambda: MemoryMonitor(batch_size_fn=3), TypeError,
         "`batch_size_fn`", "a function of the batch returning an int, got 3", "must be a function of the batch"),
     "monitor batch size": Case(
-        "monitor.MemoryMonitor._batch_size", lambda: fit_on_text_batches(MemoryMonitor()), ValueError,
+        "memory_monitor.MemoryMonitor._batch_size", lambda: fit_on_text_batches(MemoryMonitor()), ValueError,
         "the batch holds no tensor", "Pass `MemoryMonitor(batch_size_fn=lambda batch: ...)`",
         "MemoryMonitor could not find the batch size"),
     # --- offload's engine
@@ -392,25 +389,25 @@ CASES: dict[str, Case] = {
         "got str", "Build one with `OffloadEngine(DeviceStreams('cuda'))`", "`use_engine` takes an `OffloadEngine`"),
     # --- strategies
     "DDP, reentrant, unused parameters": Case(
-        "strategies.check_ddp_settings",
-        lambda: _strategies().check_ddp_settings(reentrant_model(), {"find_unused_parameters": True}), ValueError,
+        "ddp.check_ddp_settings",
+        lambda: check_ddp_settings(reentrant_model(), {"find_unused_parameters": True}), ValueError,
         "Reentrant checkpointing (2 layers: 0, 1)", "Pass `GradientCheckpointing(use_reentrant=False)`",
         "cannot be combined with DDP's `find_unused_parameters=True`"),
     "DDP, reentrant, no static graph": Case(
-        "strategies.check_ddp_settings", lambda: _strategies().check_ddp_settings(reentrant_model(), {}), ValueError,
+        "ddp.check_ddp_settings", lambda: check_ddp_settings(reentrant_model(), {}), ValueError,
         "Reentrant checkpointing (2 layers: 0, 1)", "Pass `GradientCheckpointing(use_reentrant=False)`",
         "is only safe under DDP with `static_graph=True`"),
     "FSDP, parameters at the root": Case(
-        "strategies.shard_for_checkpointing",
-        lambda: _strategies().shard_for_checkpointing(OwnParameters(), None, layer_cls=nn.Linear), ValueError,
+        "fsdp.shard_for_checkpointing",
+        lambda: shard_for_checkpointing(OwnParameters(), None, layer_cls=nn.Linear), ValueError,
         "OwnParameters registers parameters directly (scale)", "Move them into a submodule",
         "registers parameters directly"),
     "FSDP, 16-mixed": Case(
-        "strategies.mixed_precision_policy", sixteen_mixed, ValueError,
+        "fsdp.mixed_precision_policy", sixteen_mixed, ValueError,
         "`precision='16-mixed'`", "Pass `precision='bf16-mixed'`", "does not support `precision='16-mixed'`"),
     "FSDP start_method": Case(
-        "strategies.CheckpointingFSDPStrategy.__init__",
-        lambda: _strategies().CheckpointingFSDPStrategy(start_method="thread"), ValueError,
+        "fsdp.CheckpointingFSDPStrategy.__init__",
+        lambda: CheckpointingFSDPStrategy(start_method="thread"), ValueError,
         "`start_method='thread'`", "Pass 'popen', 'spawn', 'fork' or 'forkserver'", "is not understood. Pass 'popen'"),
 }
 
@@ -485,24 +482,24 @@ def plan(tmp_path: Path, *args: str) -> int:
 
 COMMAND_CASES: dict[str, Case] = {
     "plan, text batches": Case(
-        "plan_command.batch_size_of", lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.StringData")),
+        "measure.batch_size_of", lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.StringData")),
         ValueError, "got a list of no tensor", "Make the dataloader yield tensors",
         "the training batch has no tensor with a batch dimension"),
     "plan, empty data": Case(
-        "plan_command._cycle", lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.EmptyData")),
+        "measure._cycle", lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.EmptyData")),
         ValueError, "the training dataloader is empty", "check the data's settings in the config",
         "the training dataloader is empty"),
     "plan, batches of two structures": Case(
-        "plan_command.batch_of_size",
+        "measure.batch_of_size",
         lambda tmp: plan(tmp, "--config", config(tmp, data="test_errors.MixedData"), "--device-memory", "1GiB"),
         ValueError, "cannot make a batch of 2 samples", "Make the dataloader yield every batch in one structure",
         "the loader's batches differ in structure"),
     "plan, no loss": Case(
-        "plan_command._loss", lambda tmp: plan(tmp, "--config", config(tmp, model="test_errors.NoLossGPT")),
+        "measure._loss", lambda tmp: plan(tmp, "--config", config(tmp, model="test_errors.NoLossGPT")),
         ValueError, "`training_step` returned None", "returns the loss, or a dict with 'loss': return it",
         "(manual optimization?)"),
     "compare, a run of no step": Case(
-        "compare.measurements", lambda tmp: measurements("every_layer", [([], {})], warmup=0), ValueError,
+        "run.measurements", lambda tmp: measurements("every_layer", [([], {})], warmup=0), ValueError,
         "every_layer: the run trained no step", "Check the config's `limit_train_batches` and `max_steps`",
         "the run trained no step, so the monitor logged nothing"),
 }
@@ -557,46 +554,46 @@ class Usage:
 
 USAGE_ERRORS: dict[str, Usage] = {
     "plan, no config": Usage(
-        ["plan"], "plan_command._parse", "--config is required", "pass the LightningCLI YAML of the run to plan",
+        ["plan"], "measure._parse", "--config is required", "pass the LightningCLI YAML of the run to plan",
         "--config is required"),
     "plan, missing config": Usage(
-        ["plan", "--config", "nowhere.yaml"], "plan_command._parse", "--config nowhere.yaml: no such file",
+        ["plan", "--config", "nowhere.yaml"], "measure._parse", "--config nowhere.yaml: no such file",
         "pass the path of a LightningCLI YAML config", ": no such file"),
     "plan, not an override": Usage(
-        ["plan", "--config", str(TINY), "--fakes"], "plan_command._parse", "unrecognized arguments: --fakes",
+        ["plan", "--config", str(TINY), "--fakes"], "measure._parse", "unrecognized arguments: --fakes",
         "LightningCLI overrides start with --trainer., --model., --data.", "unrecognized arguments"),
     "plan, budget": Usage(
-        ["plan", "--config", str(TINY), "--memory-budget", "lots"], "plan_command._parse", "--memory-budget lots",
+        ["plan", "--config", str(TINY), "--memory-budget", "lots"], "measure._parse", "--memory-budget lots",
         "pass a fraction in (0, 1] of the activations without checkpointing, such as 0.3, or bytes, such as 2GiB",
         ": pass a fraction in (0, 1]"),
     "plan, device": Usage(
-        ["plan", "--config", str(TINY), "--device", "h200"], "plan_command.check_device_argument", "--device h200",
+        ["plan", "--config", str(TINY), "--device", "h200"], "arguments.check_device_argument", "--device h200",
         "pass a preset (h100-sxm", ": pass a preset ("),
     "plan, device memory": Usage(
-        ["plan", "--config", str(TINY), "--device-memory", "0.5"], "plan_command._parse", "--device-memory 0.5",
+        ["plan", "--config", str(TINY), "--device-memory", "0.5"], "measure._parse", "--device-memory 0.5",
         "pass the device's memory in bytes, such as 80GiB", ": pass the device's memory in bytes"),
     "compare, no config": Usage(
-        ["compare"], "compare._parse", "--config is required", "pass the LightningCLI YAML of the run to compare",
+        ["compare"], "run._parse", "--config is required", "pass the LightningCLI YAML of the run to compare",
         "--config is required"),
     "compare, missing config": Usage(
-        ["compare", "--config", "nowhere.yaml"], "compare._parse", "--config nowhere.yaml: no such file",
+        ["compare", "--config", "nowhere.yaml"], "run._parse", "--config nowhere.yaml: no such file",
         "pass the path of a LightningCLI YAML config", ": no such file"),
     "compare, steps": Usage(
-        ["compare", "--config", str(TINY), "--steps", "0"], "compare._parse", "--steps must be >= 1, got 0",
+        ["compare", "--config", str(TINY), "--steps", "0"], "run._parse", "--steps must be >= 1, got 0",
         ">= 1", "must be >= 1, got"),
     "compare, not YAML": Usage(
-        ["compare", "--config", "{config}"], "compare._parse", "config.yaml: not valid YAML",
+        ["compare", "--config", "{config}"], "run._parse", "config.yaml: not valid YAML",
         "pass a LightningCLI YAML config", ": not valid YAML", config_text="model: [unclosed"),
     "compare, not a mapping": Usage(
-        ["compare", "--config", "{config}"], "compare._parse", "got a list",
+        ["compare", "--config", "{config}"], "run._parse", "got a list",
         "expected a LightningCLI config (a mapping of trainer, model, data)", "expected a LightningCLI config",
         config_text="- trainer\n- model\n"),
     "compare, planned without a budget": Usage(
-        ["compare", "--config", str(TINY), "--variants", "planned"], "compare._parse",
+        ["compare", "--config", str(TINY), "--variants", "planned"], "run._parse",
         "the 'planned' variant needs a memory_budget", "(e.g. `memory_budget: 0.5`); choose from none, every_layer",
         "variant needs a memory_budget"),
     "compare, unknown variant": Usage(
-        ["compare", "--config", str(TINY), "--variants", "none,every_3rd"], "compare._parse",
+        ["compare", "--config", str(TINY), "--variants", "none,every_3rd"], "run._parse",
         "unknown variant(s) every_3rd", "choose from none, every_layer", "unknown variant(s)"),
 }
 
@@ -644,16 +641,16 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
     "offload.FakeStreams._queue": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
     "offload.FakeStreams._perform": (2, "the offload tests' fake streams report a bug of the offload engine itself"),
     "offload.FakeStreams._check": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
-    "callback.check_lightning_strategy": (1, "DeepSpeed refused at setup: tested from a Trainer in"
+    "gradient_checkpointing.check_lightning_strategy": (1, "DeepSpeed refused at setup: tested from a Trainer in"
                                                " test_parallelism.py, with a stand-in for deepspeed (not installed)"),
-    "plan_command.device_profile": (1, "`plan --device auto` for an accelerator missing here: printed with exit 2"),
+    "measure.device_profile": (1, "`plan --device auto` for an accelerator missing here: printed with exit 2"),
     "planner.solve": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
-    "compare.variant_config": (2, "the command's parser refuses these first (usage errors 'compare, planned without a"
+    "run.variant_config": (2, "the command's parser refuses these first (usage errors 'compare, planned without a"
                                   " budget' and 'compare, unknown variant'); test_compare calls it directly"),
-    "plan_command.parse_bytes_arg": (1, "the command turns it into a usage error (usage error 'plan, device memory')"),
-    "plan_command.build": (1, "the command plans with fake tensors when the accelerator is missing; only `build` called"
+    "arguments.parse_bytes_arg": (1, "the command turns it into a usage error (usage error 'plan, device memory')"),
+    "measure.build": (1, "the command plans with fake tensors when the accelerator is missing; only `build` called"
                               " alone raises it (test_plan_command)"),
-    "strategies.CheckpointingFSDPStrategy.setup": (1, "FSDP1 modules under fsdp_ckpt: needs a distributed run with"
+    "fsdp.CheckpointingFSDPStrategy.setup": (1, "FSDP1 modules under fsdp_ckpt: needs a distributed run with"
                                                       " FSDP1 wrapping, left to the strategies' own tests"),
 }
 
