@@ -31,8 +31,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.demos import GPT, Block, CountingDataModule
-from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy, fsdp_units
+from lightning_ckpt.core.placement import fsdp_units
 from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy
 
 WORLD_SIZE = 2
 GPT_ARGS = dict(vocab_size=32, block_size=16, n_layer=2, n_embd=32, n_head=2, dropout=0.0, lr=3e-3)
@@ -556,7 +557,8 @@ def placement_checks() -> dict[str, Any]:
 
     from lightning_ckpt import apply_checkpointing
     from lightning_ckpt.demos import Transformer
-    from lightning_ckpt.strategies import check_checkpointing_placement, shard_for_checkpointing
+    from lightning_ckpt.core.placement import check_checkpointing_placement
+    from lightning_ckpt.strategies.fsdp import shard_for_checkpointing
 
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     result: dict[str, Any] = {}

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_ckpt.callbacks.gradient_checkpointing as callback_module
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.callbacks.gradient_checkpointing import AUTO_MEMORY_FRACTION, AutoBudget, _combine_over_ranks, _Measurement, auto_memory_budget
+from lightning_ckpt.core.budget import AUTO_MEMORY_FRACTION, Measurement, combine_costs, pack_costs
 from lightning_ckpt.demos import GPT, CountingDataModule
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
@@ -227,21 +227,6 @@ def test_auto_on_cpu_asks_for_a_fraction_or_bytes_before_anything_changes():
     assert "configure_model" not in model.__dict__ and callback.checkpointed_layers == []
 
 
-def test_auto_arithmetic():
-    gib = 2**30
-    assert AUTO_MEMORY_FRACTION == 0.9
-    assert auto_memory_budget(80 * gib, 30 * gib, 2 * gib) == int(0.9 * 80 * gib) - 32 * gib
-    auto = AutoBudget.from_step(device_bytes=80 * gib, static_bytes=30 * gib, step_peak_bytes=45 * gib,
-                                activation_bytes=12 * gib)
-    assert auto.other_peak_bytes == 3 * gib  # the step's peak beyond static memory and its activations
-    assert auto.budget_bytes == int(0.9 * 80 * gib) - 33 * gib
-    assert str(auto) == ("auto: 0.9 x 80.0 GiB device memory - 30.0 GiB weights, gradients and optimizer state"
-                         " - 3.0 GiB other peak of the step = 39.0 GiB for activations")
-    assert AutoBudget.from_step(100, 10, 5, 20).other_peak_bytes == 0  # never negative
-    with pytest.raises(ValueError, match="leaves nothing for activations.*fsdp_ckpt.*PEFT"):
-        auto_memory_budget(80 * gib, 70 * gib, 2 * gib)
-
-
 class FakeGather:
     """A strategy of two ranks: ``all_gather`` stacks this rank's row with ``other``."""
 
@@ -254,19 +239,13 @@ class FakeGather:
         return torch.stack([tensor, self.other])
 
 
-def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device():
-    mine = _Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)], 7)
-    # the other rank: per layer its 7 integers, then the bytes offload would move un-checkpointed and checkpointed;
-    # then 13 outside
+def test_ranks_are_gathered_as_rows_and_combined():
+    """The callback's part: this rank's row gathered with the others'; the arithmetic is tested in test_budget.py."""
+    mine = Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)], 7)
     other_row = [120, 8, 45, 0, 40, 9, 1, 130, 0, 150, 12, 20, 0, 70, 1, 1, 180, 0, 13] + [900, 50, 9]
-    measured, figures = _combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])
-    assert [(c.name, c.none_bytes, c.full_bytes, c.selective_bytes, c.full_flops, c.selective_flops)
-            for c in measured.costs] == [("a", 120, 10, 45, 50, 9), ("b", 200, 12, 30, 70, 6)]
-    assert [c.movable_bytes("none", min_bytes=0) for c in measured.costs] == [130, 200]  # what this rank would move of b: 200
-    assert measured.outside_bytes == 13 and figures == [900, 50, 11]
-    # and the other way round: this rank's larger outside bytes are kept
-    other_row[18] = 3
-    assert _combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])[0].outside_bytes == 7
+    measured, figures = callback_module._combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])
+    expected = combine_costs(torch.tensor([pack_costs(mine, [1000, 40, 11]), other_row]), mine)
+    assert (measured, figures) == expected and figures == [900, 50, 11]
 
 
 def test_offload_auto_plans_by_time_on_the_measured_device_and_trains_the_same(reference, monkeypatch):

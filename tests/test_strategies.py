@@ -23,15 +23,11 @@ from torch import nn
 import lightning_ckpt.strategies  # noqa: F401  (registers "ddp_ckpt" and "fsdp_ckpt")
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing
 from lightning_ckpt.demos import Block, CountingDataModule
-from lightning_ckpt.strategies import (
-    CheckpointingDDPStrategy,
-    CheckpointingFSDPStrategy,
-    check_checkpointing_placement,
-    check_ddp_settings,
-    check_lightning_strategy,
-    mixed_precision_policy,
-    reentrant_layers,
-)
+from lightning_ckpt.callbacks.gradient_checkpointing import check_lightning_strategy
+from lightning_ckpt.core.placement import check_checkpointing_placement
+from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy
+from lightning_ckpt.strategies.ddp import check_ddp_settings, reentrant_layers
+from lightning_ckpt.strategies.fsdp import mixed_precision_policy
 
 SCENARIOS = [
     "ddp_two_heads_reference", "ddp_two_heads_checkpointed", "ddp_two_heads_reentrant", "fsdp_two_heads_checkpointed",

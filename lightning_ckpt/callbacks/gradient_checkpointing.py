@@ -1,4 +1,5 @@
-"""GradientCheckpointing: the Lightning callback. It only decides *when*; selection and wrapping decide what and how.
+"""GradientCheckpointing: the Lightning callback. It only decides *when*; selection and wrapping decide what and how,
+and :mod:`~lightning_ckpt.core.budget` holds the memory-budget arithmetic (ranks combined, ``"auto"``, the report).
 
 Also here: finding the callback on a Trainer, and refusing a Lightning strategy that would checkpoint as well.
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Generic, Optional, TypeVar, Union, overload
 
@@ -21,11 +21,21 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import psutil
 
+from lightning_ckpt.core.budget import (
+    AutoBudget,
+    Measurement,
+    combine_costs,
+    host_memory_share,
+    offload_min_bytes,
+    pack_costs,
+    plan_summary,
+    plan_table,
+    static_bytes,
+)
 from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES, engine_for, release_all
+from lightning_ckpt.core.offload import release_all
 from lightning_ckpt.core.placement import check_checkpointing_placement
-from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, LayerCostRecorder, Offload, make_plan
-from lightning_ckpt.core.profiling import format_bytes, format_flops, optimizer_state_bytes, tensor_bytes
+from lightning_ckpt.core.planner import CheckpointPlan, LayerCostRecorder, Offload, make_plan
 from lightning_ckpt.core.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
 from lightning_ckpt.core.wrapping import (
     CheckpointOptions,
@@ -34,10 +44,6 @@ from lightning_ckpt.core.wrapping import (
     checkpointed_names,
     remove_checkpointing,
 )
-
-AUTO_MEMORY_FRACTION = 0.9
-"""``memory_budget="auto"`` plans for this fraction of the accelerator's memory; the rest is headroom
-(allocator fragmentation, the CUDA context, buffers this package cannot see)."""
 
 _SETTINGS = ("layer_cls", "every_n_layers", "offload", "mode", "memory_budget", "use_reentrant",
              "preserve_rng_state", "checkpoint_kwargs")
@@ -161,7 +167,7 @@ class GradientCheckpointing(Callback):
         self._module: Optional[pl.LightningModule] = None
         self._original_configure_model: Any = None
         self._recorder: Optional[LayerCostRecorder] = None
-        self._measured: Optional[_Measurement] = None  # this rank's, until the plan is made
+        self._measured: Optional[Measurement] = None  # this rank's, until the plan is made
         self._plan_pending = False  # made, not applied yet: applied at the end of the batch
         self._start_step = 0
         self._device: Optional[tuple[DeviceProfile, int]] = None  # profile and host memory, for "auto"
@@ -276,12 +282,12 @@ class GradientCheckpointing(Callback):
             return False
         recorder.__exit__(None, None, None)
         costs = recorder.costs()
-        counted = sum(c.full_bytes for c in costs)
-        if recorder.held_bytes < counted:
+        measured = Measurement.from_held_bytes(costs, recorder.held_bytes)
+        if recorder.held_bytes < measured.layer_bytes:
             rank_zero_warn("GradientCheckpointing: the bytes held outside the checkpointed layers could not be measured"
                            " (other saved-tensor hooks were entered after this callback's); the plan counts them as 0."
                            " Put GradientCheckpointing after such callbacks in `callbacks`.")
-        self._measured = _Measurement(costs, max(0, recorder.held_bytes - counted))
+        self._measured = measured
         return True
 
     def _make_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -291,10 +297,9 @@ class GradientCheckpointing(Callback):
         measured = self._measured
         if budget == "auto":
             device = trainer.strategy.root_device
-            static = _static_bytes(pl_module, trainer.optimizers)
+            static = static_bytes(pl_module, trainer.optimizers)
             peak = int(_device_call(device, "max_memory_allocated") or 0)
-            held = measured.outside_bytes + sum(c.full_bytes for c in measured.costs)
-            mine = AutoBudget.from_step(int(_device_call(device, "mem_get_info")[1]), static, peak, held)
+            mine = AutoBudget.from_step(int(_device_call(device, "mem_get_info")[1]), static, peak, measured.held_bytes)
             figures = [mine.device_bytes, mine.static_bytes, mine.other_peak_bytes]
             measured, figures = _combine_over_ranks(trainer.strategy, measured, figures)
             auto = AutoBudget(*figures)
@@ -305,7 +310,7 @@ class GradientCheckpointing(Callback):
         profile, host_memory = self._device if self._device is not None else (None, None)
         # An impossible budget raises here; the step's own full checkpointing is undone by `on_exception`.
         plan = make_plan(measured.costs, measured.outside_bytes, budget, modes, self._settings["offload"], profile,
-                         host_memory=host_memory, min_bytes=_min_bytes(trainer.strategy.root_device))
+                         host_memory=host_memory, min_bytes=offload_min_bytes(trainer.strategy.root_device))
         self.plan, self._measured, self._plan_pending = plan, None, True
         if trainer.is_global_zero:
             _report_plan(trainer, plan, self._settings["memory_budget"], auto)
@@ -442,76 +447,7 @@ def _validate(settings: Mapping[str, Any]) -> None:
 _PLAN_SETTINGS = {"layer_cls", "memory_budget", "offload", "use_reentrant", "checkpoint_kwargs"}
 
 
-# --------------------------------------------------------------------------------------------- budget helpers
-
-
-@dataclass(frozen=True)
-class _Measurement:
-    costs: list[LayerCost]
-    outside_bytes: int  # held for backward outside the measured layers (embeddings, head, loss)
-
-
-@dataclass(frozen=True)
-class AutoBudget:
-    """The figures behind ``memory_budget="auto"``: what is left of the device for activations.
-
-    Example::
-
-        >>> auto = AutoBudget(device_bytes=80 * 2**30, static_bytes=30 * 2**30, other_peak_bytes=2 * 2**30)
-        >>> auto.budget_bytes / 2**30  # 0.9 * 80 - 30 - 2
-        40.0
-    """
-
-    device_bytes: int  # the accelerator's total memory
-    static_bytes: int  # weights, gradients and optimizer state
-    other_peak_bytes: int  # the step's peak beyond static memory and activations (temporaries, the recompute)
-    fraction: float = AUTO_MEMORY_FRACTION
-
-    @classmethod
-    def from_step(cls, device_bytes: int, static_bytes: int, step_peak_bytes: int, activation_bytes: int,
-                  fraction: float = AUTO_MEMORY_FRACTION) -> AutoBudget:
-        """The figures from a measured step: its peak allocated memory, less static memory and its activations.
-
-        Example::
-
-            >>> auto = AutoBudget.from_step(device_bytes=1000, static_bytes=400, step_peak_bytes=650, activation_bytes=200)
-            >>> auto.other_peak_bytes, auto.budget_bytes  # 650 - 400 - 200; 0.9 * 1000 - 400 - 50
-            (50, 450)
-        """
-        return cls(device_bytes, static_bytes, max(0, step_peak_bytes - static_bytes - activation_bytes), fraction)
-
-    @property
-    def budget_bytes(self) -> int:
-        return auto_memory_budget(self.device_bytes, self.static_bytes, self.other_peak_bytes, self.fraction)
-
-    def __str__(self) -> str:
-        return (f"auto: {self.fraction:g} x {format_bytes(self.device_bytes)} device memory - {format_bytes(self.static_bytes)}"
-                f" weights, gradients and optimizer state - {format_bytes(self.other_peak_bytes)} other peak of the step"
-                f" = {format_bytes(self.budget_bytes)} for activations")
-
-
-def auto_memory_budget(device_bytes: int, static_bytes: int, other_peak_bytes: int,
-                       fraction: float = AUTO_MEMORY_FRACTION) -> int:
-    """Bytes of activations that fit: ``device_bytes * fraction - static_bytes - other_peak_bytes``.
-
-    Raises ``ValueError`` when nothing is left: then weights and optimizer state, not activations, fill the device,
-    and checkpointing cannot help.
-
-    Example::
-
-        >>> auto_memory_budget(device_bytes=1000, static_bytes=500, other_peak_bytes=100)
-        300
-    """
-    budget = int(device_bytes * fraction) - static_bytes - other_peak_bytes
-    if budget <= 0:
-        raise ValueError(
-            f"`memory_budget='auto'`: {fraction:g} x {format_bytes(device_bytes)} of device memory leaves nothing for"
-            f" activations after {format_bytes(static_bytes)} of weights, gradients and optimizer state and"
-            f" {format_bytes(other_peak_bytes)} of other peak memory in the step. Checkpointing only saves activations:"
-            " shard the weights and optimizer state (`strategy='fsdp_ckpt'`), train fewer parameters (PEFT), or use a"
-            " smaller model."
-        )
-    return budget
+# --------------------------------------------------------------------------------------------- budget: the calls
 
 
 def _device_call(device: torch.device, name: str) -> Any:
@@ -521,40 +457,11 @@ def _device_call(device: torch.device, name: str) -> Any:
     return fn(device) if fn is not None else None
 
 
-def _static_bytes(pl_module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
-    """Weights, gradients (as large as the trainable weights, whether allocated yet or not) and optimizer state."""
-    params = list(pl_module.parameters())
-    return (tensor_bytes(params) + tensor_bytes(p for p in params if p.requires_grad)
-            + optimizer_state_bytes(optimizers))
-
-
-_COST_FIELDS = [f.name for f in fields(LayerCost) if f.name not in ("name", "cls", "ops", "input_sizes", "saved_sizes")]
-
-
-def _combine_over_ranks(strategy: Strategy, measured: _Measurement, figures: list[int]) -> tuple[_Measurement, list[int]]:
-    """Every rank's costs combined with their maximum (the plan must fit every rank), and ``figures`` too.
-
-    ``figures`` is ``[device_bytes, static_bytes, other_peak_bytes]`` for "auto" (device memory: the minimum).
-    """
-    # Each layer's integers, then what the offload engine would move of it un-checkpointed and checkpointed (its
-    # storages over the engine's threshold: the sizes themselves are each rank's own).
-    min_bytes = _min_bytes(strategy.root_device)
-    row = [v for c in measured.costs for v in [*(getattr(c, f) for f in _COST_FIELDS), c.movable_bytes("none", min_bytes),
-                                               c.movable_bytes("full", min_bytes)]] + [measured.outside_bytes]
-    local = torch.tensor(row + figures, dtype=torch.int64, device=strategy.root_device)
-    gathered = strategy.all_gather(local).reshape(-1, local.numel())
-    combined = gathered.max(dim=0).values.tolist()
-    if figures:
-        combined[len(row)] = int(gathered[:, len(row)].min())
-    width = len(_COST_FIELDS) + 2
-    # Without the op records: they are each rank's own, and the callback plans without op-level choices. The movable
-    # bytes come back as one storage each, which the threshold keeps whole.
-    costs = []
-    for i, c in enumerate(measured.costs):
-        *ints, moved_none, moved_full = combined[i * width:(i + 1) * width]
-        costs.append(LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, ints)), saved_sizes=(moved_none,),
-                               input_sizes=(moved_full,)))
-    return _Measurement(costs, combined[len(row) - 1]), combined[len(row):]
+def _combine_over_ranks(strategy: Strategy, measured: Measurement, figures: list[int]) -> tuple[Measurement, list[int]]:
+    """Every rank's costs and ``figures`` gathered and combined (:func:`~lightning_ckpt.core.budget.combine_costs`)."""
+    row = pack_costs(measured, figures, offload_min_bytes(strategy.root_device))
+    local = torch.tensor(row, dtype=torch.int64, device=strategy.root_device)
+    return combine_costs(strategy.all_gather(local).reshape(-1, local.numel()), measured)
 
 
 def _measure_device(trainer: pl.Trainer) -> tuple[DeviceProfile, int]:
@@ -568,28 +475,14 @@ def _measure_device(trainer: pl.Trainer) -> tuple[DeviceProfile, int]:
             " device='h100-sxm')` or `lightning-ckpt plan --device NAME --offload auto`."
         )
     profile = DeviceProfile.measure(trainer.strategy.root_device)
-    host_memory = psutil.virtual_memory().available // (2 * max(1, trainer.num_devices))
+    host_memory = host_memory_share(psutil.virtual_memory().available, trainer.num_devices)
     return trainer.strategy.broadcast((profile, host_memory), src=0)
-
-
-def _min_bytes(device: torch.device) -> int:
-    """The threshold of the offload engine in charge of ``device``: smaller tensors stay on it."""
-    engine = engine_for(device)
-    return engine.min_bytes if engine is not None else DEFAULT_MIN_BYTES
 
 
 def _report_plan(trainer: pl.Trainer, plan: CheckpointPlan, memory_budget: object, auto: Optional[AutoBudget]) -> None:
     """One line in the log; the whole table to each logger that takes text, else to the log (info)."""
-    n = sum(mode != "none" for mode in plan.layers.values())
-    pct = 100 * plan.planned_bytes / plan.baseline_bytes if plan.baseline_bytes else 0.0
-    rank_zero_info(
-        f"GradientCheckpointing: memory_budget={memory_budget!r}: checkpointing {n} of {len(plan.layers)} layers;"
-        f" activations {format_bytes(plan.planned_bytes)} predicted against a budget of {format_bytes(plan.budget_bytes)}"
-        f" ({pct:.0f}% of {format_bytes(plan.baseline_bytes)} without checkpointing); {format_flops(plan.recompute_flops)}"
-        " recomputed per step" + (f"; {plan.step_time_text()}" if plan.predicted_step_seconds is not None else "")
-        + (f" ({auto})" if auto is not None else "")
-    )
-    table = str(plan) + (f"\n{auto}" if auto is not None else "")
+    rank_zero_info(f"GradientCheckpointing: {plan_summary(plan, memory_budget, auto)}")
+    table = plan_table(plan, auto)
     sent = False
     for logger in trainer.loggers:
         add_text = getattr(getattr(logger, "experiment", None), "add_text", None)

@@ -1,0 +1,143 @@
+"""The memory-budget arithmetic of :mod:`lightning_ckpt.core.budget`, without a Trainer.
+
+The callback's own tests (test_callback_budget.py) check that a Trainer run calls these at the right moments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ckpt.core.budget import (
+    AUTO_MEMORY_FRACTION,
+    AutoBudget,
+    Measurement,
+    auto_memory_budget,
+    combine_costs,
+    host_memory_share,
+    offload_min_bytes,
+    pack_costs,
+    plan_summary,
+    plan_table,
+    static_bytes,
+)
+from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES, FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.planner import LayerCost, make_plan
+
+GIB = 2**30
+
+
+def test_auto_arithmetic():
+    gib = GIB
+    assert AUTO_MEMORY_FRACTION == 0.9
+    assert auto_memory_budget(80 * gib, 30 * gib, 2 * gib) == int(0.9 * 80 * gib) - 32 * gib
+    auto = AutoBudget.from_step(device_bytes=80 * gib, static_bytes=30 * gib, step_peak_bytes=45 * gib,
+                                activation_bytes=12 * gib)
+    assert auto.other_peak_bytes == 3 * gib  # the step's peak beyond static memory and its activations
+    assert auto.budget_bytes == int(0.9 * 80 * gib) - 33 * gib
+    assert str(auto) == ("auto: 0.9 x 80.0 GiB device memory - 30.0 GiB weights, gradients and optimizer state"
+                         " - 3.0 GiB other peak of the step = 39.0 GiB for activations")
+    assert AutoBudget.from_step(100, 10, 5, 20).other_peak_bytes == 0  # never negative
+    with pytest.raises(ValueError, match="leaves nothing for activations.*fsdp_ckpt.*PEFT"):
+        auto_memory_budget(80 * gib, 70 * gib, 2 * gib)
+
+
+def test_auto_budget_takes_another_fraction_and_refuses_exactly_nothing_left():
+    assert AutoBudget(1000, 400, 50, fraction=0.5).budget_bytes == 50
+    assert str(AutoBudget(1000, 400, 50, fraction=0.5)).startswith("auto: 0.5 x 1000 B device memory")
+    with pytest.raises(ValueError, match=r"0\.5 x 1000 B of device memory leaves nothing"):
+        auto_memory_budget(1000, 450, 50, fraction=0.5)  # 500 - 450 - 50 = 0: nothing left
+
+
+def test_measurement_from_the_bytes_the_step_held():
+    costs = [LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)]
+    measured = Measurement.from_held_bytes(costs, held_bytes=40)
+    assert (measured.layer_bytes, measured.outside_bytes, measured.held_bytes) == (15, 25, 40)
+    short = Measurement.from_held_bytes(costs, held_bytes=9)  # less than the layers hold: other hooks hid some
+    assert short.outside_bytes == 0 and short.held_bytes == 15
+
+
+def test_a_rank_packs_each_layer_then_the_outside_bytes_then_the_figures():
+    cost = LayerCost("a", "B", 3000, 1000, 2000, 1000, 10, 1, calls=2, input_sizes=(1000,), saved_sizes=(1000, 1500, 500))
+    measured = Measurement([cost], outside_bytes=7)
+    assert pack_costs(measured, [80, 30, 2], min_bytes=1000) == [3000, 1000, 2000, 1000, 10, 1, 2, 2500, 1000, 7, 80,
+                                                                 30, 2]
+    # the engine's threshold decides what is moved: at 1200 only the 1500 B storage of what the layer saves
+    assert pack_costs(measured, min_bytes=1200)[7:] == [1500, 0, 7]
+
+
+def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device():
+    mine = Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)], 7)
+    # the other rank: per layer its 7 integers, then the bytes offload would move un-checkpointed and checkpointed;
+    # then 13 outside
+    other_row = [120, 8, 45, 0, 40, 9, 1, 130, 0, 150, 12, 20, 0, 70, 1, 1, 180, 0, 13] + [900, 50, 9]
+    gathered = torch.tensor([pack_costs(mine, [1000, 40, 11], min_bytes=DEFAULT_MIN_BYTES), other_row])
+    measured, figures = combine_costs(gathered, mine)
+    assert [(c.name, c.none_bytes, c.full_bytes, c.selective_bytes, c.full_flops, c.selective_flops)
+            for c in measured.costs] == [("a", 120, 10, 45, 50, 9), ("b", 200, 12, 30, 70, 6)]
+    assert [c.movable_bytes("none", min_bytes=0) for c in measured.costs] == [130, 200]  # what this rank would move of b: 200
+    assert measured.outside_bytes == 13 and figures == [900, 50, 11]
+    # and the other way round: this rank's larger outside bytes are kept
+    other_row[18] = 3
+    gathered = torch.tensor([pack_costs(mine, [1000, 40, 11], min_bytes=DEFAULT_MIN_BYTES), other_row])
+    assert combine_costs(gathered, mine)[0].outside_bytes == 7
+
+
+def test_without_figures_every_integer_takes_its_maximum_and_one_rank_is_itself():
+    mine = Measurement([LayerCost("a", "B", 100, 10, 40, 4, 50, 5, calls=3)], 7)
+    other = Measurement([LayerCost("a", "B", 90, 12, 40, 2, 55, 5)], 9)
+    measured, figures = combine_costs(torch.tensor([pack_costs(mine), pack_costs(other)]), mine)
+    [cost] = measured.costs
+    assert (cost.none_bytes, cost.full_bytes, cost.offloadable_bytes, cost.full_flops, cost.calls) == (100, 12, 4, 55, 3)
+    assert measured.outside_bytes == 9 and figures == []
+    # the moved bytes come back as one storage each: a threshold below them keeps them whole
+    assert (cost.movable_bytes("none", min_bytes=1), cost.movable_bytes("full", min_bytes=1)) == (100, 4)
+    alone, figures = combine_costs(torch.tensor(pack_costs(mine, [1000])), mine)  # a single process gathers one row
+    assert alone.costs[0].none_bytes == 100 and alone.outside_bytes == 7 and figures == [1000]
+
+
+def test_static_bytes_are_weights_gradients_of_the_trainable_ones_and_optimizer_state():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))  # 72 + 18 float32 parameters
+    model[1].requires_grad_(False)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+    assert static_bytes(model, [optimizer]) == 4 * (90 + 72)  # no optimizer state before the first step
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    # Adam's two moments of the 72 trainable parameters, and its step counters (one float32 scalar per tensor)
+    assert static_bytes(model, [optimizer]) == 4 * (90 + 72 + 2 * 72 + 2)
+    assert static_bytes(model, []) == 4 * (90 + 72)
+
+
+def test_host_memory_is_half_of_what_is_free_shared_by_the_node_devices():
+    assert host_memory_share(64 * GIB, devices=4) == 8 * GIB
+    assert host_memory_share(64 * GIB, devices=1) == 32 * GIB
+    assert host_memory_share(1001, devices=0) == 500  # no devices counted: the whole half
+
+
+def test_the_offload_threshold_is_the_engine_in_charge():
+    assert offload_min_bytes(torch.device("cpu")) == DEFAULT_MIN_BYTES
+    with use_engine(OffloadEngine(FakeStreams(), min_bytes=4096)):
+        assert offload_min_bytes("cpu") == 4096
+
+
+def test_the_plan_summary_names_the_choice_bytes_recompute_and_the_auto_figures():
+    costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+    plan = make_plan(costs, outside_bytes=100, memory_budget=0.5)
+    assert plan_summary(plan, "250B") == (
+        "memory_budget='250B': checkpointing 4 of 4 layers; activations 230 B predicted against a budget of 250 B (46% of"
+        " 500 B without checkpointing); 65 FLOP recomputed per step")
+    auto = AutoBudget(device_bytes=1000, static_bytes=400, other_peak_bytes=50)
+    assert plan_summary(plan, "auto", auto).endswith(f"recomputed per step ({auto})")
+    assert plan_table(plan, auto) == f"{plan}\n{auto}" and plan_table(plan) == str(plan)
+    loose = make_plan(costs, outside_bytes=100, memory_budget=1.0)
+    assert plan_summary(loose, 1.0).startswith("memory_budget=1.0: checkpointing 0 of 4 layers; activations 500 B")
+
+
+def test_a_timed_plan_summary_adds_the_predicted_step_time():
+    costs = [LayerCost(f"l{i}", "Block", 4 * 2**20, 2**20, 2 * 2**20, 0, 10**9, 10**8) for i in range(4)]
+    profile = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e11, host_bandwidth=1e10, name="stand-in")
+    plan = make_plan(costs, outside_bytes=0, memory_budget=0.5, device=profile)
+    line = plan_summary(plan, 0.5)
+    assert plan.predicted_step_seconds is not None
+    assert line.endswith(f"recomputed per step; {plan.step_time_text()}") and "on stand-in" in line
