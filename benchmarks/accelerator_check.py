@@ -35,7 +35,6 @@ import torch.nn.functional as F
 
 from lightning_ckpt import apply_checkpointing, remove_checkpointing
 from lightning_ckpt.core import offload as offload_module
-from lightning_ckpt.demos import Block, Transformer
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.planner import (
     CheckpointPlan,
@@ -43,6 +42,7 @@ from lightning_ckpt.core.planner import (
     plan_checkpointing,
     predict_seconds,
 )
+from lightning_ckpt.demos import Block, Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The time model's target on an accelerator: predicted step time within 15% of the measured one.

@@ -25,10 +25,10 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 
 from _results import machine, write_section
-from lightning_ckpt.demos import GPT, CountingDataModule
-from lightning_ckpt.demos import counting_sequences
 from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
 from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.demos import GPT, CountingDataModule
+from lightning_ckpt.demos import counting_sequences
 
 WARMUP, LOG_EVERY = 20, 50
 HOOKS = ("on_train_start", "on_train_batch_start", "on_before_backward", "on_before_optimizer_step",

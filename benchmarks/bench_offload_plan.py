@@ -20,9 +20,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lightning_ckpt.demos import Block, Transformer
 from lightning_ckpt.core.planner import make_plan, measure_step
 from lightning_ckpt.core.profiling import format_bytes
+from lightning_ckpt.demos import Block, Transformer
 
 PRESETS = ("l4", "h100-pcie", "h100-sxm", "gh200")
 BUDGETS = (0.5, 0.25, 0.1)

@@ -30,11 +30,11 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, _VersionWrapper, create_selective_checkpoint_contexts
 
 from _results import machine, write_section
-from lightning_ckpt.demos import Block, BlockStack, MatmulHeavy, Transformer, WideElementwise, heterogeneous_blocks
 from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.planner import PLAN_MODES, LayerCost, make_plan, plan_checkpointing
 from lightning_ckpt.core.profiling import SavedTensorCounter, count_cost, op_cost, storage_key, tensor_bytes
 from lightning_ckpt.core.wrapping import apply_checkpointing, remove_checkpointing
+from lightning_ckpt.demos import Block, BlockStack, MatmulHeavy, Transformer, WideElementwise, heterogeneous_blocks
 
 VOCAB, SEQ, BATCH, WIDTH = 256, 64, 8, 128
 

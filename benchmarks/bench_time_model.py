@@ -18,8 +18,8 @@ import time
 import warnings
 from pathlib import Path
 
-from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.commands.plan.measure import _loss, _on_device, batch_of_size, build, measure
+from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.planner import predict_seconds
 from lightning_ckpt.core.wrapping import apply_checkpointing, remove_checkpointing
 

@@ -30,9 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.demos import GPT, Block, CountingDataModule
 from lightning_ckpt.core.placement import fsdp_units
 from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.demos import GPT, Block, CountingDataModule
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy
 
 WORLD_SIZE = 2

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_ckpt.demos import Transformer
 from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.demos import Transformer
 
 VOCAB, SEQ, BATCH, WIDTH = 32, 16, 4, 32
 

@@ -16,15 +16,15 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
-import lightning_ckpt.callbacks.gradient_checkpointing as callback_module
 from lightning_ckpt import GradientCheckpointing
+import lightning_ckpt.callbacks.gradient_checkpointing as callback_module
 from lightning_ckpt.core.budget import AUTO_MEMORY_FRACTION, Measurement, combine_costs, pack_costs
-from lightning_ckpt.demos import GPT, CountingDataModule
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost
 from lightning_ckpt.core.profiling import SavedTensorCounter
 from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.demos import GPT, CountingDataModule
 
 N_LAYER = 4
 BLOCKS = [f"model.blocks.{i}" for i in range(N_LAYER)]
@@ -316,7 +316,7 @@ def test_the_monitor_sees_the_measuring_step_as_a_fully_checkpointed_one(tmp_pat
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_ckpt import MemoryMonitor
-    from lightning_ckpt.callbacks.memory_monitor import ACTIVATIONS
+    from lightning_ckpt.core.memory_stats import ACTIVATIONS
 
     def activations(callback, name):
         logger = CSVLogger(tmp_path, name=name)

@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from lightning_ckpt import DeviceProfile
-from lightning_ckpt.demos import Block, BlockStack
 from lightning_ckpt.core.planner import (
     STEP_FORWARDS,
     extra_seconds,
@@ -15,6 +14,7 @@ from lightning_ckpt.core.planner import (
     measure_step,
     plan_checkpointing,
 )
+from lightning_ckpt.demos import Block, BlockStack
 
 PRESETS = {"h100-sxm", "h100-pcie", "a100-80gb", "l4", "rtx-4090", "gh200"}
 

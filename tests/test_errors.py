@@ -31,10 +31,10 @@ from lightning_ckpt import DeviceProfile, GradientCheckpointing, MemoryMonitor, 
 from lightning_ckpt.callbacks.gradient_checkpointing import find_checkpointing_callback
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.compare.stats import measurements
-from lightning_ckpt.demos import GPT, Block
 from lightning_ckpt.core.budget import auto_memory_budget
 from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost, make_plan, plan_checkpointing
+from lightning_ckpt.demos import GPT, Block
 from lightning_ckpt.strategies.ddp import check_ddp_settings
 from lightning_ckpt.strategies.fsdp import CheckpointingFSDPStrategy, mixed_precision_policy, shard_for_checkpointing
 

@@ -17,9 +17,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_ckpt.callbacks.memory_monitor as monitor_module
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequences
+import lightning_ckpt.callbacks.memory_monitor as monitor_module
 from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
 from lightning_ckpt.core.memory_stats import (
     ACTIVATIONS,
@@ -35,6 +34,7 @@ from lightning_ckpt.core.memory_stats import (
     all_gather_released,
 )
 from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, default_engine, use_engine
+from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequences
 
 VOCAB, SEQ, BATCH = 32, 16, 8
 ALWAYS = {HOST_RSS, ACTIVATIONS, ACTIVATIONS_OFFLOADED, SAMPLES_PER_SEC, TOKENS_PER_SEC, STEP_SEC, RECOMPUTE_FLOPS_SHARE}

@@ -13,9 +13,9 @@ from torch.utils.checkpoint import checkpoint
 import lightning_ckpt.core.offload as offload
 from helpers import BATCH, SEQ, VOCAB, WIDTH, loss_and_grads, tiny_transformer, tokens
 from lightning_ckpt import apply_checkpointing
-from lightning_ckpt.demos import Block
 from lightning_ckpt.core.offload import FakeStreamError, FakeStreams, OffloadEngine, OffloadToHost, pinned_size, use_engine
 from lightning_ckpt.core.profiling import SavedTensorCounter, count_flops
+from lightning_ckpt.demos import Block
 
 N_LAYER = 6
 INPUT_BYTES = BATCH * SEQ * WIDTH * 4  # one block's input, float32

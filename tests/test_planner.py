@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ckpt.demos import Block, BlockStack, MatmulHeavy, WideElementwise, heterogeneous_blocks
 from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, cheapest_choices, count_cost, make_plan, plan_checkpointing
 from lightning_ckpt.core.profiling import SavedTensorCounter
 from lightning_ckpt.core.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
+from lightning_ckpt.demos import Block, BlockStack, MatmulHeavy, WideElementwise, heterogeneous_blocks
 
 VOCAB, SEQ, BATCH, WIDTH = 32, 16, 4, 32
 

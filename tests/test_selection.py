@@ -7,9 +7,9 @@ from torch import nn
 
 from helpers import tiny_transformer
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing
-from lightning_ckpt.demos import Block, CausalSelfAttention
 from lightning_ckpt.core.selection import detect_block_class, parse_memory_budget, resolve_layer_classes
 from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.demos import Block, CausalSelfAttention
 
 
 def test_every_n_counts_matched_layers_in_registration_order():

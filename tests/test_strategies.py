@@ -20,11 +20,11 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
-import lightning_ckpt.strategies  # noqa: F401  (registers "ddp_ckpt" and "fsdp_ckpt")
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing
-from lightning_ckpt.demos import Block, CountingDataModule
 from lightning_ckpt.callbacks.gradient_checkpointing import check_lightning_strategy
 from lightning_ckpt.core.placement import check_checkpointing_placement
+from lightning_ckpt.demos import Block, CountingDataModule
+import lightning_ckpt.strategies  # noqa: F401  (registers "ddp_ckpt" and "fsdp_ckpt")
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy
 from lightning_ckpt.strategies.ddp import check_ddp_settings, reentrant_layers
 from lightning_ckpt.strategies.fsdp import mixed_precision_policy

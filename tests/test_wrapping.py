@@ -12,9 +12,9 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from helpers import BATCH, SEQ, WIDTH, loss_and_grads, saved_bytes, tiny_transformer, tokens
 from lightning_ckpt import apply_checkpointing, remove_checkpointing
-from lightning_ckpt.demos import Block
 from lightning_ckpt.core.profiling import SavedTensorCounter, count_flops
 from lightning_ckpt.core.wrapping import checkpointed_names, is_checkpointed
+from lightning_ckpt.demos import Block
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

@@ -41,20 +41,6 @@ from lightning_ckpt.core.memory_stats import (
     synchronize,
     tokens_in_batch,
 )
-
-# Not used here: the compare command and tests/test_callback_budget.py still read these from this module.
-from lightning_ckpt.core.memory_stats import (  # noqa: F401
-    ACTIVATIONS,
-    ACTIVATIONS_OFFLOADED,
-    GIB,
-    HOST_RSS,
-    PEAK_ALLOCATED,
-    PEAK_RESERVED,
-    RECOMPUTE_FLOPS_SHARE,
-    SAMPLES_PER_SEC,
-    STEP_SEC,
-    TOKENS_PER_SEC,
-)
 from lightning_ckpt.core.profiling import tensor_bytes
 
 #: FLOPs are counted on a logging step at least this many optimizer steps after the last counted one.

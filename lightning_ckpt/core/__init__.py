@@ -10,5 +10,7 @@
   ranks, the memory breakdown);
 - :mod:`~lightning_ckpt.core.op_curve`, :mod:`~lightning_ckpt.core.planner`,
   :mod:`~lightning_ckpt.core.device_profile`: the memory-budget planner and its time model;
+- :mod:`~lightning_ckpt.core.budget`: what ``GradientCheckpointing`` computes for a budget (``"auto"``, static
+  memory, one plan for every rank);
 - :mod:`~lightning_ckpt.core.placement`: checkpointing inside FSDP units, never around them.
 """

@@ -68,8 +68,8 @@ from lightning_ckpt.core.device_profile import DeviceProfile, resolve_device
 from lightning_ckpt.core.layer_state import buffers_restored
 from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
 from lightning_ckpt.core.op_curve import OpRecord, add_records, describe, op_curve, op_records, spread
-from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS, keep_ops_context_fn
 from lightning_ckpt.core.placement import _fsdp2
+from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS, keep_ops_context_fn
 from lightning_ckpt.core.profiling import (
     OpCostMode,
     OpRecordMode,
