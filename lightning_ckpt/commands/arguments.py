@@ -1,4 +1,5 @@
-"""Arguments that ``lightning-ckpt plan`` and ``lightning-ckpt compare`` share: budgets, bytes and ``--device``.
+"""Arguments that ``lightning-ckpt plan`` and ``lightning-ckpt compare`` share: ``--config``, budgets, bytes and
+``--device``.
 
 Example::
 
@@ -10,12 +11,20 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 from typing import Optional
 
 from lightning_ckpt.core.device_profile import PRESET_NAMES
 from lightning_ckpt.core.selection import parse_memory_budget
 
-__all__ = ["add_device_argument", "check_device_argument", "parse_budget_arg", "parse_bytes_arg"]
+__all__ = [
+    "add_config_argument",
+    "add_device_argument",
+    "check_config_argument",
+    "check_device_argument",
+    "parse_budget_arg",
+    "parse_bytes_arg",
+]
 
 
 def parse_budget_arg(text: str) -> float | int | str:
@@ -66,3 +75,17 @@ def check_device_argument(parser: argparse.ArgumentParser, device: Optional[str]
     """A usage error (exit 2) unless ``device`` is ``None``, ``"auto"`` or a preset name."""
     if device is not None and device != "auto" and device not in PRESET_NAMES:
         parser.error(f"--device {device}: pass a preset ({', '.join(PRESET_NAMES)}) or 'auto'")
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    """``--config X.yaml``, the LightningCLI config a command runs or measures."""
+    parser.add_argument("--config", type=Path, help="LightningCLI YAML config (model, data, trainer)")
+
+
+def check_config_argument(parser: argparse.ArgumentParser, config: Optional[Path], command: str) -> None:
+    """A usage error (exit 2) unless ``config`` names a file; ``command`` (``"plan"``) is what the run is for."""
+    if config is None:
+        parser.error(f"--config is required: pass the LightningCLI YAML of the run to {command}, e.g. --config"
+                     " configs/tiny.yaml")
+    if not config.is_file():
+        parser.error(f"--config {config}: no such file; pass the path of a LightningCLI YAML config")

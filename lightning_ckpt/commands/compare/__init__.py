@@ -58,7 +58,12 @@ from typing import Any, Optional
 import torch
 import yaml
 
-from lightning_ckpt.commands.arguments import add_device_argument, check_device_argument
+from lightning_ckpt.commands.arguments import (
+    add_config_argument,
+    add_device_argument,
+    check_config_argument,
+    check_device_argument,
+)
 from lightning_ckpt.commands.compare.report import _ms, _num, plot, prediction_text, render_markdown, to_json
 from lightning_ckpt.commands.compare.run import (
     BASELINE,
@@ -97,7 +102,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         description="Run one LightningCLI config with and without checkpointing, each variant in fresh processes"
                     " in interleaved rounds, and compare memory, step time (median, spread, and whether a difference"
                     " is beyond noise), and the loss and gradients after step 1.")
-    parser.add_argument("--config", type=Path, help="LightningCLI YAML config (model, data, trainer)")
+    add_config_argument(parser)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                         help=f"timed steps per variant, after warm-up, over all rounds (default: {DEFAULT_STEPS})")
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
@@ -120,11 +125,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     if args.worker is not None:
         return args
     check_device_argument(parser, args.device)
-    if args.config is None:
-        parser.error("--config is required: pass the LightningCLI YAML of the run to compare, e.g. --config"
-                     " configs/tiny.yaml")
-    if not args.config.is_file():
-        parser.error(f"--config {args.config}: no such file; pass the path of a LightningCLI YAML config")
+    check_config_argument(parser, args.config, "compare")
     for option, least in (("steps", 1), ("rounds", 1), ("warmup", 0)):
         if getattr(args, option) < least:
             parser.error(f"--{option} must be >= {least}, got {getattr(args, option)}")

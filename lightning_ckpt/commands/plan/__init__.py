@@ -88,7 +88,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from lightning_ckpt.commands.arguments import add_device_argument, check_device_argument, parse_budget_arg, parse_bytes_arg
+from lightning_ckpt.commands.arguments import (
+    add_config_argument,
+    add_device_argument,
+    check_config_argument,
+    check_device_argument,
+    parse_budget_arg,
+    parse_bytes_arg,
+)
 from lightning_ckpt.commands.plan.measure import (
     accelerator_available,
     build,
@@ -122,7 +129,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         description="Measure one training step of a LightningCLI config and show what each checkpointing setting"
                     " holds and recomputes, the cheapest plan for a memory budget, and (with --device-memory) the"
                     " largest batch size each setting fits.")
-    parser.add_argument("--config", type=Path, help="LightningCLI YAML config (model, data, trainer)")
+    add_config_argument(parser)
     parser.add_argument("--memory-budget", default=None,
                         help="a fraction of the activations without checkpointing (0.3) or bytes (2GiB); default:"
                              f" the config's GradientCheckpointing memory_budget, else {DEFAULT_BUDGET}")
@@ -145,10 +152,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         parser.error(f"unrecognized arguments: {' '.join(bad or extra[:1])} (LightningCLI overrides start with"
                      " --trainer., --model., --data., such as --model.init_args.n_layer=32)")
     args.cli_args = extra
-    if args.config is None:
-        parser.error("--config is required: pass the LightningCLI YAML of the run to plan, e.g. --config configs/tiny.yaml")
-    if not args.config.is_file():
-        parser.error(f"--config {args.config}: no such file; pass the path of a LightningCLI YAML config")
+    check_config_argument(parser, args.config, "plan")
     if args.memory_budget is not None:
         try:
             args.memory_budget = parse_budget_arg(args.memory_budget)
