@@ -64,14 +64,21 @@ from lightning_ckpt.commands.arguments import (
     check_config_argument,
     check_device_argument,
 )
-from lightning_ckpt.commands.compare.report import _ms, _num, plot, prediction_text, render_markdown, to_json
+from lightning_ckpt.commands.compare.report import (
+    format_ms,
+    format_number,
+    plot,
+    prediction_text,
+    render_markdown,
+    to_json,
+)
 from lightning_ckpt.commands.compare.run import (
     BASELINE,
     DESCRIPTIONS,
     PERTURB_ENV,
     PLANNED,
     VARIANTS,
-    _run_process,
+    run_process,
     available_variants,
     config_seed,
     measure_time_model,
@@ -187,7 +194,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         print(f"[{i}/{len(order)}] round {r + 1}/{len(per_round)} {name} ({DESCRIPTIONS[name]}) ...", end=" ",
               flush=True)
-        got, seconds = _run_process(run_dir, os.environ)
+        got, seconds = run_process(run_dir, os.environ)
         if got is None or not got[0]:
             log = run_dir / "worker.log"
             if got is None:
@@ -213,8 +220,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows, result = got
         timed = [row[STEP_SEC] for row in rows[args.warmup:]]
         print(f"done in {seconds:.1f} s: {len(result['checkpointed_layers'])} layers checkpointed, activations"
-              f" {_num(max(row.get(ACTIVATIONS, 0.0) for row in rows))} GiB, median"
-              f" {_ms(spread(timed).median)} ms/step" + (f", MISMATCH: {mismatch}" if mismatch else ""), flush=True)
+              f" {format_number(max(row.get(ACTIVATIONS, 0.0) for row in rows))} GiB, median"
+              f" {format_ms(spread(timed).median)} ms/step" + (f", MISMATCH: {mismatch}" if mismatch else ""),
+              flush=True)
 
     results: list[VariantResult] = []
     for name in args.variants:

@@ -12,18 +12,32 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_ckpt.commands.compare.run import BASELINE, DESCRIPTIONS, PLANNED, TimeModel
-from lightning_ckpt.commands.compare.stats import CONFIDENCE, MIN_TIMED_STEPS, VariantResult, _signed, time_difference
+from lightning_ckpt.commands.compare.stats import (
+    CONFIDENCE,
+    MIN_TIMED_STEPS,
+    VariantResult,
+    signed_percent,
+    time_difference,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-def _num(value: Optional[float], digits: int = 4) -> str:
+def format_number(value: Optional[float], digits: int = 4) -> str:
+    """``value`` to ``digits`` significant digits; ``"n/a"`` for ``None`` or NaN.
+
+    Example::
+
+        >>> format_number(0.123456), format_number(None), format_ms(0.0123456)
+        ('0.1235', 'n/a', '12.3')
+    """
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}g}"
 
 
-def _ms(value: float) -> str:
-    return _num(1000 * value, 3)
+def format_ms(value: float) -> str:
+    """Seconds as milliseconds, 3 significant digits."""
+    return format_number(1000 * value, 3)
 
 
 def prediction_text(model: Optional[TimeModel], problems: Sequence[str] = (), why: str = "") -> str:
@@ -81,28 +95,29 @@ def render_markdown(results: Sequence[VariantResult], title: str, rtol: float, a
         if r.error:
             lines.append(f"| {r.name} | | | | | | | | | | | | | | | FAILED: {r.error} |")
             continue
-        predicted = "n/a" if r.predicted_ratio is None else _signed(r.predicted_ratio - 1)
+        predicted = "n/a" if r.predicted_ratio is None else signed_percent(r.predicted_ratio - 1)
         if r is base:
             saved = lost = loss = grad = predicted = "-"
             check = "baseline"
         else:
             delta = base.memory_gib - r.memory_gib
-            saved = f"{_num(delta, 3)} GiB ({100 * delta / base.memory_gib:.0f}%)" if base.memory_gib else "n/a"
+            saved = (f"{format_number(delta, 3)} GiB ({100 * delta / base.memory_gib:.0f}%)" if base.memory_gib
+                     else "n/a")
             lost = time_difference(base.step_times, r.step_times).describe()
-            loss, grad = _num(r.loss_diff, 2), _num(r.grad_diff, 2)
+            loss, grad = format_number(r.loss_diff, 2), format_number(r.grad_diff, 2)
             check = f"**MISMATCH: {r.mismatch}**" if r.mismatch else "ok"
-        step = r.step
+        step, n = r.step, format_number
         lines.append(
-            f"| {r.name} | {len(r.checkpointed_layers)} | {_num(r.peak_allocated_gib)} | {_num(r.host_rss_gib)}"
-            f" | {_num(r.activations_gib)} | {_num(r.offloaded_gib)} | {step.n} | {_ms(step.median)}"
-            f" | {_ms(step.q1)}–{_ms(step.q3)} | {_num(r.samples_per_sec)} | {saved} | {lost} | {predicted}"
+            f"| {r.name} | {len(r.checkpointed_layers)} | {n(r.peak_allocated_gib)} | {n(r.host_rss_gib)}"
+            f" | {n(r.activations_gib)} | {n(r.offloaded_gib)} | {step.n} | {format_ms(step.median)}"
+            f" | {format_ms(step.q1)}–{format_ms(step.q3)} | {n(r.samples_per_sec)} | {saved} | {lost} | {predicted}"
             f" | {loss} | {grad}"
             f" | {check} |"
         )
     for r in results:
         if not r.error and r.timed_memory_gib is not None and r.memory_gib > 1.01 * r.timed_memory_gib:
-            lines += ["", f"`{r.name}`: the warm-up steps held the most ({_num(r.memory_gib)} GiB, in the table);"
-                          f" the timed steps at most {_num(r.timed_memory_gib)} GiB"
+            lines += ["", f"`{r.name}`: the warm-up steps held the most ({format_number(r.memory_gib)} GiB, in the"
+                          f" table); the timed steps at most {format_number(r.timed_memory_gib)} GiB"
                           + (" (the first step measures for the memory_budget plan)." if r.name == PLANNED else ".")]
     return "\n".join(lines) + "\n"
 

@@ -269,7 +269,7 @@ def read_monitor_csv(path: Path) -> list[dict[str, float]]:
     return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in rows if row.get(STEP_SEC)]
 
 
-def _run_process(run_dir: Path, env: Mapping[str, str]) -> tuple[Optional[tuple[list[dict[str, float]], Any]], float]:
+def run_process(run_dir: Path, env: Mapping[str, str]) -> tuple[Optional[tuple[list[dict[str, float]], Any]], float]:
     """Train one process in ``run_dir``: its ``(monitor rows, result.json)``, ``None`` when it failed, and its
     seconds."""
     start = time.perf_counter()

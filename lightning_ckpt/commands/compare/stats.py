@@ -102,11 +102,18 @@ class TimeDifference:
             return f"n/a: {self.timed_steps} timed steps, too few to tell"
         if self.within_noise:
             return f"≈0%, within noise ±{_percent(self.noise)}%"
-        text = f"{_signed(self.ratio - 1)} ({_signed(self.low - 1)} to {_signed(self.high - 1)})"
+        text = f"{signed_percent(self.ratio - 1)} ({signed_percent(self.low - 1)} to {signed_percent(self.high - 1)})"
         return text if self.ratio > 1 else text + ", faster"
 
 
-def _signed(fraction: float) -> str:
+def signed_percent(fraction: float) -> str:
+    """A fraction as a signed percentage.
+
+    Example::
+
+        >>> signed_percent(0.234), signed_percent(-0.05)
+        ('+23%', '-5.0%')
+    """
     return ("+" if fraction >= 0 else "-") + _percent(abs(fraction)) + "%"
 
 
