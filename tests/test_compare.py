@@ -17,24 +17,17 @@ from matplotlib.container import ErrorbarContainer
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.compare import DEFAULT_WARMUP
 from lightning_ckpt.commands.compare.report import plot, prediction_text, render_markdown, to_json
-from lightning_ckpt.commands.compare.run import (
-    PERTURB_ENV,
-    TimeModel,
-    available_variants,
-    config_seed,
-    planned_settings,
-    read_monitor_csv,
-    schedule,
-    variant_config,
-)
+from lightning_ckpt.commands.compare.run import PERTURB_ENV, config_seed, read_monitor_csv, schedule, variant_config
 from lightning_ckpt.commands.compare.stats import (
     MIN_TIMED_STEPS,
+    TimeModel,
     VariantResult,
     first_step_difference,
     measurements,
     predict_variants,
     time_difference,
 )
+from lightning_ckpt.commands.compare.variants import available_variants, planned_settings
 from lightning_ckpt.commands.plan.measure import Measurement, build, measure
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.memory_stats import ACTIVATIONS, SAMPLES_PER_SEC, STEP_SEC

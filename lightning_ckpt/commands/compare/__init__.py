@@ -39,8 +39,9 @@ variant adds a visible error to one gradient after its first backward (see
 :class:`~lightning_ckpt.commands.compare.run.FirstStepRecorder`). It exists only so that the tests can check that a
 wrong gradient is caught; the variant's config says so (``perturb_grad: true``).
 
-The command is in parts: :mod:`~lightning_ckpt.commands.compare.run` (the variants, the config of each process, the
-worker and the time model's measured step), :mod:`~lightning_ckpt.commands.compare.stats` (the numbers: spreads,
+The command is in parts: :mod:`~lightning_ckpt.commands.compare.variants` (what each variant sets, and which a config
+can run), :mod:`~lightning_ckpt.commands.compare.run` (the config of each process, the worker and the time model's
+measured step), :mod:`~lightning_ckpt.commands.compare.stats` (the numbers: spreads,
 bootstrap intervals, gradient differences, predictions) and :mod:`~lightning_ckpt.commands.compare.report` (table,
 JSON, plot); this module parses the arguments and drives the runs (:func:`main`).
 """
@@ -73,15 +74,10 @@ from lightning_ckpt.commands.compare.report import (
     to_json,
 )
 from lightning_ckpt.commands.compare.run import (
-    BASELINE,
-    DESCRIPTIONS,
     PERTURB_ENV,
-    PLANNED,
-    VARIANTS,
-    run_process,
-    available_variants,
     config_seed,
     measure_time_model,
+    run_process,
     run_worker,
     schedule,
     steps_per_round,
@@ -95,6 +91,7 @@ from lightning_ckpt.commands.compare.stats import (
     predict_variants,
     spread,
 )
+from lightning_ckpt.commands.compare.variants import BASELINE, DESCRIPTIONS, PLANNED, VARIANTS, available_variants
 from lightning_ckpt.core.memory_stats import ACTIVATIONS, STEP_SEC
 
 __all__ = ["main"]

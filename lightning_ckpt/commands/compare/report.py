@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from lightning_ckpt.commands.compare.run import BASELINE, DESCRIPTIONS, PLANNED, TimeModel
+from lightning_ckpt.commands.compare.stats import TimeModel
 from lightning_ckpt.commands.compare.stats import (
     CONFIDENCE,
     MIN_TIMED_STEPS,
@@ -19,6 +19,7 @@ from lightning_ckpt.commands.compare.stats import (
     signed_percent,
     time_difference,
 )
+from lightning_ckpt.commands.compare.variants import BASELINE, DESCRIPTIONS, PLANNED
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -1,4 +1,4 @@
-"""How ``compare`` runs: the variants and the config of each process, the worker that trains one, launching it,
+"""How ``compare`` runs: the config of each variant's process, the worker that trains one, launching it,
 and the one measured step of the model that the predicted slowdowns are priced from.
 
 Each process is ``python -m lightning_ckpt.commands.compare --worker DIR``: it trains the config
@@ -16,89 +16,28 @@ import sys
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.commands.compare.stats import TimeModel
+from lightning_ckpt.commands.compare.variants import (
+    PLANNED,
+    VARIANTS,
+    available_variants,
+    checkpointing_args,
+    is_callback,
+    planned_settings,
+)
 from lightning_ckpt.core.memory_stats import STEP_SEC
-
-if TYPE_CHECKING:
-    from lightning_ckpt.commands.plan.measure import Measurement
 
 PERTURB_ENV = "LIGHTNING_CKPT_COMPARE_PERTURB_GRAD"
 CALLBACK_PATH = "lightning_ckpt.GradientCheckpointing"
 
-#: Variant name -> ``GradientCheckpointing`` settings (``None``: no checkpointing), in the order they run.
-VARIANTS: dict[str, Optional[dict[str, Any]]] = {
-    "none": None,
-    "every_layer": {"every_n_layers": 1, "mode": "full", "offload": False},
-    "selective": {"every_n_layers": 1, "mode": "selective", "offload": False},
-    "every_2nd": {"every_n_layers": 2, "mode": "full", "offload": False},
-    "every_4th": {"every_n_layers": 4, "mode": "full", "offload": False},
-    "offload": {"every_n_layers": 1, "mode": "full", "offload": True},
-}
-#: The config's own ``GradientCheckpointing``, run as written, when it has a ``memory_budget``.
-PLANNED = "planned"
-DESCRIPTIONS = {
-    "none": "no checkpointing",
-    "every_layer": "every layer",
-    "selective": "every layer, selective",
-    "every_2nd": "every 2nd layer",
-    "every_4th": "every 4th layer",
-    "offload": "every layer, inputs offloaded to host",
-    PLANNED: "the config's memory_budget plan",
-}
-BASELINE = "none"
-
 
 # ---------------------------------------------------------------------------------------------------- variants
-
-
-def _is_callback(entry: Any, name: str) -> bool:
-    """Whether a ``trainer.callbacks`` entry of a LightningCLI config is the class ``name`` (by its class_path)."""
-    path = entry.get("class_path", "") if isinstance(entry, Mapping) else entry if isinstance(entry, str) else ""
-    return path == name or path.endswith("." + name)
-
-
-def _checkpointing_args(base: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``init_args`` of the config's ``GradientCheckpointing`` entry (``{}`` when it has none)."""
-    callbacks = (base.get("trainer") or {}).get("callbacks") or []
-    callbacks = [callbacks] if isinstance(callbacks, Mapping) else list(callbacks)
-    for entry in callbacks:
-        if _is_callback(entry, "GradientCheckpointing"):
-            return dict(entry.get("init_args") or {}) if isinstance(entry, Mapping) else {}
-    return {}
-
-
-def planned_settings(base: Mapping[str, Any]) -> Optional[dict[str, Any]]:
-    """The settings of the ``planned`` variant: the config's ``GradientCheckpointing`` as written, when it has a
-    ``memory_budget``; ``None`` otherwise (then there is no ``planned`` variant).
-
-    Example::
-
-        >>> cb = {"class_path": "lightning_ckpt.GradientCheckpointing", "init_args": {"memory_budget": 0.3}}
-        >>> planned_settings({"trainer": {"callbacks": [cb]}})
-        {'memory_budget': 0.3}
-        >>> planned_settings({"trainer": {"callbacks": []}}) is None
-        True
-    """
-    args = _checkpointing_args(base)
-    return args if args.get("memory_budget") is not None else None
-
-
-def available_variants(base: Mapping[str, Any]) -> list[str]:
-    """Every variant this config can run, in order: :data:`VARIANTS`, then ``planned`` if it has a budget.
-
-    Example::
-
-        >>> available_variants({})
-        ['none', 'every_layer', 'selective', 'every_2nd', 'every_4th', 'offload']
-    """
-    return list(VARIANTS) + ([PLANNED] if planned_settings(base) is not None else [])
 
 
 def variant_config(base: Mapping[str, Any], variant: str, steps: int, run_dir: Path, seed: int,
@@ -128,8 +67,8 @@ def variant_config(base: Mapping[str, Any], variant: str, steps: int, run_dir: P
     callbacks = trainer.get("callbacks") or []
     callbacks = [callbacks] if isinstance(callbacks, Mapping) else list(callbacks)
     kept = [c for c in callbacks
-            if not _is_callback(c, "GradientCheckpointing") and not _is_callback(c, "MemoryMonitor")]
-    ckpt_args = _checkpointing_args(base)
+            if not is_callback(c, "GradientCheckpointing") and not is_callback(c, "MemoryMonitor")]
+    ckpt_args = checkpointing_args(base)
     ckpt_args.pop("memory_budget", None)  # the fixed variants choose the layers themselves
     # The monitor before the checkpointing: saved-tensor hooks entered later are inner, and a budget's measuring
     # step must see every saved tensor itself.
@@ -286,45 +225,11 @@ def run_process(run_dir: Path, env: Mapping[str, str]) -> tuple[Optional[tuple[l
 # ---------------------------------------------------------------------------------------------------- time model
 
 
-@dataclass(frozen=True)
-class TimeModel:
-    """What the predicted column comes from: one measured step of the config's model (``measurement``: per-layer
-    costs and ops, and the ops outside the layers) and the device ``profile`` it is priced on.
-
-    ``offload_moves``: whether offload moves anything in the runs compared (not on a CPU run priced on the CPU's
-    own profile: the inputs are already in host memory there).
-    """
-
-    measurement: Measurement
-    profile: DeviceProfile
-    offload_moves: bool = True
-
-    def describe(self) -> str:
-        """The profile's figures, in words.
-
-        Example::
-
-            >>> from lightning_ckpt.commands.plan.measure import Measurement
-            >>> TimeModel(Measurement(8, [], 0), DeviceProfile(2e11, 1e10, 1e10, 4e-6, name="cpu")).describe()
-            'cpu (matmul 200 GFLOP/s, memory 10 GB/s, host 10 GB/s, 4 µs per op recomputed, 4 µs per op under a policy)'
-        """
-        p = self.profile
-        return (f"{p.name} (matmul {p.matmul_flops / 1e9:.3g} GFLOP/s, memory {p.memory_bandwidth / 1e9:.3g} GB/s,"
-                f" host {p.host_bandwidth / 1e9:.3g} GB/s, {1e6 * p.op_overhead:.3g} µs per op recomputed,"
-                f" {1e6 * p.per_op_under_policy:.3g} µs per op under a policy)")
-
-    def as_dict(self) -> dict[str, Any]:
-        p = self.profile
-        return {"device": p.name, "matmul_flops": p.matmul_flops, "memory_bandwidth": p.memory_bandwidth,
-                "host_bandwidth": p.host_bandwidth, "op_overhead": p.op_overhead,
-                "policy_overhead": p.per_op_under_policy, "offload_moves": self.offload_moves,
-                "batch_size": self.measurement.batch_size, "layers": [c.name for c in self.measurement.costs]}
-
-
 def measure_time_model(config: Path, device: Optional[str] = None) -> TimeModel:
     """Measure one step of ``config``'s model as ``lightning-ckpt plan`` does
     (:func:`~lightning_ckpt.commands.plan.measure.measure`) and get the profile ``device`` names (a preset, or
-    ``None``/``"auto"``: the device the step runs on, measured with :meth:`DeviceProfile.measure`)."""
+    ``None``/``"auto"``: the device the step runs on, measured with
+    :meth:`~lightning_ckpt.core.device_profile.DeviceProfile.measure`)."""
     from lightning_ckpt.commands.plan.measure import build, device_profile, measure
 
     built = build(config, fake=False)

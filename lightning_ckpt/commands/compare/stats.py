@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
-from lightning_ckpt.commands.compare.run import PLANNED, VARIANTS, TimeModel
+from lightning_ckpt.commands.compare.variants import PLANNED, VARIANTS
+from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.memory_stats import (
     ACTIVATIONS,
     ACTIVATIONS_OFFLOADED,
@@ -25,6 +26,9 @@ from lightning_ckpt.core.memory_stats import (
     TOKENS_PER_SEC,
 )
 from lightning_ckpt.core.planner import predict_seconds
+
+if TYPE_CHECKING:
+    from lightning_ckpt.commands.plan.measure import Measurement
 
 #: With fewer timed steps than this (either side), no verdict on time is given.
 MIN_TIMED_STEPS = 10
@@ -292,6 +296,41 @@ def first_step_difference(baseline: Mapping[str, Any], other: Mapping[str, Any],
     if problem is None and not loss_diff <= atol + rtol * abs(baseline["loss"]):
         problem = "loss"
     return loss_diff, grad_diff, problem
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """What the predicted column comes from: one measured step of the config's model (``measurement``: per-layer
+    costs and ops, and the ops outside the layers) and the device ``profile`` it is priced on.
+
+    ``offload_moves``: whether offload moves anything in the runs compared (not on a CPU run priced on the CPU's
+    own profile: the inputs are already in host memory there).
+    """
+
+    measurement: Measurement
+    profile: DeviceProfile
+    offload_moves: bool = True
+
+    def describe(self) -> str:
+        """The profile's figures, in words.
+
+        Example::
+
+            >>> from lightning_ckpt.commands.plan.measure import Measurement
+            >>> TimeModel(Measurement(8, [], 0), DeviceProfile(2e11, 1e10, 1e10, 4e-6, name="cpu")).describe()
+            'cpu (matmul 200 GFLOP/s, memory 10 GB/s, host 10 GB/s, 4 µs per op recomputed, 4 µs per op under a policy)'
+        """
+        p = self.profile
+        return (f"{p.name} (matmul {p.matmul_flops / 1e9:.3g} GFLOP/s, memory {p.memory_bandwidth / 1e9:.3g} GB/s,"
+                f" host {p.host_bandwidth / 1e9:.3g} GB/s, {1e6 * p.op_overhead:.3g} µs per op recomputed,"
+                f" {1e6 * p.per_op_under_policy:.3g} µs per op under a policy)")
+
+    def as_dict(self) -> dict[str, Any]:
+        p = self.profile
+        return {"device": p.name, "matmul_flops": p.matmul_flops, "memory_bandwidth": p.memory_bandwidth,
+                "host_bandwidth": p.host_bandwidth, "op_overhead": p.op_overhead,
+                "policy_overhead": p.per_op_under_policy, "offload_moves": self.offload_moves,
+                "batch_size": self.measurement.batch_size, "layers": [c.name for c in self.measurement.costs]}
 
 
 def predict_variants(results: Sequence[VariantResult], model: TimeModel) -> list[str]:
