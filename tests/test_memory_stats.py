@@ -25,6 +25,7 @@ from lightning_ckpt.core.memory_stats import (
     FlopProbe,
     all_gather_released,
     device_peak_bytes,
+    device_total_bytes,
     format_summary,
     interval_metrics,
     local_summary,
@@ -32,6 +33,7 @@ from lightning_ckpt.core.memory_stats import (
     metrics_vector,
     reduce_metrics,
     reduce_summary,
+    reset_device_peaks,
     tokens_in_batch,
 )
 from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
@@ -240,6 +242,36 @@ def test_tokens_in_batch(batch, tokens):
 def test_devices_without_allocator_statistics_have_no_peaks():
     assert device_peak_bytes(torch.device("cpu")) is None
     assert device_peak_bytes(torch.device("meta")) is None
+    assert device_total_bytes(torch.device("cpu")) is None
+
+
+class StandInAllocator:
+    """``torch.xpu``'s allocator calls, answering for one device: 5 GiB free of 80, peaks 3 and 4 GiB."""
+
+    def __init__(self) -> None:
+        self.resets: list[torch.device] = []
+
+    def mem_get_info(self, device: torch.device) -> tuple[int, int]:
+        return 5 * GIB, 80 * GIB
+
+    def max_memory_allocated(self, device: torch.device) -> int:
+        return 3 * GIB
+
+    def max_memory_reserved(self, device: torch.device) -> int:
+        return 4 * GIB
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        self.resets.append(device)
+
+
+def test_an_accelerators_statistics_are_read_from_its_torch_module(monkeypatch):
+    allocator = StandInAllocator()
+    monkeypatch.setattr(torch, "xpu", allocator, raising=False)
+    device = torch.device("xpu", 1)
+    assert device_peak_bytes(device) == (3 * GIB, 4 * GIB)
+    assert device_total_bytes(device) == 80 * GIB  # the total, not the 5 GiB free
+    reset_device_peaks(device)
+    assert allocator.resets == [device]
 
 
 # ------------------------------------------------------------------------------------------------

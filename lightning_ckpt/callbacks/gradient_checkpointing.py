@@ -33,6 +33,7 @@ from lightning_ckpt.core.budget import (
     static_bytes,
 )
 from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.memory_stats import device_peak_bytes, device_total_bytes, reset_device_peaks
 from lightning_ckpt.core.offload import release_all
 from lightning_ckpt.core.placement import check_checkpointing_placement
 from lightning_ckpt.core.planner import CheckpointPlan, LayerCostRecorder, Offload, make_plan
@@ -251,7 +252,7 @@ class GradientCheckpointing(Callback):
             # The first batch: every matched layer is fully checkpointed; measure it during this ordinary step.
             layers = [(name, pl_module.get_submodule(name)) for name in self.checkpointed_layers]
             if self._settings["memory_budget"] == "auto":
-                _device_call(trainer.strategy.root_device, "reset_peak_memory_stats")
+                reset_device_peaks(trainer.strategy.root_device)
             self._recorder = LayerCostRecorder(pl_module, layers, selective=not self._reentrant())
             self._recorder.__enter__()
 
@@ -298,8 +299,8 @@ class GradientCheckpointing(Callback):
         if budget == "auto":
             device = trainer.strategy.root_device
             static = static_bytes(pl_module, trainer.optimizers)
-            peak = int(_device_call(device, "max_memory_allocated") or 0)
-            mine = AutoBudget.from_step(int(_device_call(device, "mem_get_info")[1]), static, peak, measured.held_bytes)
+            peak = (device_peak_bytes(device) or (0, 0))[0]
+            mine = AutoBudget.from_step(int(device_total_bytes(device)), static, peak, measured.held_bytes)
             figures = [mine.device_bytes, mine.static_bytes, mine.other_peak_bytes]
             measured, figures = _combine_over_ranks(trainer.strategy, measured, figures)
             auto = AutoBudget(*figures)
@@ -448,13 +449,6 @@ _PLAN_SETTINGS = {"layer_cls", "memory_budget", "offload", "use_reentrant", "che
 
 
 # --------------------------------------------------------------------------------------------- budget: the calls
-
-
-def _device_call(device: torch.device, name: str) -> Any:
-    """``torch.<device type>.<name>(device)`` where that exists (``None`` on CPU or where it does not)."""
-    module = getattr(torch, device.type, None)
-    fn = getattr(module, name, None) if device.type != "cpu" else None
-    return fn(device) if fn is not None else None
 
 
 def _combine_over_ranks(strategy: Strategy, measured: Measurement, figures: list[int]) -> tuple[Measurement, list[int]]:

@@ -153,6 +153,20 @@ def device_peak_bytes(device: torch.device) -> Optional[tuple[int, int]]:
     return module.max_memory_allocated(device), module.max_memory_reserved(device)
 
 
+def device_total_bytes(device: torch.device) -> Optional[int]:
+    """The total memory of ``device``, or ``None`` without allocator statistics (CPU, MPS, ...).
+
+    Example::
+
+        >>> device_total_bytes(torch.device("cpu")) is None
+        True
+    """
+    module = _device_module(device)
+    if module is None or not hasattr(module, "mem_get_info"):
+        return None
+    return module.mem_get_info(device)[1]
+
+
 def reset_device_peaks(device: torch.device) -> None:
     """Reset the peak memory counters of ``device`` (no-op without allocator statistics).
 
