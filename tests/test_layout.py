@@ -2,7 +2,8 @@
 
 The rules, read from every import in the source (top level, in functions, under ``TYPE_CHECKING``):
 
-- ``lightning_ckpt.core`` is plain PyTorch: it imports neither Lightning nor any package module outside ``core``;
+- ``lightning_ckpt.core`` is plain PyTorch: besides ``core`` itself it imports only the standard library, torch,
+  numpy and psutil (so no ``lightning``, ``lightning_fabric`` or ``pytorch_lightning``, and no package module outside it);
 - ``callbacks`` and ``strategies`` never import ``commands``, and ``callbacks`` never imports ``strategies``;
 - nothing outside ``commands`` imports ``commands``; ``import lightning_ckpt`` pulls in neither commands nor demos;
 - there is no import cycle;
@@ -162,13 +163,32 @@ def test_every_module_is_in_a_layer_folder():
     assert outside == sorted(OUTSIDE_LAYERS)
 
 
-def test_the_core_never_imports_lightning():
+# What plain-PyTorch code may import: Python's standard library, torch and the core's two small helpers.
+CORE_ALLOWED = frozenset(sys.stdlib_module_names) | {"torch", "numpy", "psutil"}
+
+
+def outside_core_imports(module: str, source: str) -> list[str]:
+    """The names ``module`` imports that are neither in ``core`` nor in :data:`CORE_ALLOWED`, sorted."""
+    return sorted(name for name in imported_names(module, source)
+                  if layer(name) != "core" and name.split(".")[0] not in CORE_ALLOWED)
+
+
+def test_outside_core_imports_rejects_every_lightning_package_and_anything_unlisted():
+    source = ("import math, torch.nn\nfrom . import wrapping\nimport psutil\n"
+              "from lightning_fabric.utilities.rank_zero import rank_zero_warn\n"
+              "def f():\n    import pytorch_lightning\n    import lightning.pytorch\n    import yaml\n")
+    assert outside_core_imports("lightning_ckpt.core.budget", source) == [
+        "lightning.pytorch", "lightning_fabric.utilities.rank_zero", "lightning_fabric.utilities.rank_zero.rank_zero_warn",
+        "pytorch_lightning", "yaml"]
+
+
+def test_the_core_imports_only_the_standard_library_torch_numpy_and_psutil():
     modules = package_modules()
     core = [name for name in modules if layer(name) == "core"]
     assert "lightning_ckpt.core.placement" in core and "lightning_ckpt.core.planner" in core
     for name in core:
-        lightning = sorted(n for n in imports_of(name, modules[name]) if n.split(".")[0] == "lightning")
-        assert lightning == [], f"{name} imports {lightning}"
+        outside = outside_core_imports(name, modules[name].read_text())
+        assert outside == [], f"{name} imports {outside}: core may import only torch, numpy, psutil and the stdlib"
 
 
 @pytest.mark.parametrize("module", ["lightning_ckpt.callbacks.gradient_checkpointing", "lightning_ckpt.strategies",
