@@ -24,7 +24,7 @@ from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost
 from lightning_ckpt.core.profiling import SavedTensorCounter
 from lightning_ckpt.core.wrapping import checkpointed_names
-from lightning_ckpt.demos import GPT, CountingDataModule
+from lightning_ckpt.demos import GPT, Block, CountingDataModule
 
 N_LAYER = 4
 BLOCKS = [f"model.blocks.{i}" for i in range(N_LAYER)]
@@ -178,7 +178,9 @@ class ChangeSettingAfter(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == self.batch_idx:
+            self.plan_before = self.callback.plan
             setattr(self.callback, self.name, self.value)
+            self.plan_after = self.callback.plan
 
 
 def test_a_new_budget_drops_the_plan_and_measures_again_on_the_next_batch(reference):
@@ -191,6 +193,29 @@ def test_a_new_budget_drops_the_plan_and_measures_again_on_the_next_batch(refere
     # batch 3 runs fully checkpointed again (the measuring step), batch 4 with the new plan
     assert model.seen == [BLOCKS, half, BLOCKS, chosen]
     assert model.held[3] <= 0.3 * reference.held[2] * 1.02
+
+
+@pytest.mark.parametrize(("name", "value"), [("layer_cls", Block), ("offload", True), ("use_reentrant", True),
+                                           ("checkpoint_kwargs", {"determinism_check": "none"})])
+def test_each_plan_setting_drops_the_plan_and_measures_again_on_the_next_batch(name, value):
+    callback = GradientCheckpointing(memory_budget=0.5)
+    change = ChangeSettingAfter(callback, 1, name, value)
+    model, _ = run(callbacks=[callback, change], max_steps=4)
+    assert change.plan_before is not None and change.plan_after is None
+    half = model.seen[1]
+    assert 0 < len(half) < N_LAYER
+    # batch 3 is a measuring step again (every layer checkpointed), batch 4 runs the plan solved after it
+    assert model.seen == [BLOCKS, half, BLOCKS, planned(callback)]
+    assert callback.plan is not change.plan_before and getattr(callback, name) == value
+
+
+def test_a_setting_the_plan_does_not_depend_on_keeps_the_plan():
+    callback = GradientCheckpointing(memory_budget=0.5)
+    change = ChangeSettingAfter(callback, 1, "preserve_rng_state", False)
+    model, _ = run(callbacks=[callback, change], max_steps=4)
+    assert change.plan_after is change.plan_before is callback.plan
+    half = model.seen[1]
+    assert model.seen == [BLOCKS, half, half, half]
 
 
 @pytest.mark.parametrize("first", [{"memory_budget": 0.5}, {"every_n_layers": 2}])
