@@ -655,6 +655,92 @@ def raised_at(tb: Any) -> str:
     return frames(tb)[-1]
 
 
+# ------------------------------------------------------------------------------------ the figures in the messages
+# The cases above check each message's fixed text; these check the figures a message computes, against answers
+# counted by hand from small made-up inputs (bytes under 1 KiB print whole).
+
+
+def four_layers(offloadable: int) -> list[LayerCost]:
+    """Four layers holding 100 B un-checkpointed, 10 B fully and 40 B selectively checkpointed, ``offloadable`` B of
+    their inputs movable to the host; 100 B outside them: 500 B without checkpointing."""
+    return [LayerCost(f"l{i}", "Block", 100, 10, 40, offloadable, 50, 5) for i in range(4)]
+
+
+@pytest.mark.parametrize(("offloadable", "modes", "figures"), [
+    # least: 100 + 4 x 10 = 140 B, 28.0% of 500, 0.280; offload=True: 100 + 4 x (10 - 6) = 116 B, 23.2%; "auto" can
+    # move all 100 B a layer saves un-checkpointed as well: 100 B, the outside alone; 50 / 140 = 35.7%: about 36%.
+    (6, ("full", "selective"), ["but the least reachable is 140 B (28.0%), with every matched layer checkpointed;",
+                                "To fit: pass a budget of at least 0.280 (or 140 bytes);",
+                                "; or offload=True, which reaches 116 B (23.2%);",
+                                "; or offload='auto' with a device profile, which can reach 100 B;",
+                                "about 36% of the current size would fit"]),
+    # nothing to offload: offload=True reaches the same 140 B
+    (0, ("full", "selective"), ["but the least reachable is 140 B (28.0%)", "at least 0.280 (or 140 bytes)",
+                                "; offload=True would not help here", "which can reach 100 B;",
+                                "about 36% of the current size would fit"]),
+    # selective only: 100 + 4 x 40 = 260 B, 52.0%; offload=True: 100 + 4 x 34 = 236 B, 47.2%; 50 / 260 = 19.2%: 20%.
+    (6, ("selective",), ["but the least reachable is 260 B (52.0%)", "at least 0.520 (or 260 bytes);",
+                         "; or offload=True, which reaches 236 B (47.2%);", "which can reach 100 B;",
+                         "; or allow modes=('full', 'selective');", "about 20% of the current size would fit"]),
+])
+def test_out_of_reach_budget_message_gives_the_least_reachable_and_what_would_fit(offloadable, modes, figures):
+    with pytest.raises(ValueError) as info:
+        make_plan(four_layers(offloadable), 100, 0.1, modes=modes)
+    message = str(info.value)
+    # 0.1 x 500 B = 50 B, 10.0% of 500 B; the 100 B outside the layers stay whatever is checkpointed.
+    assert message.startswith("`memory_budget=0.1` asks for at most 50 B of activations (10.0% of the 500 B held"
+                              " without checkpointing)"), message
+    assert "; 100 B of it is outside the matched layers" in message, message
+    for figure in figures:
+        assert figure in message, (figure, message)
+    assert ("allow modes" in message) == ("full" not in modes)
+
+
+def test_host_memory_short_message_gives_the_budget_and_the_host_memory():
+    """0.3 x 500 B = 150 B: 350 B to free, more than three layers can (3 x 96 B with their 6 B of inputs on the
+    host), so all four offload 4 x 6 = 24 B: 23 B of host memory is short by one byte, 24 B is enough."""
+    with pytest.raises(ValueError) as info:
+        make_plan(four_layers(6), 100, 0.3, offload=True, host_memory=23)
+    message = str(info.value)
+    assert message.startswith("`memory_budget=0.3` (150 B of activations) needs more than `host_memory=23` (23 B) of"
+                              " offloaded tensors. Nothing was applied. To fit: pass a larger `host_memory`"), message
+    assert "; or offload='auto' with a device profile, which can reach 100 B;" in message, message
+    plan = make_plan(four_layers(6), 100, 0.3, offload=True, host_memory=24)
+    assert plan.planned_host_bytes == 24 and plan.planned_bytes <= 150
+
+
+@pytest.mark.parametrize(("n", "shown"), [(4, "4 layers: 0, 1, 2, 3)"), (5, "5 layers: 0, 1, 2, 3, ...)")])
+def test_ddp_reentrant_message_counts_the_layers_and_shows_the_first_four(n, shown):
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(n)])
+    apply_checkpointing(model, layer_cls=nn.Linear, use_reentrant=True)
+    for kwargs in ({}, {"find_unused_parameters": True}):
+        with pytest.raises(ValueError) as info:
+            check_ddp_settings(model, kwargs)
+        assert str(info.value).startswith(f"Reentrant checkpointing ({shown} "), str(info.value)
+
+
+def test_two_callbacks_message_counts_them():
+    trainer = cpu_trainer(callbacks=[GradientCheckpointing(every_n_layers=2)])
+    trainer.callbacks += [GradientCheckpointing(), GradientCheckpointing(mode="selective")]
+    with pytest.raises(ValueError, match=r"^The Trainer has 3 `GradientCheckpointing` callbacks; pass one"):
+        find_checkpointing_callback(trainer)
+
+
+def test_auto_budget_message_gives_each_part_and_refuses_exactly_when_nothing_is_left():
+    # int(0.9 x 1000) = 900 B: 800 B static and 100 B other peak leave 0, 99 B of other peak leave 1.
+    with pytest.raises(ValueError) as info:
+        auto_memory_budget(1000, 800, 100)
+    assert str(info.value).startswith(
+        "`memory_budget='auto'`: 0.9 x 1000 B of device memory leaves nothing for activations after 800 B of weights,"
+        " gradients and optimizer state and 100 B of other peak memory in the step."), str(info.value)
+    assert auto_memory_budget(1000, 800, 99) == 1
+    with pytest.raises(ValueError, match=r"^`memory_budget='auto'`: 0.5 x 1000 B of device memory leaves nothing for"
+                                         r" activations after 400 B .* and 100 B of other peak"):
+        auto_memory_budget(1000, 400, 100, fraction=0.5)
+    assert auto_memory_budget(1000, 400, 99, fraction=0.5) == 1
+
+
+
 # ----------------------------------------------------------------------------------------- every error, listed
 
 

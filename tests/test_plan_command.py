@@ -8,16 +8,26 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from lightning.pytorch import LightningModule
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.plan import main as plan_main
 from lightning_ckpt.commands.plan import measure as plan_measure
-from lightning_ckpt.commands.plan.measure import batch_of_size, build, measure, sharding_of, would_not_fit
+from lightning_ckpt.commands.plan.measure import (
+    Built,
+    batch_of_size,
+    build,
+    measure,
+    sharding_of,
+    static_memory,
+    would_not_fit,
+)
 from lightning_ckpt.commands.plan.predictions import largest_batch
 from lightning_ckpt.commands.plan.report import plot
 from lightning_ckpt.core.planner import make_plan
-from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
 from lightning_ckpt.core.wrapping import apply_checkpointing
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
@@ -175,6 +185,10 @@ def test_sharded_strategy_divides_static_memory_over_the_data_parallel_devices(r
         assert sharded["activation_bytes"] == unsharded["activation_bytes"]
         assert sharded["largest_batch"] == largest_batch(sharded["fixed_bytes"], sharded["per_sample_bytes"], room)
         assert sharded["largest_batch"] > unsharded["largest_batch"]
+    # "static + activations" adds that share, not the unsharded whole, to each setting's activations.
+    for setting, row in zip(data["settings"], table(report, "Settings")):
+        assert row[6] == format_bytes(data["static_bytes_per_device"] + setting["activation_bytes"]), row
+        assert row[6] != format_bytes(data["static"]["unsharded_bytes"] + setting["activation_bytes"]), row
 
 
 MP = "lightning.pytorch.strategies.ModelParallelStrategy"
@@ -455,3 +469,37 @@ def test_offload_auto_needs_a_device_and_plans_per_layer(tmp_path, capsys):
     assert row["predicted_step_seconds"] == pytest.approx(data["plan"]["predicted_step_seconds"])
     assert data["plan"]["predicted_step_seconds"] <= figures["false"]["plan"]["predicted_step_seconds"]
     assert figures["false"]["plan"]["offloaded"] == [] and figures["false"]["plan"]["host_bytes"] == 0
+
+
+class _Frozen(LightningModule):
+    """A Linear(3, 5) (20 float32 parameters, 5 rows each), a frozen 6-float parameter and a 7-float buffer;
+    AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 5)
+        self.frozen = torch.nn.Parameter(torch.ones(6), requires_grad=False)
+        self.register_buffer("counts", torch.zeros(7))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def test_shard_grad_op_keeps_weights_whole_and_splits_gradients_and_optimizer_state():
+    """FSDP's SHARD_GRAD_OP over 4 devices: each device holds every weight, and a quarter (rows padded) of the
+    gradients and of AdamW's moments. Known answers, counted by hand."""
+    sharding = sharding_of({"class_path": FSDP, "init_args": {"sharding_strategy": "SHARD_GRAD_OP"}}, 4, 1)
+    assert (sharding.world, sharding.weights, sharding.states) == (4, 1, 4)
+    built = Built(_Frozen(), [], torch.device("cpu"), None, False, None, None, sharding=sharding)
+    static = static_memory(built)
+    # Weights whole: weight 5 x 3 and bias 5 (80 B), the frozen 6 (24 B), the buffer 7 (28 B).
+    assert static.weights == 80 + 24 + 28 == 132
+    # Gradients of the trainable two only, 2 of 5 rows each (ceil(5 / 4)): 2 x 3 x 4 + 2 x 4.
+    assert static.gradients == 24 + 8 == 32
+    # AdamW: exp_avg and exp_avg_sq split like the gradients; each parameter's 0-d float32 step whole.
+    assert static.optimizer_state == 2 * 32 + 2 * 4 == 72
+    assert static.total == 132 + 32 + 72
+    # Unsharded: 104 B of parameters, 28 of buffer, 80 of gradients, 2 x 80 + 8 of optimizer state.
+    assert static.unsharded == 104 + 28 + 80 + 168 == 380
+    assert static.optimizer == "AdamW" and static.sharding == sharding
+    assert all(p.grad is None for p in built.module.parameters())  # the zero gradients are dropped again
