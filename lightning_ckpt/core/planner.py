@@ -1177,7 +1177,8 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
             f" reachable is {format_bytes(minimum)} ({_pct(minimum, baseline)}), with every matched layer checkpointed"
             + (" or offloaded" if offload == "auto" else "")
             + f"; {format_bytes(outside)} of it is outside the matched layers (embeddings, head, loss). Nothing was applied.")
-    if offload and minimum <= budget_bytes:  # the device could hold it: host memory is what is short
+    host_short = bool(offload) and minimum <= budget_bytes  # the device could hold it: host memory is what is short
+    if host_short:
         text = (f"`memory_budget={memory_budget!r}` ({format_bytes(budget_bytes)} of activations) needs more than"
                 f" `host_memory={host_memory}` ({format_bytes(host_memory or 0)}) of offloaded tensors. Nothing was applied."
                 f" To fit: pass a larger `host_memory` (bytes of host memory the offloaded tensors may use)")
@@ -1193,6 +1194,8 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
         text += f"; or offload='auto' with a device profile, which can reach {format_bytes(least('auto'))}"
     if "full" not in modes:
         text += "; or allow modes=('full', 'selective')"
+    if host_short:  # a smaller batch or more checkpointed layers are about device memory, which is not short
+        return text + "."
     text += (f"; or a smaller batch or shorter sequences (activations grow about linearly with them: about"
              f" {math.ceil(100 * budget_bytes / minimum)}% of the current size would fit); or checkpoint more of the"
              " model by adding the classes outside the layers to `layer_cls`.")
