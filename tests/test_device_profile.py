@@ -151,3 +151,16 @@ def test_an_offload_copy_hides_behind_one_forward_and_two_of_backward() -> None:
     # records: no forward time in the baseline)
     seconds, baseline = predict_seconds(costs, (), {"l0": "full"}, device, offload={"l0"}, min_bytes=0)
     assert (seconds, baseline) == (pytest.approx(0.001 + 0.002), 0.0)
+
+
+def test_a_layers_copies_hide_behind_the_next_layer_not_the_one_before() -> None:
+    """Layers of 1, 2 and 4 ms forward: layer 0's copies hide behind layer 1 (2 ms forward, 4 ms backward), layer 1's
+    behind layer 2 (4 and 8 ms), the last layer's behind nothing."""
+    device = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9)
+    costs = [LayerCost(f"l{i}", "Block", 3_000_000, 3_000_000, 3_000_000, 3_000_000, full_flops=10**6 * 2**i,
+                       selective_flops=0) for i in range(3)]
+    assert transfer_windows(costs, device) == [pytest.approx((0.002, 0.004)), pytest.approx((0.004, 0.008)), (0.0, 0.0)]
+    # layer 0 offloaded without recompute (all it saves, 3 MB): 3 ms each way, 1 ms of it exposed (to the host), none
+    # on the way back
+    seconds, _ = predict_seconds(costs, (), {}, device, offload={"l0"}, min_bytes=0)
+    assert seconds == pytest.approx(0.001)
