@@ -7,12 +7,18 @@ import torch
 from torch import nn
 
 from lightning_ckpt import DeviceProfile
+from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.planner import (
     STEP_FORWARDS,
+    LayerCost,
+    exposed_transfer_seconds,
     extra_seconds,
+    layer_seconds,
     make_plan,
     measure_step,
     plan_checkpointing,
+    predict_seconds,
+    transfer_windows,
 )
 from lightning_ckpt.demos import Block, BlockStack
 
@@ -116,3 +122,45 @@ def test_cpu_measured_tensors_count_as_on_the_profiled_device() -> None:
     assert on_h100.planned_host_bytes == sum(c.full_bytes for c in full) > 0
     default = make_plan(measured.costs, measured.outside_bytes, 0.5, modes=("full",), offload=True, device="h100-sxm")
     assert default.planned_host_bytes == 0  # the engine would keep them on the device
+
+
+def test_a_layer_called_twice_pays_the_fixed_cost_per_op_twice() -> None:
+    """Op records sum a layer's calls in a step; its recompute runs every op once per call, so each op's fixed cost
+    (``op_overhead``, and under a policy ``policy_overhead``) counts once per call, its compute once in all."""
+    ops = (OpRecord("aten.mm.default", 64, 10**6, 96), OpRecord("aten.gelu.default", 64, 16, 128))
+    cost = LayerCost("a", "Block", 128, 32, 96, 0, 10**6 + 16, 16, calls=2, ops=ops)
+    device = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e9, host_bandwidth=1e9, op_overhead=1e-6)
+    # full: mm 1 µs + gelu 128 ns of compute (both calls), and 2 ops x 2 calls x 1 µs fixed;
+    # ops keeping the mm: gelu recomputed (128 ns + 2 x 1 µs), and 4 ops run under the policy (2 in forward, 2 in
+    # the recompute) x 2 calls x 1 µs
+    got = [round(1e9 * extra_seconds(cost, c, (0,), device)) for c in ("none", "full", "ops")]  # ns
+    assert got == [0, 1000 + 128 + 4 * 1000, 128 + 2 * 1000 + 8 * 1000]
+    assert round(1e9 * layer_seconds(cost, device)) == 1000 + 128 + 4 * 1000
+
+
+def test_an_offload_copy_hides_behind_one_forward_and_two_of_backward() -> None:
+    """Layer 0's inputs take 2.5 ms each way; the next layer's forward takes 1 ms, its backward 2 ms (two forwards):
+    1.5 ms of the copy to the host and 0.5 ms of the copy back cannot hide."""
+    device = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9)
+    costs = [LayerCost(f"l{i}", "Block", 10**7, 2_500_000, 10**7, 2_500_000, full_flops=10**6, selective_flops=0)
+             for i in range(2)]
+    windows = transfer_windows(costs, device)
+    assert windows == [pytest.approx((0.001, 0.002)), (0.0, 0.0)]
+    assert exposed_transfer_seconds(2_500_000, device, windows[0]) == pytest.approx(0.0015 + 0.0005)
+    # layer 0 fully checkpointed and offloaded: 1 ms recomputed, 2 ms of copies exposed (layers without op
+    # records: no forward time in the baseline)
+    seconds, baseline = predict_seconds(costs, (), {"l0": "full"}, device, offload={"l0"}, min_bytes=0)
+    assert (seconds, baseline) == (pytest.approx(0.001 + 0.002), 0.0)
+
+
+def test_a_layers_copies_hide_behind_the_next_layer_not_the_one_before() -> None:
+    """Layers of 1, 2 and 4 ms forward: layer 0's copies hide behind layer 1 (2 ms forward, 4 ms backward), layer 1's
+    behind layer 2 (4 and 8 ms), the last layer's behind nothing."""
+    device = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9)
+    costs = [LayerCost(f"l{i}", "Block", 3_000_000, 3_000_000, 3_000_000, 3_000_000, full_flops=10**6 * 2**i,
+                       selective_flops=0) for i in range(3)]
+    assert transfer_windows(costs, device) == [pytest.approx((0.002, 0.004)), pytest.approx((0.004, 0.008)), (0.0, 0.0)]
+    # layer 0 offloaded without recompute (all it saves, 3 MB): 3 ms each way, 1 ms of it exposed (to the host), none
+    # on the way back
+    seconds, _ = predict_seconds(costs, (), {}, device, offload={"l0"}, min_bytes=0)
+    assert seconds == pytest.approx(0.001)

@@ -468,13 +468,18 @@ def test_pinned_memory_is_counted_as_pinned_and_unpinned_when_released():
     streams = FakeStreams(seed=0)
     engine = OffloadEngine(streams, min_bytes=0)
     model = offloaded_model()
-    small, large = tokens()[:3], tokens()  # 6 KiB inputs: pinned as 8 KiB
+    # 4 KiB inputs, then 8 KiB ones: the small buffers (4 KiB pinned) cannot serve the large inputs and are dropped.
+    # (Not `[:3]`: 6 KiB is pinned as 8 KiB, the same buffer as the full batch's, and nothing would be dropped.)
+    small, large = tokens()[:2], tokens()
+    assert pinned_size(2 * SEQ * WIDTH * 4) < pinned_size(INPUT_BYTES)
     with use_engine(engine):
         loss_and_grads(model, small)
         gc.collect()
-        assert engine.pool.allocated_bytes == streams.pinned_bytes >= N_LAYER * pinned_size(3 * SEQ * WIDTH * 4)
+        assert engine.pool.allocated_bytes == streams.pinned_bytes >= N_LAYER * pinned_size(2 * SEQ * WIDTH * 4)
+        allocations = engine.pool.allocations
         loss_and_grads(model, large)  # larger inputs: the small buffers are dropped, and unpinned
         gc.collect()
+        assert engine.pool.allocations > allocations  # new, larger buffers were pinned
         assert engine.pool.allocated_bytes == streams.pinned_bytes
         assert streams.cached_host_bytes == 0
     engine.release()

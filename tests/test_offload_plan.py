@@ -98,6 +98,21 @@ def test_host_memory_bounds_what_is_offloaded_and_the_rest_is_recomputed(measure
         plan(measured, every_layer_full // 2, "auto", host_memory=0)
 
 
+def test_every_host_memory_limit_is_kept(measured):
+    """The host-memory bisection returns the best choice that fit, never the last price it tried: a sweep of limits
+    from 1/40 to 39/40 of what the unbounded plan offloads, each kept (and the device budget with it)."""
+    free = plan(measured, 0.3, "auto", bandwidth=math.inf, host_memory=1 << 40)
+    assert free.host_bytes > 0
+    over = []
+    for i in range(1, 40):
+        limit = free.host_bytes * i // 40
+        bounded = plan(measured, 0.3, "auto", bandwidth=math.inf, host_memory=limit)
+        assert bounded.planned_bytes <= bounded.budget_bytes
+        if bounded.host_bytes > limit:
+            over.append((limit, bounded.host_bytes))
+    assert over == []
+
+
 @pytest.mark.parametrize("bandwidth", [1e6, 1e8, 1e9, 1e11])
 @pytest.mark.parametrize("budget", [0.25, 0.5, 0.75])
 def test_auto_is_never_predicted_slower_than_offload_true_or_false(measured, budget, bandwidth):

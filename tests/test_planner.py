@@ -12,7 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, cheapest_choices, count_cost, make_plan, plan_checkpointing
+from lightning_ckpt.core.planner import (
+    CheckpointPlan,
+    LayerCost,
+    cheapest_choices,
+    count_cost,
+    make_plan,
+    plan_checkpointing,
+    predict,
+)
 from lightning_ckpt.core.profiling import SavedTensorCounter
 from lightning_ckpt.core.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
 from lightning_ckpt.demos import Block, BlockStack, MatmulHeavy, WideElementwise, heterogeneous_blocks
@@ -366,6 +374,19 @@ def test_offload_counts_checkpointed_inputs_as_host_bytes() -> None:
     assert sorted(plan.layers.values()) == ["full", "full", "full", "selective"]
     assert plan.planned_bytes == 100 + 30 + 20 and plan.planned_host_bytes == 80 and plan.recompute_flops == 32
     assert plan.offloaded == list(plan.layers) and plan.host_bytes == 80
+
+
+def test_the_newest_offloaded_layers_inputs_are_what_stays_on_the_device() -> None:
+    """Both layers checkpointed and offloaded: the engine keeps the newest (last) one's inputs, 300 B, on the device
+    for backward, not the oldest one's 100 B."""
+    costs = [LayerCost("l0", "Block", 1000, 100, 1000, offloadable_bytes=100, full_flops=10, selective_flops=0),
+             LayerCost("l1", "Block", 1000, 300, 1000, offloadable_bytes=300, full_flops=10, selective_flops=0)]
+    plan = make_plan(costs, outside_bytes=0, memory_budget=400, modes=("full",), offload=True, host_memory=1 << 20,
+                     min_bytes=0)
+    assert plan.layers == {"l0": "full", "l1": "full"} and plan.offloaded == ["l0", "l1"]
+    assert plan.planned_host_bytes == 400
+    assert plan.planned_bytes == 300
+    assert predict(costs, 0, plan.layers, offload=True, min_bytes=0) == (300, 20)
 
 
 def test_plan_round_trips_and_prints_its_table() -> None:
