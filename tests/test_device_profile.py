@@ -13,6 +13,7 @@ from lightning_ckpt.core.planner import (
     LayerCost,
     exposed_transfer_seconds,
     extra_seconds,
+    forward_seconds,
     layer_seconds,
     make_plan,
     measure_step,
@@ -136,6 +137,15 @@ def test_a_layer_called_twice_pays_the_fixed_cost_per_op_twice() -> None:
     got = [round(1e9 * extra_seconds(cost, c, (0,), device)) for c in ("none", "full", "ops")]  # ns
     assert got == [0, 1000 + 128 + 4 * 1000, 128 + 2 * 1000 + 8 * 1000]
     assert round(1e9 * layer_seconds(cost, device)) == 1000 + 128 + 4 * 1000
+
+
+def test_the_baseline_forward_of_a_layer_called_twice_counts_its_compute_once_and_its_fixed_cost_per_call() -> None:
+    """The same records in the plain step's forward: compute 1 µs + 128 ns (both calls together), and each op's
+    fixed cost once per call at a third of ``op_overhead`` (the step is ``STEP_FORWARDS`` = 3 forwards)."""
+    ops = (OpRecord("aten.mm.default", 64, 10**6, 96), OpRecord("aten.gelu.default", 64, 16, 128))
+    cost = LayerCost("a", "Block", 128, 32, 96, 0, 10**6 + 16, 16, calls=2, ops=ops)
+    device = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e9, host_bandwidth=1e9, op_overhead=3e-6)
+    assert round(1e9 * forward_seconds([cost], (), device)) == 1000 + 128 + 2 * 2 * 1000
 
 
 def test_an_offload_copy_hides_behind_one_forward_and_two_of_backward() -> None:

@@ -672,8 +672,9 @@ def forward_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord],
     op's forward and its backward node, not in proportion to the backward's FLOPs as ``STEP_FORWARDS`` is.
     (On a 2-core CPU, a plain forward and backward cost about 5 µs per op beyond compute, one ``op_overhead`` about
     8 µs: charging ``STEP_FORWARDS`` of them per op overstated the step without checkpointing about fivefold.)"""
+    # A record's FLOPs and bytes already sum the layer's calls in the step; only the fixed cost is per call.
     ops = [(r, c.calls) for c in costs for r in c.ops] + [(r, 1) for r in outside_ops]
-    return sum(calls * (device.op_seconds(r.op, r.flops, r.io_bytes) + device.op_overhead / STEP_FORWARDS)
+    return sum(device.op_seconds(r.op, r.flops, r.io_bytes) + calls * device.op_overhead / STEP_FORWARDS
                for r, calls in ops)
 
 
