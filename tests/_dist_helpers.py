@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.core.placement import fsdp_units
 from lightning_ckpt.core.wrapping import checkpointed_names
-from lightning_ckpt.demos import GPT, Block, CountingDataModule
+from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequences
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy
 
 WORLD_SIZE = 2
@@ -530,6 +530,47 @@ def fsdp_memory_budget_reference() -> dict[str, Any]:
     return _fit_budget(CheckpointingFSDPStrategy(), None)
 
 
+VARYING_LENGTHS = ([4, 16, 8, 16], [16, 4, 8, 8])
+"""Each rank's sequence lengths, step by step (4 sequences a batch): rank 0's first batch is short, rank 1's long.
+The largest over ranks: 16, 16, 8, 16."""
+
+
+def _fit_varying(strategy: Any, memory_budget: Optional[int]) -> dict[str, Any]:
+    """Batches whose lengths differ between ranks and steps, under a byte budget (``None``: without the callback)."""
+    seed_everything(0)
+    rank = int(os.environ["LOCAL_RANK"])
+    callback = GradientCheckpointing(memory_budget=memory_budget) if memory_budget is not None else None
+    record = RecordCheckpointedPerBatch()
+    model = SeededGPT(**{**GPT_ARGS, "n_layer": 4})
+    batches = []
+    for step, length in enumerate(VARYING_LENGTHS[rank]):
+        seqs = counting_sequences(4, length + 1, GPT_ARGS["vocab_size"], seed=10 * step + rank)
+        batches.append((seqs[:, :-1], seqs[:, 1:]))
+    trainer = _trainer(strategy, [callback, record] if callback is not None else [record], max_steps=4,
+                       use_distributed_sampler=False)
+    trainer.fit(model, DataLoader(batches, batch_size=None))
+    result: dict[str, Any] = {"seen": record.seen, "weights": full_weights(model)}
+    if callback is not None:
+        result["plans"] = {bucket: plan.state_dict() for bucket, plan in callback.plans.items()}
+    return result
+
+
+def ddp_budget_varying_lengths() -> dict[str, Any]:
+    return _fit_varying(CheckpointingDDPStrategy(), 300_000)
+
+
+def ddp_budget_varying_lengths_reference() -> dict[str, Any]:
+    return _fit_varying(CheckpointingDDPStrategy(), None)
+
+
+def fsdp_budget_varying_lengths() -> dict[str, Any]:
+    return _fit_varying(CheckpointingFSDPStrategy(), 300_000)
+
+
+def fsdp_budget_varying_lengths_reference() -> dict[str, Any]:
+    return _fit_varying(CheckpointingFSDPStrategy(), None)
+
+
 def fsdp_recorder_layer_not_a_unit() -> dict[str, Any]:
     """The whole model one FSDP unit: its layers' parameters are sharded, but no layer can be gathered alone."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -589,7 +630,9 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
               gpt_fsdp_sharded_saving, gpt_fsdp_sharded_resumed, ddp_two_heads_one_device_per_node,
               gpt_fsdp_one_device_per_node,
               placement_checks, ddp_memory_budget_ranks_differ, fsdp_memory_budget_ranks_differ,
-              fsdp_memory_budget_reference, fsdp_recorder_layer_not_a_unit, model_parallel_2d_checkpointed)
+              fsdp_memory_budget_reference, fsdp_recorder_layer_not_a_unit, model_parallel_2d_checkpointed,
+              ddp_budget_varying_lengths, ddp_budget_varying_lengths_reference, fsdp_budget_varying_lengths,
+              fsdp_budget_varying_lengths_reference)
 }
 
 

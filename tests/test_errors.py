@@ -188,6 +188,10 @@ def sixteen_mixed() -> None:
 
 CASES: dict[str, Case] = {
     # --- the callback's options (GradientCheckpointing(...), or setting them as attributes)
+    "length_fn not callable": Case(
+        "callbacks.gradient_checkpointing.GradientCheckpointing.__init__",
+        lambda: GradientCheckpointing(memory_budget=0.5, length_fn=64), TypeError,
+        "got 64", "a function of the batch returning its tokens", "`length_fn` must be a function of the batch"),
     "every_n_layers type": Case(
         "core.selection.validate_every_n_layers", lambda: GradientCheckpointing(every_n_layers="2"), TypeError,
         "got '2' of type str", "(1 = every layer, 4 = layers 0, 4, 8, ...)", "`every_n_layers` must be an int >= 1"),
@@ -758,6 +762,12 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
     "commands.plan.measure.device_profile": (
         1, "`plan --device auto` for an accelerator missing here: printed with exit 2"),
     "core.planner.solve": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
+    "callbacks.gradient_checkpointing.GradientCheckpointing._make_plan": (
+        1, "make_plan's 'least reachable' message (case 'budget out of reach') with the batch size appended; the size"
+           " is asserted in test_budget_cycle's out-of-reach test"),
+    "core.budget_cycle.BudgetCycle.planned": (
+        1, "a misuse of the core object by its caller (planned() without a measuring step), not a user setting;"
+           " asserted in test_budget_cycle"),
     "commands.compare.run.variant_config": (
         2, "the command's parser refuses these first (usage errors 'compare, planned without a budget' and 'compare,"
            " unknown variant'); test_compare calls it directly"),

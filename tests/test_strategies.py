@@ -449,7 +449,9 @@ def test_spawn_fsdp_hands_back_the_unsharded_weights(runs):
 @pytest.fixture(scope="module")
 def budget_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     return run_scenarios([("ddp_memory_budget_ranks_differ", {}), ("fsdp_memory_budget_ranks_differ", {}),
-                          ("fsdp_memory_budget_reference", {}), ("fsdp_recorder_layer_not_a_unit", {})],
+                          ("fsdp_memory_budget_reference", {}), ("fsdp_recorder_layer_not_a_unit", {}),
+                          ("ddp_budget_varying_lengths", {}), ("ddp_budget_varying_lengths_reference", {}),
+                          ("fsdp_budget_varying_lengths", {}), ("fsdp_budget_varying_lengths_reference", {})],
                          tmp_path_factory.mktemp("budget_runs"))
 
 
@@ -491,6 +493,23 @@ def test_memory_budget_under_fsdp_measures_sharded_layers_like_ddp(budget_runs):
     assert reference[0]["seen"] == [[], [], []]
     for rank in (0, 1):
         assert_same_weights(fsdp[rank]["weights"], reference[rank]["weights"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_whose_lengths_differ_agree_on_each_step_s_size_and_train_as_without_the_callback(budget_runs, strategy):
+    """Rank 0's first batch is short and rank 1's long, then the other way round: every rank plans for the largest
+    (16, 16, 8, 16 per step), measures the same steps and enters the same collectives; none waits for another."""
+    rank0, rank1 = ok(budget_runs, f"{strategy}_budget_varying_lengths")
+    every = [f"model.blocks.{i}" for i in range(4)]
+    assert rank0["plans"] == rank1["plans"] and sorted(rank0["plans"]) == [32, 64]  # 4 x 8 and 4 x 16 tokens
+    long = [name for name, mode in rank0["plans"][64]["layers"].items() if mode != "none"]
+    assert long and rank0["seen"] == rank1["seen"] == [every, long, every, long]  # steps 1 and 3 measure
+    assert_same_weights(rank0["weights"], rank1["weights"], rtol=0, atol=0)
+    reference = ok(budget_runs, f"{strategy}_budget_varying_lengths_reference")
+    assert reference[0]["seen"] == [[], [], [], []]
+    for rank in (0, 1):
+        assert_same_weights(rank0["weights"] if rank == 0 else rank1["weights"], reference[rank]["weights"],
+                            rtol=0, atol=0 if strategy == "ddp" else 1e-5)
 
 
 def test_measuring_layers_that_are_not_their_own_fsdp_unit_is_refused_with_what_to_do(budget_runs):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Generic, Optional, TypeVar, Union, overload
 
@@ -32,6 +32,7 @@ from lightning_ckpt.core.budget import (
     plan_table,
     static_bytes,
 )
+from lightning_ckpt.core.budget_cycle import BatchSize, BudgetCycle, batch_size_of
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.memory_stats import device_peak_bytes, device_total_bytes, reset_device_peaks
 from lightning_ckpt.core.offload import release_all
@@ -107,6 +108,9 @@ class GradientCheckpointing(Callback):
         use_reentrant: use torch's reentrant checkpoint (not recommended; non-reentrant is the default).
         preserve_rng_state: replay the RNG state in recompute so dropout masks match.
         checkpoint_kwargs: extra ``torch.utils.checkpoint.checkpoint`` arguments, merged over the above.
+        length_fn: with ``memory_budget``, the tokens in a batch (for example
+            ``lambda batch: int(batch["attention_mask"].sum())``); default: ``batch * seq`` of a 2-D integer main
+            tensor (token ids), else the batch's samples. Plans are kept per size (see below).
 
     Layers are checkpointed in ``setup`` and, for models built in ``configure_model``, right after it,
     before any strategy wraps the model. Everything is undone in ``teardown`` (or on an exception).
@@ -114,9 +118,13 @@ class GradientCheckpointing(Callback):
     Every argument is also an attribute (``callback.every_n_layers``, ...). Setting one validates it like the
     constructor (a bad value raises and changes nothing) and, when layers are already checkpointed, re-applies.
 
-    With ``memory_budget``, ``callback.plan`` holds the :class:`~lightning_ckpt.core.planner.CheckpointPlan` once made
-    (and ``checkpointed_layers`` its choice). The plan is saved in Lightning checkpoints: a resumed run applies it
-    from its first step without measuring again. Under DDP and FSDP2 every rank measures its own batch, the per-layer
+    With ``memory_budget``, the budget holds on every batch, whatever its size: a batch larger (more tokens, or
+    longer sequences) than any its size bucket was measured at runs fully checkpointed and is measured, and the plan
+    solved for it is used for the batches it covers; a short batch so runs the cheaper plan its own size allows
+    (:mod:`~lightning_ckpt.core.budget_cycle`). ``callback.plan`` holds the latest batch's
+    :class:`~lightning_ckpt.core.planner.CheckpointPlan` (and ``checkpointed_layers`` its choice), ``callback.plans``
+    every bucket's. The plans are saved in Lightning checkpoints: a resumed run applies them without measuring those
+    sizes again. Under DDP and FSDP2 every rank measures its own batch, the per-layer
     costs are combined with their maximum over ranks, and every rank solves the same plan. Under FSDP2 each layer
     must be its own unit (``strategy='fsdp_ckpt'`` shards it so): measuring gathers each layer's parameters once
     more, in the first step only.
@@ -156,22 +164,37 @@ class GradientCheckpointing(Callback):
         use_reentrant: bool = False,
         preserve_rng_state: bool = True,
         checkpoint_kwargs: Optional[dict[str, Any]] = None,
+        length_fn: Optional[Callable[[Any], int]] = None,
     ) -> None:
+        if length_fn is not None and not callable(length_fn):
+            raise TypeError(f"`length_fn` must be a function of the batch returning its tokens, got {length_fn!r}.")
         settings = dict(layer_cls=layer_cls, every_n_layers=every_n_layers, offload=offload, mode=mode,
                         memory_budget=memory_budget, use_reentrant=use_reentrant,
                         preserve_rng_state=preserve_rng_state, checkpoint_kwargs=checkpoint_kwargs)
         settings = {name: copy.copy(value) for name, value in settings.items()}
         _validate(settings)
         self._settings: dict[str, Any] = settings  # the one place the options live; attributes read from it
+        self.length_fn = length_fn
         self.checkpointed_layers: list[str] = []
-        self.plan: Optional[CheckpointPlan] = None
+        self._cycle = BudgetCycle()  # the plans per batch size, and which one the module has
         self._module: Optional[pl.LightningModule] = None
         self._original_configure_model: Any = None
         self._recorder: Optional[LayerCostRecorder] = None
         self._measured: Optional[Measurement] = None  # this rank's, until the plan is made
-        self._plan_pending = False  # made, not applied yet: applied at the end of the batch
+        self._auto: Optional[AutoBudget] = None  # "auto": the figures of the first plan, whose budget every size keeps
         self._start_step = 0
         self._device: Optional[tuple[DeviceProfile, int]] = None  # profile and host memory, for "auto"
+
+    @property
+    def plan(self) -> Optional[CheckpointPlan]:
+        """With ``memory_budget``: the plan of the latest training batch (``None`` while a new size is measured)."""
+        return self._cycle.latest
+
+    @property
+    def plans(self) -> dict[int, CheckpointPlan]:
+        """With ``memory_budget``: each batch-size bucket (tokens, or samples, rounded up to a power of two) and its
+        plan; see :mod:`~lightning_ckpt.core.budget_cycle`."""
+        return dict(self._cycle.plans)
 
     @property
     def settings(self) -> Mapping[str, Any]:
@@ -217,7 +240,7 @@ class GradientCheckpointing(Callback):
                 "`memory_budget='auto'` plans for the accelerator's memory, but this run is on the CPU. Pass a"
                 " fraction of the un-checkpointed activation memory (`memory_budget=0.5`) or bytes (`'2GiB'`)."
             )
-        if stage == "fit" and self.plan is None and self._device is None and "auto" in (
+        if stage == "fit" and self._device is None and "auto" in (
                 self._settings["memory_budget"], self._settings["offload"]):
             self._device = _measure_device(trainer)
         self._module = pl_module
@@ -246,31 +269,44 @@ class GradientCheckpointing(Callback):
         self._start_step = trainer.global_step
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._settings["memory_budget"] is None or self.plan is not None or self._measured is not None:
-            return
-        if self._recorder is None:
-            # The first batch: every matched layer is fully checkpointed; measure it during this ordinary step.
+        if self._settings["memory_budget"] is None or self._measured is not None:
+            return  # no budget, or "auto" waits for the first optimizer step to make its first plan
+        # Every rank decides from the same size (the largest over ranks) and the same plans, so all of them enter
+        # the measuring step's collectives together, or none does.
+        step = self._cycle.begin(_largest_over_ranks(trainer.strategy, batch_size_of(batch, self.length_fn)))
+        if step.switch:
+            self._reapply(pl_module)
+        if step.measure:
+            # Every matched layer is fully checkpointed; measure it during this ordinary step.
             layers = [(name, pl_module.get_submodule(name)) for name in self.checkpointed_layers]
-            if self._settings["memory_budget"] == "auto":
+            if self._first_auto():
                 reset_device_peaks(trainer.strategy.root_device)
             self._recorder = LayerCostRecorder(pl_module, layers, selective=not self._reentrant())
             self._recorder.__enter__()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._stop_measuring() and self._settings["memory_budget"] != "auto":
-            # Planned before the first backward: an impossible budget fails before any weight has changed.
+        if self._stop_measuring() and not self._first_auto():
+            # Planned before the backward: an impossible budget fails before any weight has changed.
             self._make_plan(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._stop_measuring()  # a step that returned no loss ran no backward
-        # "auto" also needs the static memory, optimizer state included: wait for the first optimizer step.
-        if self._measured is not None and self.plan is None and (
-                self._settings["memory_budget"] != "auto" or trainer.global_step > self._start_step):
+        # The first "auto" plan also needs the static memory, optimizer state included: it waits for the first
+        # optimizer step.
+        if self._measured is not None and (not self._first_auto() or trainer.global_step > self._start_step):
             self._make_plan(trainer, pl_module)
-        if self._plan_pending and self.plan is not None:
-            self._plan_pending = False
-            self.apply(pl_module)
+        if self._cycle.latest is not None and self._cycle.applied is not self._cycle.latest:
+            self._reapply(pl_module)  # the plan just made, for the next batch of this size
+
+    def _first_auto(self) -> bool:
+        return self._settings["memory_budget"] == "auto" and self._auto is None
+
+    def _reapply(self, pl_module: pl.LightningModule) -> None:
+        """Checkpoint ``pl_module`` as the latest plan says (fully, while a size is measured)."""
+        remove_checkpointing(pl_module)
+        self.apply(pl_module)
+        self._cycle.applied = self._cycle.latest
 
     def _reentrant(self) -> bool:
         kwargs = self._settings["checkpoint_kwargs"] or {}
@@ -296,25 +332,34 @@ class GradientCheckpointing(Callback):
         budget: object = self._settings["memory_budget"]
         auto: Optional[AutoBudget] = None
         measured = self._measured
-        if budget == "auto":
+        if budget == "auto" and self._auto is not None:
+            auto = self._auto
+            budget = auto.budget_bytes
+            measured, _ = _combine_over_ranks(trainer.strategy, measured, [])
+        elif budget == "auto":
             device = trainer.strategy.root_device
             static = static_bytes(pl_module, trainer.optimizers)
             peak = (device_peak_bytes(device) or (0, 0))[0]
             mine = AutoBudget.from_step(int(device_total_bytes(device)), static, peak, measured.held_bytes)
             figures = [mine.device_bytes, mine.static_bytes, mine.other_peak_bytes]
             measured, figures = _combine_over_ranks(trainer.strategy, measured, figures)
-            auto = AutoBudget(*figures)
+            auto = self._auto = AutoBudget(*figures)
             budget = auto.budget_bytes
         else:
             measured, _ = _combine_over_ranks(trainer.strategy, measured, [])
         modes = ("full",) if self._reentrant() else ("full", "selective")
         profile, host_memory = self._device if self._device is not None else (None, None)
-        # An impossible budget raises here; the step's own full checkpointing is undone by `on_exception`.
-        plan = make_plan(measured.costs, measured.outside_bytes, budget, modes, self._settings["offload"], profile,
-                         host_memory=host_memory, min_bytes=offload_min_bytes(trainer.strategy.root_device))
-        self.plan, self._measured, self._plan_pending = plan, None, True
+        size = self._cycle.measuring
+        self._measured = None
+        try:
+            # An impossible budget raises here; the step's own full checkpointing is undone by `on_exception`.
+            plan = make_plan(measured.costs, measured.outside_bytes, budget, modes, self._settings["offload"], profile,
+                             host_memory=host_memory, min_bytes=offload_min_bytes(trainer.strategy.root_device))
+        except ValueError as err:
+            raise ValueError(f"{err} This was for a batch of {size} (the largest over ranks).") from None
+        self._cycle.planned(plan)
         if trainer.is_global_zero:
-            _report_plan(trainer, plan, self._settings["memory_budget"], auto)
+            _report_plan(trainer, plan, self._settings["memory_budget"], auto, size)
 
     # ------------------------------------------------------------------ end, state
 
@@ -329,6 +374,7 @@ class GradientCheckpointing(Callback):
             self._recorder.__exit__(None, None, None)
             self._recorder = None
         self._measured = None
+        self._cycle.abandon()
         self.remove()
         if self._settings["offload"]:
             release_all()  # the pinned host buffers pooled for offload
@@ -339,18 +385,25 @@ class GradientCheckpointing(Callback):
         state = {"settings": settings, "checkpointed_layers": list(self.checkpointed_layers)}
         if self.plan is not None:
             state["plan"] = self.plan.state_dict()
+        if self._cycle.plans:
+            state["plans"] = self._cycle.state_dict()
+        if self._auto is not None:
+            state["auto_budget"] = [self._auto.device_bytes, self._auto.static_bytes, self._auto.other_peak_bytes]
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         settings = dict(state_dict["settings"])
-        plan = state_dict.get("plan")
+        plans = state_dict.get("plans")
         if settings != self.state_dict()["settings"]:
             rank_zero_info(f"GradientCheckpointing: restoring the settings from the checkpoint: {settings}")
             self._update_settings(settings)
-        if plan is not None and settings.get("memory_budget") is not None:
-            # A resumed run: the plan from the checkpoint, from the first step, without measuring again.
-            self.plan = CheckpointPlan.from_state_dict(plan)
-            self._measured, self._plan_pending = None, False
+        if plans is not None and settings.get("memory_budget") is not None:
+            # A resumed run: the plans from the checkpoint, from the first step, without measuring those sizes again.
+            # (A checkpoint with only "plan" does not say which sizes it holds for: every size is measured anew.)
+            self._cycle.load_state_dict(plans)
+            if "auto_budget" in state_dict:
+                self._auto = AutoBudget(*state_dict["auto_budget"])
+            self._measured = None
             if self._recorder is not None:
                 self._recorder.__exit__(None, None, None)
                 self._recorder = None
@@ -369,7 +422,8 @@ class GradientCheckpointing(Callback):
             return
         if self.plan is not None and _PLAN_SETTINGS & {k for k in settings if settings[k] != self._settings[k]}:
             # The plan was solved for the old budget and options; measure again on the next training batch.
-            self.plan, self._plan_pending = None, False
+            self._cycle.clear()
+            self._auto = None
         self._settings.update(settings)
         # Only where the layers exist and are checkpointed: before `configure_model` ran, applying now would find
         # no layers; the pending application will use the new settings anyway.
@@ -473,10 +527,21 @@ def _measure_device(trainer: pl.Trainer) -> tuple[DeviceProfile, int]:
     return trainer.strategy.broadcast((profile, host_memory), src=0)
 
 
-def _report_plan(trainer: pl.Trainer, plan: CheckpointPlan, memory_budget: object, auto: Optional[AutoBudget]) -> None:
+def _largest_over_ranks(strategy: Strategy, size: BatchSize) -> BatchSize:
+    """The largest tokens and length over all ranks (one small all-gather; none on a single device)."""
+    if strategy.world_size <= 1:
+        return size
+    local = torch.tensor([size.tokens, size.length], dtype=torch.int64, device=strategy.root_device)
+    largest = strategy.all_gather(local).reshape(-1, 2).amax(dim=0).tolist()
+    return BatchSize(int(largest[0]), int(largest[1]))
+
+
+def _report_plan(trainer: pl.Trainer, plan: CheckpointPlan, memory_budget: object, auto: Optional[AutoBudget],
+                 size: Optional[BatchSize] = None) -> None:
     """One line in the log; the whole table to each logger that takes text, else to the log (info)."""
-    rank_zero_info(f"GradientCheckpointing: {plan_summary(plan, memory_budget, auto)}")
-    table = plan_table(plan, auto)
+    shape = f"batches up to {size}, " if size is not None else ""
+    rank_zero_info(f"GradientCheckpointing: {shape}{plan_summary(plan, memory_budget, auto)}")
+    table = (f"Planned for batches up to {size}\n" if size is not None else "") + plan_table(plan, auto)
     sent = False
     for logger in trainer.loggers:
         add_text = getattr(getattr(logger, "experiment", None), "add_text", None)

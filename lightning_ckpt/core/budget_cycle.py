@@ -1,0 +1,184 @@
+"""The memory-budget cycle over batches of different sizes: which plan a batch runs under, and when to measure.
+
+A budget is a promise for every batch. Batches vary in size (dynamic padding, packing, a short first batch), and
+a plan solved for a short batch holds far more than its budget on a long one. So plans are kept per size bucket
+(:meth:`BatchSize.bucket`: the tokens rounded up to a power of two), each with the size it was measured at, and a
+batch runs under a bucket's plan only when that size *covers* it (no more tokens and no longer sequences, so terms
+that grow with the square of the length are covered too). Any other batch is a measuring step: every matched layer
+fully checkpointed (it holds no more than full checkpointing does) while its costs are recorded, and its plan,
+solved for it, replaces the bucket's. A short batch so gets the cheaper plan its own size allows, and a long one
+never runs under a plan made for a shorter one.
+
+Each bucket is in one of three states (:class:`BucketState`): ``MEASURING`` (its size is being recorded, no plan
+yet), ``PLANNED`` (a plan exists, not applied to the module now) and ``APPLIED`` (its plan is the module's now).
+Plain Python; the callback calls :meth:`BudgetCycle.begin` before each training batch and
+:meth:`BudgetCycle.planned` once the measuring step's plan is solved.
+
+Example::
+
+    >>> from lightning_ckpt.core.planner import LayerCost, make_plan
+    >>> cycle = BudgetCycle()
+    >>> step = cycle.begin(BatchSize(tokens=64, length=16))  # nothing planned yet: measure this batch
+    >>> step.measure, step.plan
+    (True, None)
+    >>> plan = make_plan([LayerCost("l0", "Block", 100, 10, 40, 0, 50, 5)], outside_bytes=0, memory_budget=1.0)
+    >>> cycle.planned(plan)
+    >>> cycle.begin(BatchSize(tokens=48, length=12)).plan is plan  # covered by the 64-token measurement
+    True
+    >>> cycle.begin(BatchSize(tokens=256, length=64)).measure  # longer than anything measured: measure again
+    True
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from lightning_ckpt.core.memory_stats import main_tensor
+from lightning_ckpt.core.planner import CheckpointPlan
+
+
+@dataclass(frozen=True, order=True)
+class BatchSize:
+    """How large a batch is for its activations: ``tokens`` (samples where it has no token ids) and ``length``
+    (its sequence length; ``1`` where it has none).
+
+    Example::
+
+        >>> size = BatchSize(tokens=8 * 100, length=100)
+        >>> size.bucket, str(size), size.covers(BatchSize(tokens=400, length=100))
+        (1024, '800 tokens (length 100)', True)
+    """
+
+    tokens: int
+    length: int = 1
+
+    @property
+    def bucket(self) -> int:
+        """The tokens rounded up to a power of two: the key its plan is kept under."""
+        return 1 << max(0, self.tokens - 1).bit_length()
+
+    def covers(self, other: BatchSize) -> bool:
+        """Whether a plan measured at this size holds for ``other``: no more tokens and no longer sequences."""
+        return self.tokens >= other.tokens and self.length >= other.length
+
+    def __str__(self) -> str:
+        return f"{self.tokens} tokens (length {self.length})" if self.length > 1 else f"{self.tokens} samples"
+
+
+def batch_size_of(batch: Any, length_fn: Optional[Callable[[Any], int]] = None) -> BatchSize:
+    """The :class:`BatchSize` of a training batch, from its main tensor (the first tensor, depth first).
+
+    A 2-D integer main tensor ``[batch, seq]`` is token ids: ``batch * seq`` tokens of length ``seq``. ``length_fn``
+    gives the tokens instead (for example the attention mask's sum); any other batch counts its samples (the main
+    tensor's first dimension), and a batch with no tensor counts as one sample.
+
+    Example::
+
+        >>> batch_size_of({"input_ids": torch.zeros(4, 32, dtype=torch.long)})
+        BatchSize(tokens=128, length=32)
+        >>> batch_size_of((torch.zeros(8, 3, 32, 32), torch.zeros(8)))
+        BatchSize(tokens=8, length=1)
+    """
+    tensor = main_tensor(batch)
+    tokens_2d = tensor is not None and tensor.dim() == 2 and not (tensor.is_floating_point() or tensor.is_complex())
+    length = int(tensor.shape[1]) if tokens_2d else 1
+    if length_fn is not None:
+        return BatchSize(int(length_fn(batch)), length)
+    if tensor is None or tensor.dim() == 0:
+        return BatchSize(1)
+    return BatchSize(int(tensor.numel()) if tokens_2d else int(tensor.shape[0]), length)
+
+
+class BucketState(enum.Enum):
+    MEASURING = "measuring"
+    PLANNED = "planned"
+    APPLIED = "applied"
+
+
+@dataclass(frozen=True)
+class Step:
+    """What :meth:`BudgetCycle.begin` decided for one batch: measure it (``plan is None``) or run ``plan``;
+    ``switch`` when the module's checkpointing must change for it."""
+
+    size: BatchSize
+    plan: Optional[CheckpointPlan]
+    switch: bool
+
+    @property
+    def measure(self) -> bool:
+        return self.plan is None
+
+
+class BudgetCycle:
+    """One plan per size bucket, each with the size it was measured at; see the module docstring.
+
+    ``plans`` maps each bucket to its plan; ``latest`` is the plan of the latest batch (``None`` while measuring).
+    """
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, BatchSize] = {}  # bucket -> the size its plan was measured at
+        self.plans: dict[int, CheckpointPlan] = {}
+        self.latest: Optional[CheckpointPlan] = None
+        self.measuring: Optional[BatchSize] = None
+        # The plan the module has now; None: every matched layer fully checkpointed (the measuring layout). The
+        # callback applies `latest` whenever it (re)checkpoints the module, so the two start equal.
+        self.applied: Optional[CheckpointPlan] = None
+
+    def state(self, bucket: int) -> Optional[BucketState]:
+        """The bucket's state, ``None`` for a bucket never seen."""
+        if self.measuring is not None and self.measuring.bucket == bucket:
+            return BucketState.MEASURING
+        if bucket not in self.plans:
+            return None
+        return BucketState.APPLIED if self.plans[bucket] is self.applied else BucketState.PLANNED
+
+    def plan_for(self, size: BatchSize) -> Optional[CheckpointPlan]:
+        """The plan a batch of ``size`` may run under, or ``None`` when it must be measured."""
+        measured = self.sizes.get(size.bucket)
+        return self.plans[size.bucket] if measured is not None and measured.covers(size) else None
+
+    def begin(self, size: BatchSize) -> Step:
+        """Before a training batch of ``size`` (the largest over ranks, so that every rank decides alike)."""
+        plan = self.plan_for(size)
+        self.measuring = size if plan is None else None
+        switch, self.applied, self.latest = plan is not self.applied, plan, plan
+        return Step(size, plan, switch)
+
+    def planned(self, plan: CheckpointPlan) -> None:
+        """The plan solved for the batch being measured; batches it covers run under it from the next one on."""
+        if self.measuring is None:
+            raise RuntimeError("BudgetCycle.planned() needs a measuring step: call begin() first.")
+        size, self.measuring = self.measuring, None
+        self.sizes[size.bucket], self.plans[size.bucket], self.latest = size, plan, plan
+
+    def abandon(self) -> None:
+        """Forget the measurement in progress (a step that ended without a plan)."""
+        self.measuring = None
+
+    def clear(self) -> None:
+        """Forget every plan: the settings they were solved for changed."""
+        self.__init__()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"plans": [{"tokens": self.sizes[b].tokens, "length": self.sizes[b].length,
+                           "plan": self.plans[b].state_dict()} for b in sorted(self.plans)],
+                "latest": None if self.latest is None else self.latest.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.clear()
+        for entry in state.get("plans", []):
+            size = BatchSize(int(entry["tokens"]), int(entry["length"]))
+            self.sizes[size.bucket], self.plans[size.bucket] = size, CheckpointPlan.from_state_dict(entry["plan"])
+        latest = state.get("latest")
+        if latest is not None:
+            self.latest = next((p for p in self.plans.values() if p.state_dict() == latest),
+                               CheckpointPlan.from_state_dict(latest))
+        self.applied = self.latest
+
+
+__all__ = ["BatchSize", "BucketState", "BudgetCycle", "Step", "batch_size_of"]

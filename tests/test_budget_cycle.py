@@ -1,0 +1,214 @@
+"""A memory budget that holds on every batch: the per-size cycle (plain, no Trainer) and the callback on batches
+whose lengths vary from step to step (a short first batch, then long and short ones).
+
+Bytes are counted with saved-tensor hooks inside ``training_step`` on the steps that are not measuring steps (a
+nested counter would hide the measuring step's own). Dropout is off, so weights must be bit-equal to a run
+without the callback.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from torch.utils.data import DataLoader
+
+from lightning_ckpt import GradientCheckpointing
+from lightning_ckpt.core.budget_cycle import BatchSize, BucketState, BudgetCycle, batch_size_of
+from lightning_ckpt.core.planner import LayerCost, make_plan
+from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.core.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
+from lightning_ckpt.demos import GPT, counting_sequences
+
+N_LAYER = 4
+BLOCKS = [f"model.blocks.{i}" for i in range(N_LAYER)]
+LENGTHS = [8, 64, 16, 64, 32, 8, 64, 48]  # the first batch short; 4 x 48 = 192 tokens share 64's bucket (256)
+BATCH = 4
+
+
+def a_plan(bytes_per_layer: int = 10):
+    return make_plan([LayerCost("l0", "Block", 100, bytes_per_layer, 40, 0, 50, 5)], outside_bytes=0,
+                     memory_budget=1.0)
+
+
+# ------------------------------------------------------------------------------------------- sizes and buckets
+
+
+def test_a_batch_size_rounds_its_tokens_up_to_a_power_of_two_and_covers_smaller_and_shorter_batches():
+    assert [BatchSize(n).bucket for n in (1, 2, 3, 64, 65, 1000)] == [1, 2, 4, 64, 128, 1024]
+    big = BatchSize(tokens=512, length=128)
+    assert big.covers(BatchSize(512, 128)) and big.covers(BatchSize(256, 64))
+    assert not big.covers(BatchSize(513, 128))  # more tokens
+    assert not big.covers(BatchSize(256, 256))  # fewer tokens, but longer: attention's T^2 terms grow
+    assert str(big) == "512 tokens (length 128)" and str(BatchSize(8)) == "8 samples"
+
+
+def test_batch_size_of_counts_token_ids_a_length_fn_or_samples():
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    assert batch_size_of((ids, ids)) == BatchSize(21, 7)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert batch_size_of({"input_ids": mask, "mask": mask}, length_fn=lambda b: int(b["mask"].sum())) == BatchSize(3, 3)
+    assert batch_size_of([torch.zeros(5, 3, 8, 8)]) == BatchSize(5, 1)  # images: samples
+    assert batch_size_of({"x": "no tensor"}) == BatchSize(1, 1)
+
+
+# ------------------------------------------------------------------------------------------- the cycle
+
+
+def test_the_cycle_measures_each_new_size_and_reuses_a_plan_only_where_its_size_covers_the_batch():
+    cycle = BudgetCycle()
+    first = cycle.begin(BatchSize(100, 25))  # bucket 128
+    assert first.measure and not first.switch  # the module starts fully checkpointed
+    assert cycle.state(128) is BucketState.MEASURING
+    short = a_plan(10)
+    cycle.planned(short)
+    assert cycle.state(128) is BucketState.PLANNED and cycle.plan_for(BatchSize(100, 25)) is short
+
+    long_step = cycle.begin(BatchSize(400, 100))  # bucket 512, never measured
+    assert long_step.measure and long_step.plan is None and not long_step.switch
+    long = a_plan(40)
+    cycle.planned(long)
+    assert cycle.plans == {128: short, 512: long}
+
+    # a short batch runs its own (cheaper) plan; a switch each time the plan changes, none when it stays
+    steps = [cycle.begin(size) for size in (BatchSize(90, 30), BatchSize(96, 24), BatchSize(300, 75))]
+    assert [(s.plan, s.switch) for s in steps] == [(None, False), (short, True), (long, True)]
+    # (90, 30) is in bucket 128 but longer than the 25 measured there: measured, and its plan replaces the bucket's
+    assert steps[0].measure is True
+    assert cycle.latest is long and cycle.state(512) is BucketState.APPLIED and cycle.state(128) is BucketState.PLANNED
+
+    with pytest.raises(RuntimeError, match="needs a measuring step"):
+        cycle.planned(a_plan())
+
+
+def test_the_cycle_round_trips_through_its_state_dict():
+    cycle = BudgetCycle()
+    for size, plan in ((BatchSize(64, 16), a_plan(10)), (BatchSize(256, 64), a_plan(40))):
+        cycle.begin(size)
+        cycle.planned(plan)
+    restored = BudgetCycle()
+    restored.load_state_dict(cycle.state_dict())
+    assert restored.sizes == cycle.sizes
+    assert {b: p.state_dict() for b, p in restored.plans.items()} == {b: p.state_dict() for b, p in cycle.plans.items()}
+    assert restored.latest is restored.plans[256] and restored.applied is restored.latest
+    step = restored.begin(BatchSize(60, 15))
+    assert not step.measure and step.plan is restored.plans[64] and step.switch
+
+
+# ------------------------------------------------------------------------------------------- the callback
+
+
+class VaryingGPT(GPT):
+    """The demo GPT recording, per batch, the checkpointed layers and (outside measuring steps) the bytes held."""
+
+    def __init__(self, callback: GradientCheckpointing | None = None) -> None:
+        super().__init__(vocab_size=32, block_size=max(LENGTHS), n_layer=N_LAYER, n_embd=32, n_head=2, dropout=0.0)
+        self.callback = callback
+        self.seen: list[list[str]] = []
+        self.held: list[int | None] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(checkpointed_names(self))
+        if self.callback is not None and self.callback._cycle.measuring is not None:
+            self.held.append(None)  # a measuring step: fully checkpointed, its own counters active
+            return super().training_step(batch, batch_idx)
+        with SavedTensorCounter(exclude=self.parameters()) as saved:
+            loss = super().training_step(batch, batch_idx)
+        self.held.append(saved.bytes)
+        return loss
+
+
+def varying_batches(lengths=LENGTHS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batches = []
+    for i, length in enumerate(lengths):
+        seqs = counting_sequences(BATCH, length + 1, 32, seed=i)
+        batches.append((seqs[:, :-1], seqs[:, 1:]))
+    return batches
+
+
+def fit(callbacks=(), lengths=LENGTHS, model=None) -> VaryingGPT:
+    seed_everything(0)
+    model = model or VaryingGPT(next((c for c in callbacks if isinstance(c, GradientCheckpointing)), None))
+    trainer = Trainer(max_steps=len(lengths), accelerator="cpu", devices=1, callbacks=list(callbacks), logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(varying_batches(lengths), batch_size=None))
+    return model
+
+
+def held_bytes(length: int, full: bool) -> int:
+    """Bytes a fresh model holds for backward on a batch of ``length``: plain, or every block fully checkpointed."""
+    seed_everything(0)
+    model = VaryingGPT()
+    if full:
+        apply_checkpointing(model)
+    x, y = varying_batches([length])[0]
+    with SavedTensorCounter(exclude=model.parameters()) as saved:
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    remove_checkpointing(model)
+    return saved.bytes
+
+
+@pytest.fixture(scope="module")
+def reference() -> VaryingGPT:
+    return fit()
+
+
+def test_a_byte_budget_holds_on_every_batch_and_short_batches_run_a_cheaper_plan(reference):
+    long_none, long_full = held_bytes(64, full=False), held_bytes(64, full=True)
+    budget = (long_none + long_full) // 2  # between full checkpointing and none at the longest length
+    assert held_bytes(8, full=False) < budget < long_none  # the short batch fits without any checkpointing
+    callback = GradientCheckpointing(memory_budget=budget)
+    model = fit([callback])
+
+    for length, held in zip(LENGTHS, model.held):
+        if held is not None:
+            assert held <= budget, (length, held, budget)
+    assert model.seen[5] == []  # the shortest batch, planned for its own size, checkpoints nothing
+    # measured: the first batch of each bucket (32, 256, 64 and 128 tokens); the rest run a plan made for a size that
+    # covers them (length 48 runs the plan measured at 64, in the same bucket of 256 tokens)
+    measuring = [held is None for held in model.held]
+    assert measuring == [True, True, True, False, True, False, False, False]
+    assert sorted(callback.plans) == [32, 64, 128, 256]
+    # the longest batches need checkpointing; the shortest run none at all: a short batch does not pay for a long one
+    assert 0 < len(model.seen[3]) and model.seen[3] == model.seen[6]
+    assert callback.plans[32].recompute_flops == 0 < callback.plans[256].recompute_flops
+    assert model.held[5] == reference.held[5]  # nothing checkpointed: as much as the plain model
+    assert callback.plan is callback.plans[256]  # the latest batch's (length 48, bucket 256)
+    a, b = model.state_dict(), reference.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_plan_made_on_a_short_first_batch_would_break_the_budget_on_a_long_one():
+    """What the cycle prevents, measured: the first batch's plan (nothing checkpointed) on the longest batch."""
+    long_none, long_full = held_bytes(64, full=False), held_bytes(64, full=True)
+    budget = (long_none + long_full) // 2
+    callback = GradientCheckpointing(memory_budget=budget)
+    fit([callback], lengths=[8])
+    assert callback.plan.layers == dict.fromkeys(BLOCKS, "none")
+    assert long_none > budget  # that plan on a long batch would hold all of this
+
+
+def test_a_resumed_cycle_runs_every_size_it_has_a_plan_for_without_measuring():
+    callback = GradientCheckpointing(memory_budget=(held_bytes(64, False) + held_bytes(64, True)) // 2)
+    fit([callback], lengths=LENGTHS[:4])
+    state = callback.state_dict()
+    resumed = GradientCheckpointing(memory_budget=callback.memory_budget)
+    resumed.load_state_dict(state)
+    assert {b: p.state_dict() for b, p in resumed.plans.items()} == {
+        b: p.state_dict() for b, p in callback.plans.items()}
+    model = fit([resumed], lengths=[64, 8, 16])
+    assert model.held[0] is not None and model.held[1] is not None and model.held[2] is not None  # none measured
+    assert model.seen[1] == []
+
+
+def test_an_out_of_reach_budget_at_a_new_size_names_the_batch_and_changes_nothing():
+    callback = GradientCheckpointing(memory_budget=held_bytes(8, full=True))  # fits the short batch, not the long
+    seed_everything(0)
+    model = VaryingGPT(callback)  # the weights fit() would make
+    with pytest.raises(ValueError, match=r"least reachable.*This was for a batch of 256 tokens \(length 64\)"):
+        fit([callback], lengths=[8, 8, 64], model=model)
+    assert checkpointed_names(model) == []  # undone
+    # refused before the third batch's backward: the weights are those of two plain steps
+    plain = fit(lengths=[8, 8])
+    a, b = model.state_dict(), plain.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
