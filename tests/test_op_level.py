@@ -384,3 +384,51 @@ def test_solver_500_layers_with_curves_is_deterministic() -> None:
     assert plans[0].planned_bytes <= plans[0].budget_bytes
     three = make_plan(costs, outside_bytes=10_000, memory_budget=0.3, modes=("full",))
     assert plans[0].recompute_flops < three.recompute_flops
+
+
+def test_a_forward_longer_than_its_records_recomputes_the_extra_ops() -> None:
+    """Recorded names that stop early (the forward runs more ops): the ops past the end are recomputed, even at
+    positions the choice keeps, and nothing raises."""
+    from lightning_ckpt.core.policies import keep_ops_context_fn
+    from lightning_ckpt.core.profiling import SavedTensorCounter
+
+    torch.manual_seed(0)
+    layer, x = Sandwich(8), torch.randn(2, 4, 8, requires_grad=True)
+    records = record_ops(layer, x)
+    names = [r.op for r in records]
+    # view, t, addmm (1 KiB, 4096 FLOPs), view, tanh (1 KiB, 256), sigmoid, mul, view, t, addmm, view, tanh, add
+    assert [names[i] for i in (2, 4, 9)] == ["aten.addmm.default", "aten.tanh.default", "aten.addmm.default"]
+    keep = (2, 4, 5, 6, 9, 11)  # every op that may be kept
+    assert {i for i, r in enumerate(records) if r.kind == "free"} == set(keep)
+    short = names[:5]  # up to the first tanh: keeps only positions 2 and 4
+
+    def run() -> torch.Tensor:
+        return checkpoint(layer, x, use_reentrant=False, context_fn=keep_ops_context_fn(keep, short))
+
+    with SavedTensorCounter(exclude=layer.parameters()) as saved:
+        run()
+    assert saved.bytes == 256 + 1024 + 1024  # x, the first addmm, the first tanh
+    def cost(forward) -> int:  # of a training step, from no gradients (accumulating into them is counted)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        return count_cost(lambda: forward().sum().backward())
+
+    recompute = cost(run) - cost(lambda: layer(x))
+    full = sum(r.flops for r in records if r.kind != "after")
+    assert full == 9024
+    assert recompute == full - 4096 - 256  # everything but the two kept ops
+
+
+def test_random_ops_are_kept_all_together_or_not_at_all() -> None:
+    """Two random ops (dropout's in-place ``bernoulli_``): never offered one by one, whatever their bytes."""
+    records = (
+        OpRecord("aten.addmm.default", 100, 50, 0),
+        OpRecord("aten.bernoulli_.float", 10, 30, 0, "random"),  # cheap to keep, worth keeping alone
+        OpRecord("aten.bernoulli_.float", 1000, 1, 0, "random"),  # dear to keep, worth little
+        OpRecord("aten.mul.Tensor", 0, 7, 0, "recompute"),
+        OpRecord("aten.add.Tensor", 40, 5, 0, "after"),
+    )
+    points = op_curve(records)
+    assert [(p.keep, p.bytes, p.flops) for p in points] == [
+        ((), 0, 88), ((0,), 100, 38), ((0, 1, 2), 1110, 7)]  # the pair alone (1010 B, saves 31) is dominated
+    assert all((1 in p.keep) == (2 in p.keep) for p in points)
