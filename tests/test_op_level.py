@@ -432,3 +432,23 @@ def test_random_ops_are_kept_all_together_or_not_at_all() -> None:
     assert [(p.keep, p.bytes, p.flops) for p in points] == [
         ((), 0, 88), ((0,), 100, 38), ((0, 1, 2), 1110, 7)]  # the pair alone (1010 B, saves 31) is dominated
     assert all((1 in p.keep) == (2 in p.keep) for p in points)
+
+
+def test_torch_asks_a_selective_checkpoint_policy_in_the_forward_only() -> None:
+    """What keep_ops_context_fn's one position counter relies on: the policy is asked once per op in the forward,
+    with ``is_recompute=False`` and the op's output, and never during the recompute (which replays the cache by
+    order). A torch that asks during the recompute again would shift the counter: this test would say so."""
+    calls = []
+
+    def policy(ctx, op, *args, **kwargs):
+        calls.append((ctx.is_recompute, str(op), ctx.op_output is not None))
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
+    x = torch.randn(2, 8, requires_grad=True)
+    y = checkpoint(mlp, x, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    forward = list(calls)
+    y.sum().backward()
+    assert [op.split(".")[1] for _, op, _ in forward] == ["t", "addmm", "tanh", "t", "addmm"]
+    assert all(not recompute and has_output for recompute, _, has_output in forward)
+    assert calls == forward  # the recompute asked nothing
