@@ -452,3 +452,58 @@ def test_torch_asks_a_selective_checkpoint_policy_in_the_forward_only() -> None:
     assert [op.split(".")[1] for _, op, _ in forward] == ["t", "addmm", "tanh", "t", "addmm"]
     assert all(not recompute and has_output for recompute, _, has_output in forward)
     assert calls == forward  # the recompute asked nothing
+
+
+def test_a_curve_leaves_out_a_choice_that_saves_no_more_for_more_bytes() -> None:
+    records = (
+        OpRecord("aten.tanh.default", 100, 50, 0),
+        OpRecord("aten.sigmoid.default", 200, 50, 0),  # saves as much as the tanh, for twice the bytes
+        OpRecord("aten.mul.Tensor", 0, 9, 0, "recompute"),
+    )
+    assert [(p.keep, p.bytes, p.flops) for p in op_curve(records)] == [
+        ((), 0, 109), ((0,), 100, 59), ((0, 1), 300, 9)]
+
+
+def test_a_long_curve_is_thinned_to_the_most_saving_point_of_each_slice() -> None:
+    """Ten ops of 1, 2, 4, ... 512 bytes, each saving as many FLOPs: every byte count 0..1023 is on the exact
+    front (1024 points); thinned to 512, the 510 slices between the ends are about 2 bytes wide."""
+    records = tuple(OpRecord("aten.mul.Tensor", 2**i, 2**i, 0) for i in range(10))
+    points = op_curve(records)
+    assert len(points) == 512
+    assert (points[0].bytes, points[-1].bytes) == (0, 1023)
+    assert all(p.flops == 1023 - p.bytes for p in points)  # each point reachable as it stands
+    # slice 0 holds 1 and 2 bytes, slice 1 holds 3 and 4: the most saving of each
+    assert [p.bytes for p in points[1:3]] == [2, 4]
+
+
+class TwoDropouts(nn.Module):
+    """``native_dropout`` (a random op that creates its output) and dropout's in-place ``bernoulli_`` (which must
+    be recomputed): they replay one RNG stream, so the first must be recomputed too."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.native_dropout(self.fc(x), 0.3, True)[0]
+        b = nn.functional.dropout(a * 2, 0.3)
+        return x + self.out(torch.tanh(b))
+
+
+def test_a_random_op_is_recomputed_when_another_must_be() -> None:
+    from lightning_ckpt.core.policies import keep_ops_context_fn
+
+    torch.manual_seed(0)
+    layer, x = TwoDropouts(8), torch.randn(2, 4, 8, requires_grad=True)
+    records = record_ops(layer, x)
+    kinds = {r.op: r.kind for r in records if r.op.split(".")[1] in ("native_dropout", "bernoulli_")}
+    assert kinds == {"aten.native_dropout.default": "recompute", "aten.bernoulli_.float": "recompute"}
+    torch.manual_seed(5)
+    ref_grads = torch.autograd.grad(layer(x).square().sum(), [x, *layer.parameters()])
+    for point in op_curve(records):
+        torch.manual_seed(5)
+        out = checkpoint(layer, x, use_reentrant=False,
+                         context_fn=keep_ops_context_fn(point.keep, [r.op for r in records]))
+        grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+        assert all(torch.allclose(g, r, rtol=1e-5, atol=1e-6) for g, r in zip(grads, ref_grads)), point.keep
