@@ -384,3 +384,126 @@ def test_solver_500_layers_with_curves_is_deterministic() -> None:
     assert plans[0].planned_bytes <= plans[0].budget_bytes
     three = make_plan(costs, outside_bytes=10_000, memory_budget=0.3, modes=("full",))
     assert plans[0].recompute_flops < three.recompute_flops
+
+
+def test_a_forward_longer_than_its_records_recomputes_the_extra_ops() -> None:
+    """Recorded names that stop early (the forward runs more ops): the ops past the end are recomputed, even at
+    positions the choice keeps, and nothing raises."""
+    from lightning_ckpt.core.policies import keep_ops_context_fn
+    from lightning_ckpt.core.profiling import SavedTensorCounter
+
+    torch.manual_seed(0)
+    layer, x = Sandwich(8), torch.randn(2, 4, 8, requires_grad=True)
+    records = record_ops(layer, x)
+    names = [r.op for r in records]
+    # view, t, addmm (1 KiB, 4096 FLOPs), view, tanh (1 KiB, 256), sigmoid, mul, view, t, addmm, view, tanh, add
+    assert [names[i] for i in (2, 4, 9)] == ["aten.addmm.default", "aten.tanh.default", "aten.addmm.default"]
+    keep = (2, 4, 5, 6, 9, 11)  # every op that may be kept
+    assert {i for i, r in enumerate(records) if r.kind == "free"} == set(keep)
+    short = names[:5]  # up to the first tanh: keeps only positions 2 and 4
+
+    def run() -> torch.Tensor:
+        return checkpoint(layer, x, use_reentrant=False, context_fn=keep_ops_context_fn(keep, short))
+
+    with SavedTensorCounter(exclude=layer.parameters()) as saved:
+        run()
+    assert saved.bytes == 256 + 1024 + 1024  # x, the first addmm, the first tanh
+    def cost(forward) -> int:  # of a training step, from no gradients (accumulating into them is counted)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        return count_cost(lambda: forward().sum().backward())
+
+    recompute = cost(run) - cost(lambda: layer(x))
+    full = sum(r.flops for r in records if r.kind != "after")
+    assert full == 9024
+    assert recompute == full - 4096 - 256  # everything but the two kept ops
+
+
+def test_random_ops_are_kept_all_together_or_not_at_all() -> None:
+    """Two random ops (dropout's in-place ``bernoulli_``): never offered one by one, whatever their bytes."""
+    records = (
+        OpRecord("aten.addmm.default", 100, 50, 0),
+        OpRecord("aten.bernoulli_.float", 10, 30, 0, "random"),  # cheap to keep, worth keeping alone
+        OpRecord("aten.bernoulli_.float", 1000, 1, 0, "random"),  # dear to keep, worth little
+        OpRecord("aten.mul.Tensor", 0, 7, 0, "recompute"),
+        OpRecord("aten.add.Tensor", 40, 5, 0, "after"),
+    )
+    points = op_curve(records)
+    assert [(p.keep, p.bytes, p.flops) for p in points] == [
+        ((), 0, 88), ((0,), 100, 38), ((0, 1, 2), 1110, 7)]  # the pair alone (1010 B, saves 31) is dominated
+    assert all((1 in p.keep) == (2 in p.keep) for p in points)
+
+
+def test_torch_asks_a_selective_checkpoint_policy_in_the_forward_only() -> None:
+    """What keep_ops_context_fn's one position counter relies on: the policy is asked once per op in the forward,
+    with ``is_recompute=False`` and the op's output, and never during the recompute (which replays the cache by
+    order). A torch that asks during the recompute again would shift the counter: this test would say so."""
+    calls = []
+
+    def policy(ctx, op, *args, **kwargs):
+        calls.append((ctx.is_recompute, str(op), ctx.op_output is not None))
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
+    x = torch.randn(2, 8, requires_grad=True)
+    y = checkpoint(mlp, x, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    forward = list(calls)
+    y.sum().backward()
+    assert [op.split(".")[1] for _, op, _ in forward] == ["t", "addmm", "tanh", "t", "addmm"]
+    assert all(not recompute and has_output for recompute, _, has_output in forward)
+    assert calls == forward  # the recompute asked nothing
+
+
+def test_a_curve_leaves_out_a_choice_that_saves_no_more_for_more_bytes() -> None:
+    records = (
+        OpRecord("aten.tanh.default", 100, 50, 0),
+        OpRecord("aten.sigmoid.default", 200, 50, 0),  # saves as much as the tanh, for twice the bytes
+        OpRecord("aten.mul.Tensor", 0, 9, 0, "recompute"),
+    )
+    assert [(p.keep, p.bytes, p.flops) for p in op_curve(records)] == [
+        ((), 0, 109), ((0,), 100, 59), ((0, 1), 300, 9)]
+
+
+def test_a_long_curve_is_thinned_to_the_most_saving_point_of_each_slice() -> None:
+    """Ten ops of 1, 2, 4, ... 512 bytes, each saving as many FLOPs: every byte count 0..1023 is on the exact
+    front (1024 points); thinned to 512, the 510 slices between the ends are about 2 bytes wide."""
+    records = tuple(OpRecord("aten.mul.Tensor", 2**i, 2**i, 0) for i in range(10))
+    points = op_curve(records)
+    assert len(points) == 512
+    assert (points[0].bytes, points[-1].bytes) == (0, 1023)
+    assert all(p.flops == 1023 - p.bytes for p in points)  # each point reachable as it stands
+    # slice 0 holds 1 and 2 bytes, slice 1 holds 3 and 4: the most saving of each
+    assert [p.bytes for p in points[1:3]] == [2, 4]
+
+
+class TwoDropouts(nn.Module):
+    """``native_dropout`` (a random op that creates its output) and dropout's in-place ``bernoulli_`` (which must
+    be recomputed): they replay one RNG stream, so the first must be recomputed too."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.native_dropout(self.fc(x), 0.3, True)[0]
+        b = nn.functional.dropout(a * 2, 0.3)
+        return x + self.out(torch.tanh(b))
+
+
+def test_a_random_op_is_recomputed_when_another_must_be() -> None:
+    from lightning_ckpt.core.policies import keep_ops_context_fn
+
+    torch.manual_seed(0)
+    layer, x = TwoDropouts(8), torch.randn(2, 4, 8, requires_grad=True)
+    records = record_ops(layer, x)
+    kinds = {r.op: r.kind for r in records if r.op.split(".")[1] in ("native_dropout", "bernoulli_")}
+    assert kinds == {"aten.native_dropout.default": "recompute", "aten.bernoulli_.float": "recompute"}
+    torch.manual_seed(5)
+    ref_grads = torch.autograd.grad(layer(x).square().sum(), [x, *layer.parameters()])
+    for point in op_curve(records):
+        torch.manual_seed(5)
+        out = checkpoint(layer, x, use_reentrant=False,
+                         context_fn=keep_ops_context_fn(point.keep, [r.op for r in records]))
+        grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+        assert all(torch.allclose(g, r, rtol=1e-5, atol=1e-6) for g, r in zip(grads, ref_grads)), point.keep

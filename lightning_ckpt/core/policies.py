@@ -49,9 +49,9 @@ def save_compute_heavy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoi
 
 
 def _kept(ctx: Any) -> CheckpointPolicy:
-    # Newer torch shows the policy the op's output (older: None): report it, since byte counters cannot
-    # see what this cache holds otherwise.
-    if not ctx.is_recompute and getattr(ctx, "op_output", None) is not None:
+    # torch shows the policy the op's output (in the forward, the only time it asks): report it, since byte
+    # counters cannot see what this cache holds otherwise.
+    if getattr(ctx, "op_output", None) is not None:
         for tensor in tree_leaves(ctx.op_output):
             if isinstance(tensor, torch.Tensor):
                 report_held(tensor, "kept")
@@ -81,12 +81,14 @@ def keep_ops_context_fn(keep: Iterable[int], ops: Sequence[str]) -> Callable[[],
     kept, expected = frozenset(keep), list(ops)
 
     def context_fn() -> tuple[Any, Any]:
-        seen = {False: 0, True: 0}  # older torch also asks during the recompute
+        # Ops matched so far (-1 once one differs). torch asks the policy in the forward only: the recompute
+        # takes the cache's entries in order and never calls it (tests/test_op_level.py checks this).
+        seen = [0]
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            i = seen[ctx.is_recompute]
-            seen[ctx.is_recompute] = i + 1 if i >= 0 and i < len(expected) and str(op) == expected[i] else -1
-            return _kept(ctx) if seen[ctx.is_recompute] > 0 and i in kept else CheckpointPolicy.PREFER_RECOMPUTE
+            i = seen[0]
+            seen[0] = i + 1 if i >= 0 and i < len(expected) and str(op) == expected[i] else -1
+            return _kept(ctx) if seen[0] > 0 and i in kept else CheckpointPolicy.PREFER_RECOMPUTE
 
         return create_selective_checkpoint_contexts(policy)
 
