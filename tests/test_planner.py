@@ -424,3 +424,12 @@ def test_measuring_reruns_are_hidden_from_an_outer_counter(outer_first: bool) ->
     # The re-runs did run and saw far more than the step holds: each layer un-checkpointed, and selectively.
     assert sum(c.none_bytes for c in costs) + sum(c.selective_bytes for c in costs) > 2 * alone.bytes
     assert outer.bytes == alone.bytes == recorder.held_bytes
+
+
+def test_among_equally_cheap_plans_the_earliest_layers_are_checkpointed():
+    """Four identical layers, room for two un-checkpointed: every choice of two costs the same, and the plan takes
+    layers 0 and 1, as ``every_n_layers`` starts from the first (a stable choice from run to run)."""
+    costs = [LayerCost(f"l{i}", "Block", 100, 10, 100, 0, 50, 0) for i in range(4)]
+    plan = make_plan(costs, outside_bytes=0, memory_budget=220, modes=("full",))
+    assert plan.layers == {"l0": "full", "l1": "full", "l2": "none", "l3": "none"}
+    assert plan.planned_bytes == 10 + 10 + 100 + 100 and plan.recompute_flops == 2 * 50
