@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import gc
+import inspect
+import re
+import warnings
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
 from lightning_ckpt.core.planner import plan_checkpointing
-from lightning_ckpt.core.profiling import OpCostMode, SavedTensorCounter, count_flops
+from lightning_ckpt.core.profiling import SAC_HOOKS_WARNING, OpCostMode, SavedTensorCounter, count_flops
 
 aten = torch.ops.aten
 
@@ -67,3 +71,26 @@ def test_the_plan_prices_recomputing_element_wise_layers():
     plan = plan_checkpointing(model, lambda: model(x).sum(), 0.5, layer_cls=ExpTanh, modes=("full",))
     assert plan.baseline_bytes == 2 * 256 and plan.layers == {"0": "full", "1": "full"}
     assert plan.recompute_flops == 2 * (32 + 32)
+
+
+@pytest.mark.skipif("respect_saved_tensors_hooks" not in inspect.signature(torch.utils.checkpoint.checkpoint).parameters,
+                    reason="this torch has no such warning (it came with respect_saved_tensors_hooks, torch 2.14)")
+def test_counting_a_selective_region_does_not_print_torch_s_hooks_warning_and_a_user_s_hooks_still_do():
+    from lightning_ckpt.core.wrapping import apply_checkpointing
+    from lightning_ckpt.demos import Block
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(16, 2), Block(16, 2))
+    apply_checkpointing(model, layer_cls=Block, mode="selective")
+    x = torch.randn(2, 8, 16)
+    with warnings.catch_warnings(record=True) as ours:
+        warnings.simplefilter("always")
+        with SavedTensorCounter(exclude=model.parameters()) as counted:
+            model(x).sum().backward()
+    assert [str(w.message) for w in ours if issubclass(w.category, FutureWarning)] == []
+    assert counted.bytes > 0
+    with warnings.catch_warnings(record=True) as users:
+        warnings.simplefilter("always")
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            model(x).sum().backward()
+    assert any(re.match(SAC_HOOKS_WARNING, str(w.message)) for w in users)  # not silenced outside our counter
