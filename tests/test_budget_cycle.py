@@ -11,10 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from lightning_ckpt import GradientCheckpointing
+from lightning_ckpt import GradientCheckpointing, MemoryMonitor
 from lightning_ckpt.core.budget_cycle import BatchSize, BucketState, BudgetCycle, batch_size_of
+from lightning_ckpt.core.memory_stats import format_summary
 from lightning_ckpt.core.planner import LayerCost, make_plan
 from lightning_ckpt.core.profiling import SavedTensorCounter
 from lightning_ckpt.core.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
@@ -126,11 +128,13 @@ def varying_batches(lengths=LENGTHS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return batches
 
 
-def fit(callbacks=(), lengths=LENGTHS, model=None) -> VaryingGPT:
+def fit(callbacks=(), lengths=LENGTHS, model=None, **trainer_kwargs) -> VaryingGPT:
     seed_everything(0)
     model = model or VaryingGPT(next((c for c in callbacks if isinstance(c, GradientCheckpointing)), None))
-    trainer = Trainer(max_steps=len(lengths), accelerator="cpu", devices=1, callbacks=list(callbacks), logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer_kwargs = {"logger": False, **trainer_kwargs}
+    trainer = Trainer(max_steps=len(lengths), accelerator="cpu", devices=1, callbacks=list(callbacks),
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      **trainer_kwargs)
     trainer.fit(model, DataLoader(varying_batches(lengths), batch_size=None))
     return model
 
@@ -212,3 +216,16 @@ def test_an_out_of_reach_budget_at_a_new_size_names_the_batch_and_changes_nothin
     plain = fit(lengths=[8, 8])
     a, b = model.state_dict(), plain.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_monitor_s_summary_compares_peak_activations_with_the_budget(tmp_path):
+    budget = (held_bytes(64, full=False) + held_bytes(64, full=True)) // 2
+    monitor, callback = MemoryMonitor(), GradientCheckpointing(memory_budget=budget)
+    # the monitor first: the callback's measuring hooks then sit inside the monitor's counter, not under it
+    fit([monitor, callback], logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    summary = monitor.summary
+    assert summary["chooser"] == "memory_budget" and summary["budget_bytes"] == budget
+    assert 0 < summary["activation_bytes"] <= budget  # every step counted (one log a step), all within the budget
+    text = format_summary(summary)
+    assert f"{summary['activation_bytes'] / budget:.2f}x the memory_budget of" in text
+    assert "every_n_layers" not in text

@@ -154,7 +154,7 @@ def summary(**figures) -> dict:
     base = {"steps": 10, "world_size": 1, "device": "cpu", "peak_allocated_bytes": None, "peak_reserved_bytes": None,
             "peak_host_rss_bytes": 2 * GIB, "activation_bytes": GIB, "offloaded_activation_bytes": 0,
             "parameter_bytes": GIB // 8, "gradient_bytes": GIB // 8, "optimizer_state_bytes": GIB // 4,
-            "samples_per_sec": 1234.5, "tokens_per_sec": None}
+            "samples_per_sec": 1234.5, "tokens_per_sec": None, "chooser": "every_n_layers"}
     return {**base, **figures}
 
 
@@ -196,6 +196,18 @@ def test_summary_ties_go_to_the_weights_and_missing_throughput_reads_na():
     assert "largest part" in format_summary(summary(activation_bytes=GIB // 2, optimizer_state_bytes=GIB // 4 - 1))
 
 
+def test_summary_compares_peak_activations_with_the_budget_and_advises_the_setting_the_user_set():
+    lines = format_summary(summary(chooser="memory_budget", budget_bytes=GIB // 2)).splitlines()
+    assert lines[2] == "  peak activations:   1 GiB held for backward, 2.00x the memory_budget of 0.5 GiB"
+    assert lines[5] == "  Activations (1 GiB) are the largest part: a smaller `memory_budget` (or `offload=True`) shrinks them."
+    within = format_summary(summary(chooser="memory_budget", budget_bytes=4 * GIB)).splitlines()
+    assert within[2] == "  peak activations:   1 GiB held for backward, 0.25x the memory_budget of 4 GiB"
+    plain = format_summary(summary(chooser=None)).splitlines()
+    assert plain[2] == "  peak activations:   1 GiB held for backward"
+    assert plain[5] == ("  Activations (1 GiB) are the largest part: checkpointing layers (the `GradientCheckpointing`"
+                        " callback) shrinks them.")
+
+
 def test_two_ranks_from_local_figures_to_the_text():
     model = torch.nn.Linear(256, 256, bias=False)  # 256 KiB of float32
     ranks = [local_summary(parameters=model.parameters(), optimizers=[], gradient_bytes=2**18, activations=(act, 0),
@@ -203,7 +215,8 @@ def test_two_ranks_from_local_figures_to_the_text():
              for act, rss in ((2**20, GIB), (2**21, GIB // 2))]
     keys = list(ranks[0])
     gathered = torch.stack([torch.tensor(list(rank.values()), dtype=torch.float64) for rank in ranks])
-    reduced = {"steps": 5, "world_size": 2, "device": "cpu", **reduce_summary(keys, gathered)}
+    reduced = {"steps": 5, "world_size": 2, "device": "cpu", **reduce_summary(keys, gathered),
+               "chooser": "every_n_layers"}
     assert reduced["activation_bytes"] == 2**21 and reduced["peak_host_rss_bytes"] == GIB
     assert reduced["samples_per_sec"] == 100.0 and reduced["tokens_per_sec"] is None
     assert reduced["peak_allocated_bytes"] is None

@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
 
+from lightning_ckpt.callbacks.gradient_checkpointing import find_checkpointing_callback
 from lightning_ckpt.core.memory_stats import (
     ActivationProbe,
     FlopProbe,
@@ -308,7 +309,18 @@ class MemoryMonitor(Callback):
         )
         gathered = _gather(trainer, torch.tensor(list(local.values()), dtype=torch.float64))
         return {"steps": self._steps, "world_size": gathered.shape[0], "device": device.type,
-                **reduce_summary(list(local), gathered)}
+                **reduce_summary(list(local), gathered), **_how_chosen(trainer)}
+
+
+def _how_chosen(trainer: pl.Trainer) -> dict[str, Any]:
+    """How the run chose its checkpointed layers, and the largest budget of its plans (``None``: no budget)."""
+    callback = find_checkpointing_callback(trainer)
+    if callback is None:
+        return {"chooser": None, "budget_bytes": None}
+    if callback.memory_budget is None:
+        return {"chooser": "every_n_layers", "budget_bytes": None}
+    budgets = [plan.budget_bytes for plan in callback.plans.values()]
+    return {"chooser": "memory_budget", "budget_bytes": max(budgets) if budgets else None}
 
 
 def _gather(trainer: pl.Trainer, local: torch.Tensor) -> torch.Tensor:

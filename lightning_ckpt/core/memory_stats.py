@@ -495,8 +495,13 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         >>> print(format_summary({"steps": 10, "world_size": 1, "device": "cpu", "peak_allocated_bytes": None,
         ...     "peak_reserved_bytes": None, "peak_host_rss_bytes": 2**30, "activation_bytes": 2**29,
         ...     "offloaded_activation_bytes": 0, "parameter_bytes": 2**20, "gradient_bytes": 2**20,
-        ...     "optimizer_state_bytes": 2**21, "samples_per_sec": 100.0, "tokens_per_sec": None}).splitlines()[-1])
+        ...     "optimizer_state_bytes": 2**21, "samples_per_sec": 100.0, "tokens_per_sec": None,
+        ...     "chooser": "every_n_layers"}).splitlines()[-1])
           Activations (0.5 GiB) are the largest part: checkpointing more layers (smaller `every_n_layers`) or `offload=True` shrinks them.
+
+    ``chooser`` is how the run chose its checkpointed layers (``"memory_budget"``, ``"every_n_layers"`` or ``None``
+    without the callback), and ``budget_bytes`` (optional) the largest budget of its plans, which the peak is
+    compared with.
     """
     ranks = f", {summary['world_size']} processes" if summary["world_size"] > 1 else ""
     lines = [f"MemoryMonitor summary ({summary['steps']} steps{ranks}):"]
@@ -506,8 +511,10 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     else:
         lines.append(f"  peak device memory: n/a ({summary['device']} run); peak host RSS {_gib(summary['peak_host_rss_bytes'])}")
     offloaded = summary["offloaded_activation_bytes"]
+    budget = summary.get("budget_bytes")
     lines.append(f"  peak activations:   {_gib(summary['activation_bytes'])} held for backward"
-                 + (f" (+ {_gib(offloaded)} offloaded to host memory)" if offloaded else ""))
+                 + (f" (+ {_gib(offloaded)} offloaded to host memory)" if offloaded else "")
+                 + (f", {summary['activation_bytes'] / budget:.2f}x the memory_budget of {_gib(budget)}" if budget else ""))
     rate = summary["samples_per_sec"]
     tokens = summary.get("tokens_per_sec")
     lines.append(f"  throughput:         {rate:,.1f} samples/s" + (f", {tokens:,.0f} tokens/s" if tokens else "")
@@ -525,8 +532,13 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             " parameters (parameter-efficient tuning such as LoRA) instead."
         )
     else:
-        lines.append(
-            f"  Activations ({_gib(activations)}) are the largest part: checkpointing more layers (smaller"
-            " `every_n_layers`) or `offload=True` shrinks them."
-        )
+        lines.append(f"  Activations ({_gib(activations)}) are the largest part: {_ADVICE[summary.get('chooser')]}")
     return "\n".join(lines)
+
+
+_ADVICE = {
+    "memory_budget": "a smaller `memory_budget` (or `offload=True`) shrinks them.",
+    "every_n_layers": "checkpointing more layers (smaller `every_n_layers`) or `offload=True` shrinks them.",
+    None: "checkpointing layers (the `GradientCheckpointing` callback) shrinks them.",
+}
+"""What shrinks activations, by how the run chose its checkpointed layers (``summary["chooser"]``)."""
