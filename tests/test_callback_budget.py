@@ -358,3 +358,20 @@ def test_the_monitor_sees_the_measuring_step_as_a_fully_checkpointed_one(tmp_pat
     assert planned[0] == full[0]
     assert planned[1] == planned[2] > full[1]
     assert planned[1] * 2**30 == pytest.approx(budget.plan.planned_bytes, rel=0.05)
+
+
+class HookedGPT(RecordingGPT):
+    """A model whose own saved-tensor hooks wrap its forward: the callback's, entered before them, see nothing."""
+
+    def training_step(self, batch, batch_idx):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return super().training_step(batch, batch_idx)
+
+
+def test_the_user_s_own_saved_tensor_hooks_make_the_outside_bytes_unmeasurable_and_that_is_said():
+    callback = GradientCheckpointing(memory_budget=0.5)
+    with pytest.warns(UserWarning, match=r"bytes held outside the checkpointed layers could not be measured \(other"
+                                         r" saved-tensor hooks were entered after this callback's\); the plan counts"
+                                         r" them as 0"):
+        run(HookedGPT, callbacks=[callback], max_steps=2)
+    assert callback.plan.outside_bytes == 0
