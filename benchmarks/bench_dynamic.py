@@ -1,0 +1,275 @@
+"""A byte budget on batches whose lengths vary: the per-size plans against one plan solved for the longest length.
+
+Demo GPT (6 layers, hidden 64, 4 heads), batches of 4 sequences whose lengths come from a long-tailed
+distribution (32 to 512 tokens, most short; the first batch short), a byte budget between full checkpointing and
+none at the longest length. Two arms train on the same batches, alternating in one process:
+
+- ``per-size``: ``GradientCheckpointing(memory_budget=budget)``, which measures each new size and keeps a plan per
+  size bucket;
+- ``longest``: one plan solved by ``plan_checkpointing`` at the longest length, applied for every step (what a
+  user would do by hand to be safe).
+
+Reported: the bytes held for backward against the budget on every step (saved-tensor hooks, parameters excluded,
+the measuring steps included: they run fully checkpointed); the measuring steps and plan switches and their cost
+as a share of step time; the recompute FLOPs over all steps (``FlopCounterMode``: a step's FLOPs with the plan
+minus without, at each step's length) and the step time, medians over rounds. Results go to RESULTS.md
+("dynamic").
+
+    python benchmarks/bench_dynamic.py [--rounds 3] [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.utils.data import DataLoader
+from torch.utils.flop_counter import FlopCounterMode
+
+from _results import machine, write_section
+from lightning_ckpt import GradientCheckpointing, apply_checkpointing, remove_checkpointing
+from lightning_ckpt.core.budget_cycle import BatchSize
+from lightning_ckpt.core.planner import CheckpointPlan, plan_checkpointing
+from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
+from lightning_ckpt.demos import GPT, counting_sequences
+
+BATCH, SHORTEST, LONGEST = 4, 32, 512
+MODEL = dict(vocab_size=64, block_size=LONGEST, n_layer=6, n_embd=64, n_head=4, dropout=0.0)
+
+
+def long_tailed_lengths(steps: int, seed: int = 0) -> list[int]:
+    """Most batches short, a few long: 32 * 2^(1.2 * Exp(1)), clipped to [32, 512]; the first batch the shortest and
+    one in eight the longest, so that every run meets both ends."""
+    rng = random.Random(seed)
+    lengths = [min(LONGEST, int(SHORTEST * 2 ** (1.2 * rng.expovariate(1.0)))) for _ in range(steps)]
+    lengths[0] = SHORTEST
+    for i in range(4, steps, 8):
+        lengths[i] = LONGEST
+    return lengths
+
+
+def batches(lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for i, length in enumerate(lengths):
+        seqs = counting_sequences(BATCH, length + 1, MODEL["vocab_size"], seed=i)
+        out.append((seqs[:, :-1], seqs[:, 1:]))
+    return out
+
+
+def loss_of(model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+class Recorder(GPT):
+    """Per step: the bytes held for backward and whether the callback measured it."""
+
+    def __init__(self, callback: GradientCheckpointing | None) -> None:
+        super().__init__(**MODEL)
+        self.callback = callback
+        self.held: list[int] = []
+        self.measured: list[bool] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        measuring = self.callback is not None and self.callback._cycle.measuring is not None
+        self.measured.append(measuring)
+        if measuring:  # the measuring step's own counters are active: a nested counter would hide them
+            loss = loss_of(self, batch)
+            self.held.append(-1)
+            return loss
+        with SavedTensorCounter(exclude=self.parameters()) as saved:
+            loss = loss_of(self, batch)
+        self.held.append(saved.bytes)
+        return loss
+
+
+class TimedCheckpointing(GradientCheckpointing):
+    """The callback, timing its re-plans (measure + solve) and plan switches (re-wrapping the layers)."""
+
+    plan_seconds: list[float]
+    switch_seconds: list[float]
+
+    def _make_plan(self, trainer: Any, pl_module: Any) -> None:
+        start = time.perf_counter()
+        super()._make_plan(trainer, pl_module)
+        self.plan_seconds.append(time.perf_counter() - start)
+
+    def _reapply(self, pl_module: Any) -> None:
+        start = time.perf_counter()
+        super()._reapply(pl_module)
+        self.switch_seconds.append(time.perf_counter() - start)
+
+
+class StepClock(Callback):
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def trainer(callbacks: list[Callback], steps: int) -> Trainer:
+    return Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def run_per_size(data: list, budget: int) -> dict[str, Any]:
+    seed_everything(0)
+    callback = TimedCheckpointing(memory_budget=budget)
+    callback.plan_seconds, callback.switch_seconds = [], []
+    model, clock = Recorder(callback), StepClock()
+    trainer([callback, clock], len(data)).fit(model, DataLoader(data, batch_size=None))
+    plans = {b: callback.plans[b] for b in callback.plans}
+    sizes = dict(callback._cycle.sizes)
+    return {"held": model.held, "measured": model.measured, "seconds": clock.seconds, "plans": plans, "sizes": sizes,
+            "plan_seconds": callback.plan_seconds, "switch_seconds": callback.switch_seconds}
+
+
+def longest_plan(budget: int) -> CheckpointPlan:
+    seed_everything(0)
+    model = GPT(**MODEL)
+    batch = batches([LONGEST])[0]
+    return plan_checkpointing(model, lambda: loss_of(model, batch), budget)
+
+
+def run_longest(data: list, plan: CheckpointPlan) -> dict[str, Any]:
+    seed_everything(0)
+    model, clock = Recorder(None), StepClock()
+    plan.apply(model)
+    trainer([clock], len(data)).fit(model, DataLoader(data, batch_size=None))
+    remove_checkpointing(model)
+    return {"held": model.held, "seconds": clock.seconds}
+
+
+def step_flops(plan: CheckpointPlan | None, length: int) -> int:
+    """FLOPs of one forward and backward at ``length``, with ``plan`` applied (``None``: nothing checkpointed)."""
+    seed_everything(0)
+    model = GPT(**MODEL)
+    if plan is not None:
+        plan.apply(model)
+    batch = batches([length])[0]
+    with FlopCounterMode(display=False) as counter:
+        loss_of(model, batch).backward()
+    return counter.get_total_flops()
+
+
+def held_at(length: int, full: bool) -> int:
+    seed_everything(0)
+    model = GPT(**MODEL)
+    if full:
+        apply_checkpointing(model)
+    with SavedTensorCounter(exclude=model.parameters()) as saved:
+        loss_of(model, batches([length])[0])
+    return saved.bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+
+    lengths = long_tailed_lengths(args.steps)
+    data = batches(lengths)
+    none_long, full_long = held_at(LONGEST, False), held_at(LONGEST, True)
+    budget = full_long + (none_long - full_long) * 3 // 10
+    fixed = longest_plan(budget)
+
+    per_size, longest = [], []
+    for _ in range(args.rounds):  # alternating arms, so drifting load hits both alike
+        per_size.append(run_per_size(data, budget))
+        longest.append(run_longest(data, fixed))
+    first = per_size[0]
+
+    # bytes: every step of every round (the steps are deterministic: the same in each round); a measuring step runs
+    # every layer fully checkpointed, and its own counters hide it from ours: it holds what full checkpointing does
+    full_at = {L: held_at(L, True) for L in set(lengths)}
+    held_ratio = max((h if h >= 0 else full_at[L]) / budget for r in per_size for h, L in zip(r["held"], lengths))
+    longest_ratio = max(h / budget for r in longest for h in r["held"])
+    measured = sum(first["measured"])
+    assert all(r["measured"] == first["measured"] for r in per_size)
+
+    # FLOPs: each step's recompute with the plan it ran (a measuring step: every layer fully checkpointed)
+    full_plan = CheckpointPlan.from_state_dict({**fixed.state_dict(), "layers": dict.fromkeys(fixed.layers, "full")})
+    cache: dict[tuple[str, int], int] = {}
+
+    def recompute(plan: CheckpointPlan, length: int) -> int:
+        key = (repr(sorted(plan.layers.items())), length)
+        if key not in cache:
+            cache[key] = step_flops(plan, length) - step_flops(None, length)
+        return cache[key]
+
+    cycle_flops = longest_flops = planned_cycle = planned_longest = 0  # planned_*: the steps that ran a plan
+    for length, was_measured in zip(lengths, first["measured"]):
+        size = BatchSize(BATCH * length, length)
+        mine = recompute(full_plan if was_measured else first["plans"][size.bucket], length)
+        theirs = recompute(fixed, length)
+        cycle_flops, longest_flops = cycle_flops + mine, longest_flops + theirs
+        if not was_measured:
+            planned_cycle, planned_longest = planned_cycle + mine, planned_longest + theirs
+
+    total = lambda r: sum(r["seconds"])  # noqa: E731
+    t_cycle = statistics.median(total(r) for r in per_size)
+    t_longest = statistics.median(total(r) for r in longest)
+    paired = statistics.median(total(a) / total(b) for a, b in zip(per_size, longest))
+    plan_share = statistics.median(sum(r["plan_seconds"]) / total(r) for r in per_size)
+    switch_share = statistics.median(sum(r["switch_seconds"]) / total(r) for r in per_size)
+    switches = len(first["switch_seconds"])
+    median_step = statistics.median(s for r in per_size for s in r["seconds"])
+    median_switch = statistics.median(s for r in per_size for s in r["switch_seconds"]) if switches else 0.0
+    median_plan = statistics.median(s for r in per_size for s in r["plan_seconds"])
+
+    hist = ", ".join(f"{L}: {lengths.count(L)}" for L in sorted(set(lengths)))
+    buckets = ", ".join(f"{b} tokens (measured at {first['sizes'][b]}): "
+                        f"{sum(m != 'none' for m in first['plans'][b].layers.values())} of {MODEL['n_layer']} layers"
+                        for b in sorted(first["plans"]))
+    lines = [
+        "## Variable-length batches under a byte budget (bench_dynamic.py)",
+        "",
+        f"`python benchmarks/bench_dynamic.py --rounds {args.rounds} --steps {args.steps}` — {machine()}.",
+        "",
+        f"Demo GPT (6 layers, hidden 64), batches of {BATCH}; {args.steps} steps with lengths (length: steps) {hist}."
+        f" Budget {format_bytes(budget)}: full checkpointing holds {format_bytes(full_long)} and none"
+        f" {format_bytes(none_long)} at length {LONGEST}. Arms alternate in one process, {args.rounds} rounds each.",
+        "",
+        "| | per-size plans (the callback) | one plan solved at the longest length |",
+        "| --- | --- | --- |",
+        f"| largest held / budget over all steps | {held_ratio:.3f} | {longest_ratio:.3f} |",
+        f"| recompute FLOPs over the {args.steps} steps | {cycle_flops / 1e9:.3f} GFLOP | {longest_flops / 1e9:.3f} GFLOP |",
+        f"| step time, sum of the {args.steps} steps (median over rounds) | {t_cycle:.3f} s | {t_longest:.3f} s |",
+        "",
+        f"- held / budget: target <= 1.00 ({'met' if held_ratio <= 1.0 else 'NOT met'}); a measuring step (fully"
+        " checkpointed, its own counters active) counts as what full checkpointing holds at its length.",
+        f"- recompute over all steps: {cycle_flops / longest_flops:.3f} of the longest plan's"
+        f" ({'less' if cycle_flops < longest_flops else 'NOT less'}; the measuring steps recompute every layer)."
+        f" Over the {args.steps - measured} steps that ran a plan: {planned_cycle / 1e9:.3f} against"
+        f" {planned_longest / 1e9:.3f} GFLOP, {planned_cycle / max(planned_longest, 1):.3f}"
+        f" ({'less' if planned_cycle < planned_longest else 'NOT less'}: short batches run their own plans).",
+        f"- step time per-size / longest: {t_cycle / t_longest:.3f} of the medians, {paired:.3f} median of paired"
+        f" rounds (target <= 1.00: {'met' if paired <= 1.0 else 'NOT met'}; the measuring steps included).",
+        f"- measuring steps (a new size: fully checkpointed, then solved): {measured} of {args.steps}; re-plans take"
+        f" {100 * plan_share:.2f}% of the run's step time (median {1e3 * median_plan:.2f} ms each).",
+        f"- plan switches (re-wrapping the layers between two steps): {switches}, {100 * switch_share:.2f}% of step"
+        f" time (median {1e3 * median_switch:.2f} ms each, against a median step of {1e3 * median_step:.1f} ms).",
+        f"- plans: {buckets}.",
+        "- Not measured here: the step's activation peak (the backward's recompute transient); the plans bound what"
+        " the forward leaves held.",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    write_section("dynamic", text)
+
+
+if __name__ == "__main__":
+    main()
