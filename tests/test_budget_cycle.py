@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
@@ -229,3 +229,68 @@ def test_the_monitor_s_summary_compares_peak_activations_with_the_budget(tmp_pat
     text = format_summary(summary)
     assert f"{summary['activation_bytes'] / budget:.2f}x the memory_budget of" in text
     assert "every_n_layers" not in text
+
+
+# ------------------------------------------------------------------------------------------- a model nobody here wrote
+
+
+class PaddedLlama(LightningModule):
+    """Transformers' Llama from a config, trained on dict batches padded per batch (as its collators do), recording
+    the bytes held for backward on the steps the callback does not measure."""
+
+    def __init__(self, callback: GradientCheckpointing | None = None) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        self.model = transformers.LlamaForCausalLM(config)
+        self.callback = callback
+        self.held: list[int | None] = []
+
+    def training_step(self, batch, batch_idx):
+        if self.callback is not None and self.callback._cycle.measuring is not None:
+            self.held.append(None)
+            return self.model(**batch).loss
+        with SavedTensorCounter(exclude=self.parameters()) as saved:
+            loss = self.model(**batch).loss
+        self.held.append(saved.bytes)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def padded_batches(lengths) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for i, length in enumerate(lengths):
+        ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(i))
+        mask = torch.ones(2, length, dtype=torch.long)
+        mask[1, length // 2:] = 0  # the second sequence padded to the batch's longest
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def llama_held(length: int, full: bool) -> int:
+    model = PaddedLlama()
+    if full:
+        apply_checkpointing(model)
+    with SavedTensorCounter(exclude=model.parameters()) as saved:
+        model.model(**padded_batches([length])[0]).loss
+    return saved.bytes
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_transformers_llama_on_batches_padded_per_batch_holds_a_byte_budget_on_every_step():
+    lengths = [16, 128, 32, 128, 16, 64, 128]
+    budget = (llama_held(128, full=False) + llama_held(128, full=True)) // 2
+    assert llama_held(16, full=False) < budget < llama_held(128, full=False)
+    callback = GradientCheckpointing(memory_budget=budget)
+    model = PaddedLlama(callback)
+    trainer = Trainer(max_steps=len(lengths), accelerator="cpu", devices=1, callbacks=[callback], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(padded_batches(lengths), batch_size=None))
+    assert [h is None for h in model.held] == [True, True, True, False, False, True, False]
+    assert all(h <= budget for h in model.held if h is not None), (model.held, budget)
+    short, long = callback.plans[32], callback.plans[256]  # 2 x 16 and 2 x 128 tokens
+    assert short.recompute_flops == 0 < long.recompute_flops  # the short batches recompute nothing
