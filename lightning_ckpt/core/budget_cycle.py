@@ -38,11 +38,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_ckpt.core.memory_stats import main_tensor
+from lightning_ckpt.core.memory_stats import main_tensor, tokens_in_batch
 from lightning_ckpt.core.planner import CheckpointPlan
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class BatchSize:
     """How large a batch is for its activations: ``tokens`` (samples where it has no token ids) and ``length``
     (its sequence length; ``1`` where it has none).
@@ -84,14 +84,13 @@ def batch_size_of(batch: Any, length_fn: Optional[Callable[[Any], int]] = None) 
         >>> batch_size_of((torch.zeros(8, 3, 32, 32), torch.zeros(8)))
         BatchSize(tokens=8, length=1)
     """
-    tensor = main_tensor(batch)
-    tokens_2d = tensor is not None and tensor.dim() == 2 and not (tensor.is_floating_point() or tensor.is_complex())
-    length = int(tensor.shape[1]) if tokens_2d else 1
+    tensor, tokens = main_tensor(batch), tokens_in_batch(batch)
+    length = int(tensor.shape[1]) if tokens is not None else 1
     if length_fn is not None:
         return BatchSize(int(length_fn(batch)), length)
-    if tensor is None or tensor.dim() == 0:
-        return BatchSize(1)
-    return BatchSize(int(tensor.numel()) if tokens_2d else int(tensor.shape[0]), length)
+    if tokens is not None:
+        return BatchSize(tokens, length)
+    return BatchSize(int(tensor.shape[0]) if tensor is not None and tensor.dim() > 0 else 1)
 
 
 class BucketState(enum.Enum):
