@@ -35,11 +35,13 @@ class LiveStorages(TorchDispatchMode):
                 torch.UntypedStorage._free_weak_ref(ref)
                 del self._live[key]
                 self.events.append((key, -nbytes))
+        # A view or an in-place result makes no storage: a parameter's transpose is not an activation.
+        read = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
                 storage = tensor.untyped_storage()
                 key, nbytes = storage.data_ptr(), storage.nbytes()
-                if nbytes and key not in self._live:
+                if nbytes and key not in self._live and key not in read:
                     self._live[key] = (storage._weak_ref(), nbytes)
                     self.events.append((key, nbytes))
         return out

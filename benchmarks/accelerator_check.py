@@ -8,7 +8,8 @@ Runs ``pytest -m accelerator`` (offload under delayed copies, MemoryMonitor's de
 autocast under checkpointing), ``bench_offload.py`` at 2k/8k/32k, and the time-model check (:func:`time_model_check`:
 the planner's predicted step time on ``DeviceProfile.measure`` of the GPU against the measured step time, for no
 checkpointing, every layer, every 2nd layer, selective, every layer with offload, and a plan for the profile; target
-within 15%), within the budget (under 5 minutes on one GPU), and writes all three into the "gpu" section of
+within 15%), and the activation peak check (:func:`peak_check`: the plan's predicted peak against
+``torch.cuda.max_memory_allocated``), within the budget (under 5 minutes on one GPU), and writes them into the "gpu" section of
 benchmarks/RESULTS.md. Exits 1 if a test failed or an offload variant's loss or gradients differ from checkpointing
 without offload (a prediction off target is reported, not a failure). On a machine without CUDA it prints
 "no accelerator", touches nothing and exits 0; ``--cpu-smoke`` then runs the time-model check on a tiny model on the
@@ -38,8 +39,10 @@ from lightning_ckpt.core import offload as offload_module
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.planner import (
     CheckpointPlan,
+    make_plan,
     measure_step,
     plan_checkpointing,
+    predict_peak,
     predict_seconds,
 )
 from lightning_ckpt.demos import Block, Transformer
@@ -242,6 +245,53 @@ def _ms(seconds: Optional[float]) -> str:
     return "-" if seconds is None else f"{1e3 * seconds:.2f}"
 
 
+def peak_check(device: torch.device, seq: int = 2048, layers: int = 8, hidden: int = 1024, heads: int = 8,
+               vocab: int = 32000, batch: int = 2) -> str:
+    """The planner's predicted activation peak against the step's measured one (Markdown), for no checkpointing,
+    every layer and a plan at ``PLAN_BUDGET``. On CUDA: ``torch.cuda.max_memory_allocated`` over a forward and
+    backward, less what was allocated before it and the parameters' gradients (all of them: at the peak some may not
+    exist yet, so this can read low by up to their bytes); on the CPU: ``_peak.py``'s count of live storages."""
+    torch.manual_seed(0)
+    model = Transformer(vocab, seq, layers, hidden, heads, dropout=0.0).to(device)
+    idx = torch.randint(0, vocab, (batch, seq + 1), device=device)
+
+    def step() -> torch.Tensor:
+        return F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+
+    measured = measure_step(model, step)
+    plan = make_plan(measured.costs, measured.outside_bytes, PLAN_BUDGET, head_bytes=measured.head_bytes,
+                     head_peak_bytes=measured.head_peak_bytes)
+    rows = ["| setting | predicted peak | measured peak | predicted / measured |", "| --- | ---: | ---: | ---: |"]
+    for name, choices in (("none", {}), ("every layer", dict.fromkeys(plan.layers, "full")),
+                          (f"plan {PLAN_BUDGET}", plan.layers)):
+        kept = plan.kept_ops if choices is plan.layers else {}
+        predicted = predict_peak(measured.costs, measured.outside_bytes, choices, kept_ops=kept,
+                                 head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes)
+        applied = CheckpointPlan.from_state_dict({**plan.state_dict(), "layers": {n: choices.get(n, "none")
+                                                                                  for n in plan.layers},
+                                                  "kept_ops": kept, "offloaded": []})
+        applied.apply(model)
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            step().backward()
+            torch.cuda.synchronize(device)
+            grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+            peak = torch.cuda.max_memory_allocated(device) - before - grads
+        else:
+            from _peak import LiveStorages, grad_storages
+            with LiveStorages() as live:
+                step().backward()
+            peak = live.peak(exclude=grad_storages(model))
+        remove_checkpointing(model)
+        rows.append(f"| {name} | {predicted / 2**20:.1f} MiB | {peak / 2**20:.1f} MiB"
+                    f" | {predicted / peak:.3f} |")
+    return "\n".join([f"### Activation peak: predicted against measured (demo GPT, {layers} layers, hidden {hidden},"
+                      f" length {seq}, batch {batch}, vocabulary {vocab})", "", *rows])
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=280.0, help="tests and benchmark together")
@@ -253,6 +303,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             rows, table = time_model_check(torch.device("cpu"), seq=64, layers=4, hidden=64, heads=2, vocab=64,
                                            steps=3, rounds=2, budget_s=60.0)
             print(table)
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            print(peak_check(torch.device("cpu"), seq=64, layers=4, hidden=64, heads=2, vocab=64))
             return 0 if all(r.measured_s is not None and r.predicted_s is not None for r in rows) else 1
         print("no accelerator: torch.cuda.is_available() is False, so nothing was run and nothing was written.")
         return 0
@@ -264,6 +316,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     results, test_s = run_tests(timeout_s=args.budget_s * 0.4)
     _, time_table = time_model_check(torch.device("cuda", torch.cuda.current_device()), budget_s=args.budget_s * 0.2)
     print(time_table, flush=True)
+    peak_table = peak_check(torch.device("cuda", torch.cuda.current_device()))
+    print(peak_table, flush=True)
     bench_budget = max(30.0, args.budget_s - (time.perf_counter() - start) - 20.0)
     rows, bench = bench_offload.run([2048, 8192, 32768], steps=3, warmup=1, budget_s=bench_budget)
     failed = [name for name, outcome in results if outcome not in ("passed", "skipped")]
@@ -284,6 +338,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         bench.replace("## Offload:", "### Offload:"),
         "",
         time_table,
+        "",
+        peak_table,
     ]
     write_section("gpu", "\n".join(lines))
     print("\n".join(lines))

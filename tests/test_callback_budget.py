@@ -184,15 +184,19 @@ class ChangeSettingAfter(Callback):
 
 
 def test_a_new_budget_drops_the_plan_and_measures_again_on_the_next_batch(reference):
-    callback = GradientCheckpointing(memory_budget=0.5)
-    model, _ = run(callbacks=[callback, ChangeSettingAfter(callback, 1, "memory_budget", 0.3)], max_steps=4)
+    callback = GradientCheckpointing(memory_budget=0.7)
+    change = ChangeSettingAfter(callback, 1, "memory_budget", 0.4)
+    model, _ = run(callbacks=[callback, change], max_steps=4)
     chosen = planned(callback)
-    assert callback.plan.budget_bytes == int(0.3 * callback.plan.baseline_bytes)  # solved for the new budget
+    assert callback.plan.budget_bytes == int(0.4 * callback.plan.baseline_peak_bytes)  # solved for the new budget
     half = model.seen[1]
-    assert 0 < len(half) < len(chosen) <= N_LAYER  # a tighter budget checkpoints more layers
+    assert change.plan_after is None and 0 < len(half) <= len(chosen) < N_LAYER
+    # a tighter budget recomputes more (the last block stays plain: its backward comes first, before any recompute)
+    assert change.plan_before.recompute_flops < callback.plan.recompute_flops
     # batch 3 runs fully checkpointed again (the measuring step), batch 4 with the new plan
     assert model.seen == [BLOCKS, half, BLOCKS, chosen]
-    assert model.held[3] <= 0.3 * reference.held[2] * 1.02
+    assert model.held[3] <= callback.plan.budget_bytes
+    assert callback.plan.planned_bytes == pytest.approx(model.held[3], rel=0.05)
 
 
 @pytest.mark.parametrize(("name", "value"), [("layer_cls", Block), ("offload", True), ("use_reentrant", True),
@@ -267,7 +271,7 @@ class FakeGather:
 def test_ranks_are_gathered_as_rows_and_combined():
     """The callback's part: this rank's row gathered with the others'; the arithmetic is tested in test_budget.py."""
     mine = Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)], 7)
-    other_row = [120, 8, 45, 0, 40, 9, 1, 130, 0, 150, 12, 20, 0, 70, 1, 1, 180, 0, 13] + [900, 50, 9]
+    other_row = [120, 8, 45, 0, 40, 9, 1, 300, 130, 0, 150, 12, 20, 0, 70, 1, 1, 0, 180, 0, 13, 4, 60] + [900, 50, 9]
     measured, figures = callback_module._combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])
     expected = combine_costs(torch.tensor([pack_costs(mine, [1000, 40, 11]), other_row]), mine)
     assert (measured, figures) == expected and figures == [900, 50, 11]
@@ -278,16 +282,20 @@ def test_offload_auto_plans_by_time_on_the_measured_device_and_trains_the_same(r
     fake engine for the copies: offload is then free, so the plan recomputes nothing and offloads instead."""
     profile = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e11, host_bandwidth=math.inf, name="stand-in")
     monkeypatch.setattr(callback_module, "_measure_device", lambda trainer: (profile, 1 << 40))
-    callback = GradientCheckpointing(memory_budget=0.5, offload="auto")
+    # Every block's backward brings back all it saved, and the one before it is prefetched meanwhile: offloading
+    # everything peaks at about 0.56 of the peak without checkpointing.
+    callback = GradientCheckpointing(memory_budget=0.6, offload="auto")
     with use_engine(OffloadEngine(FakeStreams(seed=2), min_bytes=0)) as engine:
         model, _ = run(callbacks=[callback])
     plan = callback.plan
     assert plan.offload == "auto" and plan.device == "stand-in" and plan.recompute_flops == 0
-    assert plan.offloaded == BLOCKS and set(plan.layers.values()) == {"none"}
-    assert model.seen[1:] == [BLOCKS, BLOCKS]  # wrapped to offload what they save, not to recompute
+    # The last block's backward comes first, while the others' saved tensors are away: offloading it would not lower
+    # the peak, so it stays as it is.
+    assert plan.offloaded == BLOCKS[:-1] and set(plan.layers.values()) == {"none"}
+    assert model.seen[1:] == [BLOCKS[:-1], BLOCKS[:-1]]  # wrapped to offload what they save, not to recompute
     newest = next(c.movable_bytes("none", 0) for c in reversed(plan.costs) if c.name in plan.offloaded)
     assert model.held[2] + newest == pytest.approx(plan.planned_bytes, rel=0.05)  # the newest stays on the device
-    assert model.held[2] <= 0.5 * reference.held[2]
+    assert model.held[2] + newest <= plan.peak_bytes <= plan.budget_bytes
     assert engine.stats.offloaded_bytes >= 2 * plan.host_bytes  # steps 2 and 3
     assert_same_weights(model, reference)
 

@@ -145,7 +145,7 @@ def cache_in_training() -> None:
 
 
 def a_plan() -> Any:
-    return make_plan([LayerCost("0", "Block", 100, 10, 40, 0, 50, 5)], 0, 0.5)
+    return make_plan([LayerCost("0", "Block", 100, 10, 40, 0, 50, 5)], 0, 1.0)
 
 
 def sharded_at_the_root_only() -> None:
@@ -344,7 +344,8 @@ CASES: dict[str, Case] = {
     "budget out of reach": Case(
         "core.planner.make_plan",
         lambda: (lambda m: plan_checkpointing(m, step_of(m), 0.01, layer_cls=Block))(blocks()), ValueError,
-        "`memory_budget=0.01` asks for at most", "To fit: pass a budget of at least", "but the least reachable is"),
+        "`memory_budget=0.01` asks for an activation peak of at most", "To fit: pass a budget of at least",
+        "but the least reachable is"),
     "plan in eval mode": Case(
         "core.planner._measure", lambda: plan_checkpointing(blocks().eval(), lambda: None, 0.5), ValueError,
         "the module is in eval mode", "Call `module.train()` first", "measures a training step, but the module is in"
@@ -671,48 +672,54 @@ def four_layers(offloadable: int) -> list[LayerCost]:
 
 
 @pytest.mark.parametrize(("offloadable", "modes", "figures"), [
-    # least: 100 + 4 x 10 = 140 B, 28.0% of 500, 0.280; offload=True: 100 + 4 x (10 - 6) = 116 B, 23.2%; "auto" can
-    # move all 100 B a layer saves un-checkpointed as well: 100 B, the outside alone; 50 / 140 = 35.7%: about 36%.
-    (6, ("full", "selective"), ["but the least reachable is 140 B (28.0%), with every matched layer checkpointed;",
-                                "To fit: pass a budget of at least 0.280 (or 140 bytes);",
-                                "; or offload=True, which reaches 116 B (23.2%);",
-                                "; or offload='auto' with a device profile, which can reach 100 B;",
-                                "about 36% of the current size would fit"]),
-    # nothing to offload: offload=True reaches the same 140 B
-    (0, ("full", "selective"), ["but the least reachable is 140 B (28.0%)", "at least 0.280 (or 140 bytes)",
-                                "; offload=True would not help here", "which can reach 100 B;",
-                                "about 36% of the current size would fit"]),
-    # selective only: 100 + 4 x 40 = 260 B, 52.0%; offload=True: 100 + 4 x 34 = 236 B, 47.2%; 50 / 260 = 19.2%: 20%.
-    (6, ("selective",), ["but the least reachable is 260 B (52.0%)", "at least 0.520 (or 260 bytes);",
-                         "; or offload=True, which reaches 236 B (47.2%);", "which can reach 100 B;",
-                         "; or allow modes=('full', 'selective');", "about 20% of the current size would fit"]),
+    # Each layer's backward has its 100 B alive (no backward recorded: its un-checkpointed bytes) while the layers
+    # before it hold theirs; the last one's sets the floor: 100 outside + 3 x 10 + 100 = 230 B, 46.0% of the 500 B
+    # peak without checkpointing, 0.460. offload=True: 3 x (10 - 6) on the device, and the newest offloaded layer's
+    # 6 B back for l3's backward: 100 + 12 + 100 + 6 = 218 B, 43.6%. "auto" can do no better (moving all a layer
+    # saves brings all of it back for its backward). 50 / 230 = 21.7%: about 22%.
+    (6, ("full", "selective"), ["but the least reachable is 230 B (46.0%), with every matched layer checkpointed;",
+                                "the backward of `l3` sets that floor: it has 100 B alive at once",
+                                "To fit: pass a budget of at least 0.460 (or 230 bytes);",
+                                "; or offload=True, which reaches 218 B (43.6%);",
+                                "about 22% of the current size would fit"]),
+    # nothing to offload: offload=True reaches the same 230 B
+    (0, ("full", "selective"), ["but the least reachable is 230 B (46.0%)", "at least 0.460 (or 230 bytes)",
+                                "; offload=True would not help here", "about 22% of the current size would fit"]),
+    # selective only: 100 + 3 x 40 + 100 = 320 B, 64.0%; offload=True: 100 + 3 x 34 + 100 + 6 = 308 B, 61.6%;
+    # 50 / 320 = 15.6%: 16%.
+    (6, ("selective",), ["but the least reachable is 320 B (64.0%)", "at least 0.640 (or 320 bytes);",
+                         "; or offload=True, which reaches 308 B (61.6%);",
+                         "; or allow modes=('full', 'selective');", "about 16% of the current size would fit"]),
 ])
 def test_out_of_reach_budget_message_gives_the_least_reachable_and_what_would_fit(offloadable, modes, figures):
     with pytest.raises(ValueError) as info:
         make_plan(four_layers(offloadable), 100, 0.1, modes=modes)
     message = str(info.value)
-    # 0.1 x 500 B = 50 B, 10.0% of 500 B; the 100 B outside the layers stay whatever is checkpointed.
-    assert message.startswith("`memory_budget=0.1` asks for at most 50 B of activations (10.0% of the 500 B held"
-                              " without checkpointing)"), message
+    # 0.1 x 500 B = 50 B, 10.0% of the 500 B peak; the 100 B outside the layers stay whatever is checkpointed.
+    assert message.startswith("`memory_budget=0.1` asks for an activation peak of at most 50 B (10.0% of the 500 B"
+                              " peak without checkpointing)"), message
     assert "; 100 B of it is outside the matched layers" in message, message
     for figure in figures:
         assert figure in message, (figure, message)
     assert ("allow modes" in message) == ("full" not in modes)
+    assert "offload='auto'" not in message, message
 
 
 def test_host_memory_short_message_gives_the_budget_and_the_host_memory():
-    """0.3 x 500 B = 150 B: 350 B to free, more than three layers can (3 x 96 B with their 6 B of inputs on the
-    host), so all four offload 4 x 6 = 24 B: 23 B of host memory is short by one byte, 24 B is enough."""
+    """0.45 x 500 B = 225 B: l3's backward has 100 B outside, its own 100 B and the newest offloaded layer's 6 B
+    back, so l0-l2 may keep 19 B on the device: all three fully checkpointed and offloaded (4 B each, 6 B each on the
+    host), l3 plain. 17 B of host memory is short by one byte, 18 B is enough."""
     with pytest.raises(ValueError) as info:
-        make_plan(four_layers(6), 100, 0.3, offload=True, host_memory=23)
+        make_plan(four_layers(6), 100, 0.45, offload=True, host_memory=17)
     message = str(info.value)
-    assert message.startswith("`memory_budget=0.3` (150 B of activations) needs more than `host_memory=23` (23 B) of"
+    assert message.startswith("`memory_budget=0.45` (225 B of activations) needs more than `host_memory=17` (17 B) of"
                               " offloaded tensors. Nothing was applied. To fit: pass a larger `host_memory`"), message
-    assert message.endswith("; or offload='auto' with a device profile, which can reach 100 B."), message
+    assert message.endswith("(bytes of host memory the offloaded tensors may use)."), message
     # host memory is short, not device memory: no advice to shrink the batch or checkpoint more layers
     assert "smaller batch" not in message and "layer_cls" not in message, message
-    plan = make_plan(four_layers(6), 100, 0.3, offload=True, host_memory=24)
-    assert plan.planned_host_bytes == 24 and plan.planned_bytes <= 150
+    plan = make_plan(four_layers(6), 100, 0.45, offload=True, host_memory=18)
+    assert plan.planned_host_bytes == 18 and plan.peak_bytes == 100 + 12 + 100 + 6
+    assert plan.layers == {"l0": "full", "l1": "full", "l2": "full", "l3": "none"}
 
 
 @pytest.mark.parametrize(("n", "shown"), [(4, "4 layers: 0, 1, 2, 3)"), (5, "5 layers: 0, 1, 2, 3, ...)")])

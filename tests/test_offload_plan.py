@@ -60,7 +60,11 @@ def plan(measured, budget: object, offload: object, bandwidth: float = 1e9, **kw
                      outside_ops=measured.outside_ops, min_bytes=0, **kwargs)
 
 
-@pytest.mark.parametrize("budget", [0.2, 0.5, 0.8])
+# A fraction is of the step's peak without checkpointing. Each block's backward has its inputs, what it saves and its
+# gradients alive (14 x its input) while the blocks before it hold theirs; the least reachable peak is 0.279 of that
+# with offload (every input on the host, the newest brought back), 0.344 without; keeping nothing on the device at
+# all (every block plain, offloaded) peaks at 0.41, when the last block's backward has the one before it back.
+@pytest.mark.parametrize("budget", [0.45, 0.6, 0.8])
 def test_infinite_bandwidth_recomputes_nothing(measured, budget):
     got = plan(measured, budget, "auto", bandwidth=math.inf, host_memory=1 << 40)
     assert got.recompute_flops == 0 and set(got.layers.values()) == {"none"}
@@ -68,7 +72,7 @@ def test_infinite_bandwidth_recomputes_nothing(measured, budget):
     assert got.predicted_step_seconds == got.baseline_step_seconds  # offload free: as fast as no checkpointing
 
 
-@pytest.mark.parametrize("budget", [0.3, 0.6])
+@pytest.mark.parametrize("budget", [0.4, 0.6])
 def test_bandwidth_near_zero_gives_exactly_the_plan_without_offload(measured, budget):
     got = plan(measured, budget, "auto", bandwidth=1e-3, host_memory=1 << 40)
     without = plan(measured, budget, False, bandwidth=1e-3)
@@ -76,45 +80,51 @@ def test_bandwidth_near_zero_gives_exactly_the_plan_without_offload(measured, bu
     assert (got.layers, got.kept_ops, got.planned_bytes) == (without.layers, without.kept_ops, without.planned_bytes)
 
 
+def every_layer_full_peak(measured) -> int:
+    """The least peak without offload (every layer fully checkpointed), from the refusal of a budget of 1 byte."""
+    with pytest.raises(ValueError, match="the least reachable is") as refused:
+        plan(measured, 1, False)
+    return int(str(refused.value).split(" bytes)")[0].rsplit("(or ", 1)[1])
+
+
 def test_a_budget_below_every_layer_checkpointed_needs_offload(measured):
-    every_layer_full = measured.outside_bytes + sum(c.full_bytes for c in measured.costs)
-    budget = every_layer_full - sum(c.full_bytes for c in measured.costs[:2])
+    budget = every_layer_full_peak(measured) - sum(c.full_bytes for c in measured.costs[:2])
     with pytest.raises(ValueError, match="the least reachable is") as refused:
         plan(measured, budget, False)
     assert "or offload=True, which reaches" in str(refused.value)
     got = plan(measured, budget, "auto", host_memory=1 << 40)
-    assert got.planned_bytes <= budget and len(got.offloaded) >= 2
+    assert got.planned_bytes <= got.peak_bytes <= budget and len(got.offloaded) >= 2
 
 
 def test_host_memory_bounds_what_is_offloaded_and_the_rest_is_recomputed(measured):
-    free = plan(measured, 0.3, "auto", bandwidth=math.inf, host_memory=1 << 40)
+    free = plan(measured, 0.45, "auto", bandwidth=math.inf, host_memory=1 << 40)
     limit = free.host_bytes // 3
-    bounded = plan(measured, 0.3, "auto", bandwidth=math.inf, host_memory=limit)
+    bounded = plan(measured, 0.45, "auto", bandwidth=math.inf, host_memory=limit)
     assert 0 < bounded.host_bytes <= limit < free.host_bytes
     assert bounded.recompute_flops > free.recompute_flops == 0
-    assert bounded.planned_bytes <= bounded.budget_bytes
+    assert bounded.peak_bytes <= bounded.budget_bytes
     with pytest.raises(ValueError, match="needs more than `host_memory=0`"):
-        every_layer_full = measured.outside_bytes + sum(c.full_bytes for c in measured.costs)
-        plan(measured, every_layer_full // 2, "auto", host_memory=0)
+        below_every_layer_full = every_layer_full_peak(measured) - sum(c.full_bytes for c in measured.costs[:2])
+        plan(measured, below_every_layer_full, "auto", host_memory=0)
 
 
 def test_every_host_memory_limit_is_kept(measured):
     """The host-memory bisection returns the best choice that fit, never the last price it tried: a sweep of limits
     from 1/40 to 39/40 of what the unbounded plan offloads, each kept (and the device budget with it)."""
-    free = plan(measured, 0.3, "auto", bandwidth=math.inf, host_memory=1 << 40)
+    free = plan(measured, 0.45, "auto", bandwidth=math.inf, host_memory=1 << 40)
     assert free.host_bytes > 0
     over = []
     for i in range(1, 40):
         limit = free.host_bytes * i // 40
-        bounded = plan(measured, 0.3, "auto", bandwidth=math.inf, host_memory=limit)
-        assert bounded.planned_bytes <= bounded.budget_bytes
+        bounded = plan(measured, 0.45, "auto", bandwidth=math.inf, host_memory=limit)
+        assert bounded.peak_bytes <= bounded.budget_bytes
         if bounded.host_bytes > limit:
             over.append((limit, bounded.host_bytes))
     assert over == []
 
 
 @pytest.mark.parametrize("bandwidth", [1e6, 1e8, 1e9, 1e11])
-@pytest.mark.parametrize("budget", [0.25, 0.5, 0.75])
+@pytest.mark.parametrize("budget", [0.4, 0.5, 0.75])
 def test_auto_is_never_predicted_slower_than_offload_true_or_false(measured, budget, bandwidth):
     auto = plan(measured, budget, "auto", bandwidth, host_memory=1 << 40)
     for fixed in (False, True):
@@ -129,7 +139,7 @@ def test_auto_is_never_predicted_slower_than_offload_true_or_false(measured, bud
 def test_storages_under_the_engine_threshold_stay_on_the_device(measured):
     sizes = sorted({s for c in measured.costs for s in c.saved_sizes + c.input_sizes})
     threshold = sizes[len(sizes) // 2]
-    got = make_plan(measured.costs, measured.outside_bytes, 0.3, offload="auto", device=profile(math.inf),
+    got = make_plan(measured.costs, measured.outside_bytes, 0.45, offload="auto", device=profile(math.inf),
                     outside_ops=measured.outside_ops, host_memory=1 << 40, min_bytes=threshold)
     moved = {c.name: c.movable_bytes(got.layers[c.name], threshold) for c in measured.costs if c.name in got.offloaded}
     assert got.host_bytes == sum(moved.values())
@@ -143,7 +153,7 @@ def test_an_auto_plan_applied_trains_exactly_and_offloads_what_it_planned(measur
     loss_of(plain).backward()
     want = [p.grad.clone() for p in plain.parameters()]
 
-    got_plan = plan(measured, 0.3, "auto", bandwidth=2e8, host_memory=1 << 40)
+    got_plan = plan(measured, 0.41, "auto", bandwidth=3e7, host_memory=1 << 40)
     kinds = {(mode, name in got_plan.offloaded) for name, mode in got_plan.layers.items()}
     assert ("none", True) in kinds and any(mode != "none" for mode, _ in kinds), kinds  # offload-only and recompute
     net = model()

@@ -76,14 +76,16 @@ def test_setting_rows_without_a_second_batch_size_have_no_fit():
 
 def test_planner_front_includes_the_run_s_budget_and_drops_the_unreachable():
     main = measurement(8, 100, 10, 40, 100)
-    # 320 B: one layer kept whole and three selective (100 + 100 + 3 x 40) is the fewest FLOPs within it.
-    front = planner_front(main, False, 140, points=2, include=[320, 50])
-    assert [(p["budget_bytes"], p["activation_bytes"], p["recompute_flops"]) for p in front] == [
-        (140, 140, 200), (320, 320, 15), (500, 500, 0)]
+    # Each layer's backward has its 100 B alive while the layers before it hold theirs and the 100 B outside stay.
+    # 230 B, the least: three layers full (3 x 10) and the last plain. 320 B: the first three selective (3 x 40), the
+    # last plain, is the fewest FLOPs within it. 50 B cannot be met.
+    front = planner_front(main, False, 230, points=2, include=[320, 50])
+    assert [(p["budget_bytes"], p["peak_bytes"], p["activation_bytes"], p["recompute_flops"]) for p in front] == [
+        (230, 230, 230, 150), (320, 320, 320, 15), (500, 500, 500, 0)]
     assert all(p["predicted_step_seconds"] is None for p in front)
 
 
-@pytest.mark.parametrize("lowest", [140, 500])
+@pytest.mark.parametrize("lowest", [230, 500])
 def test_planner_front_keeps_equal_plans_once(lowest):
     main = measurement(8, 100, 10, 40, 100)
     front = planner_front(main, False, lowest, points=8, include=[500, 500])

@@ -13,6 +13,8 @@ from torch import nn
 from lightning_ckpt import apply_checkpointing, remove_checkpointing
 from lightning_ckpt.core.profiling import SavedTensorCounter, count_flops
 
+from helpers import counted_peak
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 litgpt = pytest.importorskip("litgpt")
@@ -229,7 +231,7 @@ def test_the_planner_on_real_models(case):
     else:
         baseline = held()
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
-    plan = plan_checkpointing(model, lambda: loss(model), 0.4, layer_cls=layer_cls)
+    plan = plan_checkpointing(model, lambda: loss(model), 0.7, layer_cls=layer_cls)
     assert all(torch.equal(buffers[name], buf) for name, buf in model.named_buffers())
     assert getattr(config, "use_cache", None) is not False  # planning turned the cache off only while it ran
     assert plan.baseline_bytes == pytest.approx(baseline, rel=0.05)
@@ -237,7 +239,13 @@ def test_the_planner_on_real_models(case):
     assert names and set(plan.layers.values()) - {"none"}
     measured = held()
     assert plan.planned_bytes == pytest.approx(measured, rel=0.05)
-    assert measured <= 0.4 * baseline * 1.02
+    # the step's activation peak, forward and backward, counted without the package's counters: predicted within
+    # 10% (measured: 0.2% over on litgpt, 1.6% on Llama, 2.4% with PEFT, 7% on the CNN, whose first block's input needs no
+    # gradient, so its measured backward makes its weights' gradients too)
+    torch.manual_seed(0)
+    peak = counted_peak(model, lambda: loss(model))
+    assert plan.peak_bytes == pytest.approx(peak, rel=0.1)
+    assert peak <= plan.budget_bytes * 1.02
     if hasattr(config, "use_cache"):
         assert config.use_cache is False
         remove_checkpointing(model)
@@ -296,13 +304,11 @@ def test_offload_on_real_models_trains_as_checkpointing_without_it(case):
         assert torch.equal(got_buffers[name], buffer), name
 
 
-SHARED_INPUTS = pytest.mark.xfail(strict=True, reason=(
-    "known: Llama's layers all take the same rotary cos/sin and position storages; the measured step counts them"
-    " once, the layers' input bytes once each, so the bytes outside the layers come out short by the repeats"
-    " (19,200 B here, 5.2%), which an offloaded layer no longer makes up"))
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=SHARED_INPUTS) if c == "llama" else c for c in sorted(PLAN_CASES)])
+# Known, and within the 5% below: Llama's layers all take the same rotary cos/sin and position storages; the measured
+# step counts them once, the layers' input bytes once each, so the bytes outside the layers come out short by the
+# repeats (19,200 B here), which an offloaded layer no longer makes up: 3.2% of this plan's bytes (5.2% of the plan
+# this budget made when it bounded only the end of the forward, which an xfail marked).
+@pytest.mark.parametrize("case", sorted(PLAN_CASES))
 def test_an_offload_auto_plan_on_real_models_trains_exactly_and_moves_what_it_planned(case):
     """offload="auto" on models nobody here wrote, on a profile where offload and recompute both win somewhere:
     the applied plan (offload-only and recomputed layers mixed) gives the plain model's loss and gradients bit for

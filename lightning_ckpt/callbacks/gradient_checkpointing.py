@@ -285,7 +285,7 @@ class GradientCheckpointing(Callback):
             self._recorder.__enter__()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._stop_measuring() and not self._first_auto():
+        if self._stop_measuring(loss) and not self._first_auto():
             # Planned before the backward: an impossible budget fails before any weight has changed.
             self._make_plan(trainer, pl_module)
 
@@ -312,14 +312,17 @@ class GradientCheckpointing(Callback):
         kwargs = self._settings["checkpoint_kwargs"] or {}
         return bool(kwargs.get("use_reentrant", self._settings["use_reentrant"]))
 
-    def _stop_measuring(self) -> bool:
-        """Leave the measuring hooks (if measuring); ``True`` when this ended a measurement."""
+    def _stop_measuring(self, loss: Optional[torch.Tensor] = None) -> bool:
+        """Leave the measuring hooks (if measuring; the head's backward measured from ``loss``, when given); ``True``
+        when this ended a measurement."""
         recorder, self._recorder = self._recorder, None
         if recorder is None:
             return False
+        if loss is not None:
+            recorder.measure_head(loss)
         recorder.__exit__(None, None, None)
         costs = recorder.costs()
-        measured = Measurement.from_held_bytes(costs, recorder.held_bytes)
+        measured = Measurement.from_held_bytes(costs, recorder.held_bytes, recorder.head_bytes, recorder.head_peak_bytes)
         if recorder.held_bytes < measured.layer_bytes:
             rank_zero_warn("GradientCheckpointing: the bytes held outside the checkpointed layers could not be measured"
                            " (other saved-tensor hooks were entered after this callback's); the plan counts them as 0."
@@ -340,7 +343,7 @@ class GradientCheckpointing(Callback):
             device = trainer.strategy.root_device
             static = static_bytes(pl_module, trainer.optimizers)
             peak = (device_peak_bytes(device) or (0, 0))[0]
-            mine = AutoBudget.from_step(int(device_total_bytes(device)), static, peak, measured.held_bytes)
+            mine = AutoBudget.from_step(int(device_total_bytes(device)), static, peak, measured.peak_bytes)
             figures = [mine.device_bytes, mine.static_bytes, mine.other_peak_bytes]
             measured, figures = _combine_over_ranks(trainer.strategy, measured, figures)
             auto = self._auto = AutoBudget(*figures)
@@ -354,7 +357,8 @@ class GradientCheckpointing(Callback):
         try:
             # An impossible budget raises here; the step's own full checkpointing is undone by `on_exception`.
             plan = make_plan(measured.costs, measured.outside_bytes, budget, modes, self._settings["offload"], profile,
-                             host_memory=host_memory, min_bytes=offload_min_bytes(trainer.strategy.root_device))
+                             host_memory=host_memory, min_bytes=offload_min_bytes(trainer.strategy.root_device),
+                             head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes)
         except ValueError as err:
             raise ValueError(f"{err} This was for a batch of {size} (the largest over ranks).") from None
         self._cycle.planned(plan)

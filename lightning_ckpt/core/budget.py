@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 
 from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES, engine_for
-from lightning_ckpt.core.planner import CheckpointPlan, LayerCost
+from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, held_peak
 from lightning_ckpt.core.profiling import format_bytes, format_flops, optimizer_state_bytes, tensor_bytes
 
 AUTO_MEMORY_FRACTION = 0.9
@@ -48,10 +48,14 @@ class Measurement:
 
     costs: list[LayerCost]
     outside_bytes: int  # held for backward outside the measured layers (embeddings, head, loss)
+    head_bytes: int = 0  # of those, what the step saved after the last layer (head, loss)
+    head_peak_bytes: int = 0  # what the head's and loss's backward makes alive at once (the logits' gradient)
 
     @classmethod
-    def from_held_bytes(cls, costs: Sequence[LayerCost], held_bytes: int) -> Measurement:
-        """From the bytes the whole (fully checkpointed) step held: what the layers do not hold is outside them.
+    def from_held_bytes(cls, costs: Sequence[LayerCost], held_bytes: int, head_bytes: int = 0,
+                        head_peak_bytes: int = 0) -> Measurement:
+        """From the bytes the whole (fully checkpointed) step held: what the layers do not hold is outside them
+        (``head_bytes`` of it saved after the last layer; the head's backward makes ``head_peak_bytes``).
 
         Never negative: where the step's count is short (other saved-tensor hooks), the outside counts as 0.
 
@@ -61,7 +65,8 @@ class Measurement:
             0
         """
         costs = list(costs)
-        return cls(costs, max(0, held_bytes - sum(c.full_bytes for c in costs)))
+        outside = max(0, held_bytes - sum(c.full_bytes for c in costs))
+        return cls(costs, outside, min(outside, head_bytes), head_peak_bytes)
 
     @property
     def layer_bytes(self) -> int:
@@ -73,6 +78,20 @@ class Measurement:
         """Activation bytes the measuring step held: in the layers and outside them."""
         return self.outside_bytes + self.layer_bytes
 
+    @property
+    def peak_bytes(self) -> int:
+        """The measuring (fully checkpointed) step's activation peak, as a plan predicts it
+        (:func:`~lightning_ckpt.core.planner.held_peak`): usually the last layer's backward.
+
+        Example::
+
+            >>> costs = [LayerCost(f"l{i}", "B", 100, 10, 40, 0, 50, 5, transient_bytes=150) for i in range(3)]
+            >>> Measurement(costs, outside_bytes=30, head_bytes=20).peak_bytes  # 10 outside, 10 + 10 held, 150
+            180
+        """
+        transients = [c.backward_peak - self.head_bytes for c in self.costs]
+        return self.outside_bytes + held_peak([c.full_bytes for c in self.costs], transients, head=self.head_peak_bytes)
+
 
 # ------------------------------------------------------------------------------------------ combined over ranks
 
@@ -82,18 +101,18 @@ def pack_costs(measured: Measurement, figures: Sequence[int] = (), min_bytes: in
 
     Per layer its integer costs, then the bytes the offload engine would move of it un-checkpointed and checkpointed
     (its storages of at least ``min_bytes``: the sizes themselves are each rank's own); then the bytes outside the
-    layers; then ``figures`` (for ``"auto"``: ``[device_bytes, static_bytes, other_peak_bytes]``).
+    layers, the part of it saved after them and what their backward makes; then ``figures`` (for ``"auto"``: ``[device_bytes, static_bytes, other_peak_bytes]``).
 
     Example::
 
         >>> measured = Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5)], outside_bytes=7)
-        >>> pack_costs(measured, figures=[1000])  # a's 7 integers, moved 100 and 0; 7 outside; 1000
-        [100, 10, 40, 0, 50, 5, 1, 100, 0, 7, 1000]
+        >>> pack_costs(measured, figures=[1000])  # a's 8 integers, moved 100 and 0; 7 outside, 0 after, 0; 1000
+        [100, 10, 40, 0, 50, 5, 1, 0, 100, 0, 7, 0, 0, 1000]
     """
     row = [v for c in measured.costs
            for v in [*(getattr(c, f) for f in _COST_FIELDS), c.movable_bytes("none", min_bytes),
                      c.movable_bytes("full", min_bytes)]]
-    return [*row, measured.outside_bytes, *figures]
+    return [*row, measured.outside_bytes, measured.head_bytes, measured.head_peak_bytes, *figures]
 
 
 def combine_costs(gathered: torch.Tensor, measured: Measurement) -> tuple[Measurement, list[int]]:
@@ -116,7 +135,7 @@ def combine_costs(gathered: torch.Tensor, measured: Measurement) -> tuple[Measur
     """
     rows = gathered.reshape(-1, gathered.shape[-1])
     width = len(_COST_FIELDS) + 2
-    n_costs = len(measured.costs) * width + 1  # the layers, then the bytes outside them
+    n_costs = len(measured.costs) * width + 3  # the layers, then the bytes outside them, after them, their backward
     combined = rows.max(dim=0).values.tolist()
     if rows.shape[1] > n_costs:
         combined[n_costs] = int(rows[:, n_costs].min())
@@ -125,7 +144,7 @@ def combine_costs(gathered: torch.Tensor, measured: Measurement) -> tuple[Measur
         *ints, moved_none, moved_full = combined[i * width:(i + 1) * width]
         costs.append(LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, ints)), saved_sizes=(moved_none,),
                                input_sizes=(moved_full,)))
-    return Measurement(costs, combined[n_costs - 1]), combined[n_costs:]
+    return Measurement(costs, *combined[n_costs - 3:n_costs]), combined[n_costs:]
 
 
 # ------------------------------------------------------------------------------------------ memory_budget="auto"
@@ -144,7 +163,7 @@ class AutoBudget:
 
     device_bytes: int  # the accelerator's total memory
     static_bytes: int  # weights, gradients and optimizer state
-    other_peak_bytes: int  # the step's peak beyond static memory and activations (temporaries, the recompute)
+    other_peak_bytes: int  # the step's peak beyond static memory and the activation peak (temporaries)
     fraction: float = AUTO_MEMORY_FRACTION
 
     @classmethod
@@ -246,16 +265,17 @@ def plan_summary(plan: CheckpointPlan, memory_budget: object, auto: Optional[Aut
         >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
         >>> line = plan_summary(make_plan(costs, outside_bytes=100, memory_budget=0.5), memory_budget=0.5)
         >>> print(line.replace("; ", ";\n"))
-        memory_budget=0.5: checkpointing 4 of 4 layers;
-        activations 230 B predicted against a budget of 250 B (46% of 500 B without checkpointing);
-        65 FLOP recomputed per step
+        memory_budget=0.5: checkpointing 3 of 4 layers;
+        activation peak 230 B predicted against a budget of 250 B (230 B held at the end of the forward, 46% of 500 B without checkpointing);
+        150 FLOP recomputed per step
     """
     n = sum(mode != "none" for mode in plan.layers.values())
     pct = 100 * plan.planned_bytes / plan.baseline_bytes if plan.baseline_bytes else 0.0
     return (
         f"memory_budget={memory_budget!r}: checkpointing {n} of {len(plan.layers)} layers;"
-        f" activations {format_bytes(plan.planned_bytes)} predicted against a budget of {format_bytes(plan.budget_bytes)}"
-        f" ({pct:.0f}% of {format_bytes(plan.baseline_bytes)} without checkpointing); {format_flops(plan.recompute_flops)}"
+        f" activation peak {format_bytes(plan.peak_bytes)} predicted against a budget of {format_bytes(plan.budget_bytes)}"
+        f" ({format_bytes(plan.planned_bytes)} held at the end of the forward, {pct:.0f}% of"
+        f" {format_bytes(plan.baseline_bytes)} without checkpointing); {format_flops(plan.recompute_flops)}"
         " recomputed per step" + (f"; {plan.step_time_text()}" if plan.predicted_step_seconds is not None else "")
         + (f" ({auto})" if auto is not None else "")
     )
@@ -267,7 +287,7 @@ def plan_table(plan: CheckpointPlan, auto: Optional[AutoBudget] = None) -> str:
     Example::
 
         >>> from lightning_ckpt.core.planner import make_plan
-        >>> plan = make_plan([LayerCost("l0", "Block", 100, 10, 40, 0, 50, 5)], outside_bytes=0, memory_budget=50)
+        >>> plan = make_plan([LayerCost("l0", "Block", 100, 10, 40, 0, 50, 5)], outside_bytes=0, memory_budget=100)
         >>> auto = AutoBudget(device_bytes=1000, static_bytes=400, other_peak_bytes=50)
         >>> plan_table(plan).splitlines() == str(plan).splitlines(), plan_table(plan, auto).splitlines()[-1] == str(auto)
         (True, True)

@@ -15,9 +15,10 @@ count as torch's ``FlopCounterMode`` counts them; every other op counts one FLOP
 those as zero, which would make element-wise recomputation look free). See :class:`OpCostMode`.
 
 Measuring is safe when memory is short: the step runs once with every matched layer fully
-checkpointed, and each layer is re-run alone right after its own checkpointed forward, its result
-dropped at once. So planning never holds more activations than full checkpointing plus one layer,
-and never runs the whole model un-checkpointed. The RNG and every buffer are left as they were.
+checkpointed, and each layer is re-run alone right after its own checkpointed forward and backpropagated
+to its inputs (what its backward has alive at once), its result dropped at once. So planning never holds more
+activations than full checkpointing plus one layer's forward and backward, and never runs the whole model
+un-checkpointed. The budget bounds the step's activation peak, the backward's included (:func:`held_peak`). The RNG and every buffer are left as they were.
 Plain PyTorch; nothing here imports Lightning.
 
 Example::
@@ -29,28 +30,32 @@ Example::
     >>> torch.manual_seed(0) and None
     >>> model = nn.Sequential(*[Block(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
     >>> x = torch.randn(8, 16, requires_grad=True)
-    >>> plan = plan_checkpointing(model, lambda: model(x).sum(), 0.5, layer_cls=Block)
-    >>> plan.planned_bytes <= plan.budget_bytes < plan.baseline_bytes
+    >>> plan = plan_checkpointing(model, lambda: model(x).sum(), 0.6, layer_cls=Block)
+    >>> plan.planned_bytes <= plan.peak_bytes <= plan.budget_bytes < plan.baseline_bytes
     True
     >>> plan.layers
-    {'0': 'ops', '1': 'ops', '2': 'ops', '3': 'full'}
+    {'0': 'ops', '1': 'full', '2': 'full', '3': 'none'}
     >>> print(plan)  # doctest: +NORMALIZE_WHITESPACE
     layer  class     none   full  selective  FLOPs full  FLOPs selective  choice
     0      Block  4.5 KiB  512 B    3.0 KiB  16.9 KFLOP         512 FLOP     ops
-    1      Block  4.5 KiB  512 B    3.0 KiB  16.9 KFLOP         512 FLOP     ops
-    2      Block  4.5 KiB  512 B    3.0 KiB  16.9 KFLOP         512 FLOP     ops
-    3      Block  4.5 KiB  512 B    3.0 KiB  16.9 KFLOP         512 FLOP    full
+    1      Block  4.5 KiB  512 B    3.0 KiB  16.9 KFLOP         512 FLOP    full
+    2      Block  4.5 KiB  512 B    3.0 KiB  16.9 KFLOP         512 FLOP    full
+    3      Block  4.5 KiB  512 B    3.0 KiB  16.9 KFLOP         512 FLOP    none
       0 (ops): 2.5 KiB, 512 FLOP; keeps addmm; recomputes gelu
-      1 (ops): 2.5 KiB, 512 FLOP; keeps addmm; recomputes gelu
-      2 (ops): 2.5 KiB, 512 FLOP; keeps addmm; recomputes gelu
     outside the layers: 0 B (in every figure below)
-    plan: 4 of 4 layers checkpointed; activations 8.0 KiB (44% of 18.0 KiB without checkpointing), budget 9.0 KiB; recompute 18.4 KFLOP per step
+    plan: 3 of 4 layers checkpointed; activations 8.0 KiB (44% of 18.0 KiB without checkpointing), peak 10.5 KiB (budget 12.3 KiB, 20.5 KiB without checkpointing); recompute 34.3 KFLOP per step
+
+The last layer is left plain although it is the one whose inputs are the cheapest to keep: its backward comes
+first, while every other layer still holds what it chose, so the step's peak is the 3.5 KiB the first three hold
+plus the 7.0 KiB the last one's backward has alive at once.
+
     >>> plan.apply(model)
-    ['0', '1', '2', '3']
+    ['0', '1', '2']
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -72,6 +77,7 @@ from lightning_ckpt.core.placement import _fsdp2
 from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS, keep_ops_context_fn
 from lightning_ckpt.core.profiling import (
     OpCostMode,
+    LiveBytes,
     OpRecordMode,
     SavedTensorCounter,
     count_cost,
@@ -118,6 +124,9 @@ class LayerCost:
     ops: tuple[OpRecord, ...] = ()  # its forward op by op, for op-level choices (empty: none possible)
     input_sizes: tuple[int, ...] = ()  # bytes of each storage in its held inputs (empty: not recorded)
     saved_sizes: tuple[int, ...] = ()  # bytes of each storage it saves un-checkpointed (empty: not recorded)
+    #: The most bytes its backward has alive at once, recompute or not: its inputs, what it saves, the gradients it
+    #: makes (the largest over its calls; 0: not measured, taken as ``none_bytes``). See :meth:`backward_peak`.
+    transient_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.ops, tuple) or any(isinstance(r, Mapping) for r in self.ops):  # from a state_dict
@@ -152,6 +161,13 @@ class LayerCost:
         if held is None:
             held = self.full_bytes + sum(self.ops[i].bytes for i in keep)
         return held - self.offloadable_bytes if offload else held
+
+    @property
+    def backward_peak(self) -> int:
+        """The most bytes the layer has alive at once in backward, whatever its choice: a checkpointed layer
+        recomputes what an un-checkpointed one kept, so both reach their inputs, what they save and the gradients
+        their backward makes (``transient_bytes``; ``none_bytes`` where that was not measured)."""
+        return max(self.transient_bytes, self.none_bytes)
 
     def flops(self, choice: Choice, keep: Sequence[int] = ()) -> int:
         if choice == "ops":
@@ -299,15 +315,40 @@ class LayerCostRecorder:
         self._step = _StepCounter(exclude=self._resident())
         if self._sharded:
             self._step.resident = self._resident
-        self._totals = {name: dict.fromkeys(("none", "full", "sel", "off", "fflops", "sflops", "calls"), 0)
+        self._totals = {name: dict.fromkeys(("none", "full", "sel", "off", "fflops", "sflops", "calls", "transient"), 0)
                         for name, _ in self.layers}
         self._ops: dict[str, Optional[tuple[OpRecord, ...]]] = {}
         self._sizes: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name, _ in self.layers}
         self._handles: list[Any] = []
+        self._after_layers = 0
+        self._last_output: Any = None
+        #: The most bytes the backward of the head and loss makes alive at once (the logits' gradient), set by
+        #: :meth:`measure_head`; 0 when not measured.
+        self.head_peak_bytes = 0
 
     @property
     def held_bytes(self) -> int:
         return self._step.bytes
+
+    @property
+    def head_bytes(self) -> int:
+        """Of :attr:`held_bytes`, what the step saved after the last layer (head, loss): the backward frees it
+        before it reaches the layers."""
+        return self._step.bytes - self._after_layers
+
+    def measure_head(self, loss: torch.Tensor) -> None:
+        """Measure :attr:`head_peak_bytes` from the step's ``loss``: the gradients from it down to the last layer's
+        output, through :func:`torch.autograd.grad` (the graph is kept, no ``.grad`` is touched).
+
+        Not under FSDP2, whose hooks expect one backward per forward: there it stays 0.
+        """
+        outputs = [t for t in tree_leaves(self._last_output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        self._last_output = None
+        if self._sharded or not outputs or not loss.requires_grad:
+            return
+        with hidden_from_counters(), LiveBytes() as live:
+            torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)
+        self.head_peak_bytes = live.peak()
 
     def _resident(self) -> list[torch.Tensor]:
         """The parameters' storages on this rank now: shards, and whatever FSDP2 has gathered at the moment."""
@@ -333,6 +374,7 @@ class LayerCostRecorder:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._last_output = None
         if self._outside is not None:
             self._outside.__exit__(*exc)
         self._step.__exit__(*exc)
@@ -344,6 +386,7 @@ class LayerCostRecorder:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             self._leave_layer()
             if module.training and torch.is_grad_enabled():
+                self._last_output = output
                 self._measure(name, layer, args, kwargs)
         return hook
 
@@ -354,6 +397,8 @@ class LayerCostRecorder:
 
     def _leave_layer(self) -> None:
         self._inside -= 1
+        if self._inside == 0:
+            self._after_layers = self._step.bytes
         if self._outside is not None and self._inside == 0:
             del self._outside.runs[self._outside_mark:]  # the layer's own ops: in its records
 
@@ -371,9 +416,12 @@ class LayerCostRecorder:
         forward = _plain_forward(layer)
         # What the re-run saves is not the step's: outer counters (a MemoryMonitor's) must not hear of it.
         mark = len(self._outside.runs) if self._outside is not None else 0
-        with _gathered(layer), hidden_from_counters():
+        with _gathered(layer), hidden_from_counters(), LiveBytes() as live:
             with OpRecordMode() as cost:
-                saved, outputs = self._run(layer, inputs, cost, lambda: forward(*args, **kwargs))
+                saved, out = self._run(layer, inputs, cost, lambda: forward(*args, **kwargs))
+            outputs = [storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            totals["transient"] = max(totals["transient"], full + _backward_bytes(layer, inputs, out, saved, live))
+            del out  # and with it everything it saved
         if self._outside is not None:
             del self._outside.runs[mark:]  # the re-run is not the step's
         totals["none"] += saved.bytes
@@ -386,14 +434,11 @@ class LayerCostRecorder:
         self._ops[name] = records if totals["calls"] == 1 else add_records(self._ops[name], records)
 
     def _run(self, layer: nn.Module, inputs: list[torch.Tensor], cost: OpCostMode,
-             fn: Callable[[], Any]) -> tuple[_LayerRunCounter, list[tuple[Any, int]]]:
-        """The counter of one re-run, and the storages of its outputs."""
+             fn: Callable[[], Any]) -> tuple[_LayerRunCounter, Any]:
+        """The counter of one re-run, and its output."""
         with _fork_rng(inputs), buffers_restored(layer), torch.enable_grad():
             with _LayerRunCounter(cost, self._resident()) as saved:
-                out = fn()
-                outputs = [storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-                del out  # and with it everything it saved
-        return saved, outputs
+                return saved, fn()
 
     def costs(self) -> list[LayerCost]:
         """One :class:`LayerCost` per layer, in order (a layer not called in the step holds and costs nothing)."""
@@ -402,18 +447,42 @@ class LayerCostRecorder:
             t = self._totals[name]
             out.append(LayerCost(name, _class_name(layer), t["none"], t["full"],
                                  t["sel"] if self.selective else t["none"], t["off"], t["fflops"], t["sflops"],
-                                 t["calls"], self._ops.get(name) or (), *map(tuple, self._sizes[name])))
+                                 t["calls"], self._ops.get(name) or (), *map(tuple, self._sizes[name]),
+                                 transient_bytes=t["transient"]))
         return out
+
+
+def _backward_bytes(layer: nn.Module, inputs: Sequence[torch.Tensor], out: Any, saved: _LayerRunCounter,
+                    live: LiveBytes) -> int:
+    """The most activation bytes alive during the backward of one plain re-run of ``layer`` (``out`` from ``inputs``),
+    beyond its inputs: what the re-run saved, the gradient of its output, and the gradients its backward makes.
+
+    The gradients go to the inputs (to the layer's own parameters where no input needs one) through
+    :func:`torch.autograd.grad`, so no ``.grad`` is touched; the weights' own gradients do not count. Outputs the
+    layer does not save itself do not count either: in the step they are the next layer's inputs, freed before this
+    backward. 0 when nothing needs a gradient.
+    """
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = [t for t in inputs if t.requires_grad]
+    if not wrt:  # frozen inputs (PEFT): the backward still runs for the layer's own trainable weights
+        wrt = [p for p in _own_parameters(layer) if p.requires_grad and not hasattr(p, "to_local")]
+    if not outs or not wrt:
+        return 0
+    live.mark()
+    grads = torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+    unsaved = [t for t in outs if storage_key(t) not in saved._seen]
+    weights = [g for g, t in zip(grads, wrt) if g is not None and isinstance(t, nn.Parameter)]
+    return live.peak(exclude=[*unsaved, *weights])
 
 
 # ------------------------------------------------------------------------------------------- solving
 
 
-# Bytes are counted in quanta of the shortfall (the bytes to free): max(8192, 64 * layers) of them, fewer when the
-# layers have many points (the work is layers x points x quanta). Rounding each option down costs at most one
-# quantum per layer.
+# Where the bytes' common divisor would make too many quanta, bytes are counted in quanta of the shortfall (the bytes
+# to free): max(8192, 256 * layers) of them, fewer when the layers have many points (the work is layers x points x
+# quanta). Rounding each option down costs at most one quantum per layer.
 _UNITS = 1 << 13
-_WORK = 10**8
+_WORK = 4 * 10**8
 _MIN_UNITS = 2048
 #: Points of a layer's op-level curve offered to the solver (both ends and points evenly spaced in bytes between).
 CURVE_POINTS = 24
@@ -494,52 +563,111 @@ def layer_options(cost: LayerCost, modes: Sequence[str] = PLAN_MODES, offload: O
 
 
 def solve(options: Sequence[Sequence[Option]], need_bytes: int, timed: bool = False,
-          host_price: float = 0.0) -> list[Option]:
+          host_price: float = 0.0, transients: Sequence[int] = (), head: int = 0) -> list[Option]:
     """One option per layer (``options[i][0]`` holding the most) that frees at least ``need_bytes`` of device memory
     with the least total cost (``timed``: predicted seconds, else FLOPs; plus ``host_price`` per host byte, the
     Lagrange multiplier :func:`choose` uses to keep host memory in bounds).
 
-    A multiple-choice knapsack by dynamic programming over freed bytes, quantised to at least 2048 steps
-    (``need_bytes`` exactly when smaller). Each option's freed bytes are rounded down, so the result always
-    frees what is asked. Ties go to the earlier option: the result is deterministic. Raises ``ValueError`` when
-    even the largest saving of every layer is not enough.
+    With ``transients`` (each layer's :attr:`LayerCost.backward_peak`) the bound holds over the backward too: when
+    layer ``i``'s backward runs, the layers before it still hold what they chose and layer ``i`` has
+    ``transients[i]`` alive, and that must not exceed what the forward of all layers is allowed to end with. So
+    the layers before ``i`` must free at least ``need_bytes - sum(options[j][0] for j >= i) + transients[i]``.
+    With ``head``, what the head's backward makes at its start (all the forward holds still held), all layers
+    together must free ``need_bytes + head``.
+
+    A multiple-choice knapsack by dynamic programming over freed bytes, in quanta of the bytes' greatest common
+    divisor (exact) where that makes few enough steps, else in at least 2048 steps; the backward's bounds are floors
+    on what the layers before each one free. Each option's freed bytes are rounded down and each floor up, so the result always frees what is asked.
+    Ties go to the earlier option: the result is deterministic. Raises ``ValueError`` when even the largest saving
+    of every layer is not enough.
+
+    Example::
+
+        >>> a = [Option("none", 100, 0), Option("full", 10, 50)]
+        >>> [o.choice for o in solve([a, a, a], 90)]  # the end of the forward alone: the first layer frees 90
+        ['full', 'none', 'none']
+        >>> [o.choice for o in solve([a, a, a], 90, transients=[120] * 3)]  # the last backward: 200 - 90 + 120
+        ['full', 'full', 'none']
     """
     base = [opts[0] for opts in options]
-    if need_bytes <= 0:
-        return base
     freed = [[opts[0].device_bytes - o.device_bytes for o in opts] for opts in options]
-    most = sum(max(f) for f in freed)
-    if most < need_bytes:
-        raise ValueError(f"at most {most} bytes can be freed, {need_bytes} are needed")
+    floors = _backward_floors(base, need_bytes, transients)
+    need_bytes += head
+    hardest = max([need_bytes, *floors])
+    if hardest <= 0:
+        return base
+    most = list(itertools.accumulate((max(f) for f in freed), initial=0))
+    short = [(floor, most[i]) for i, floor in enumerate([*floors, need_bytes]) if most[i] < floor]
+    if short:
+        floor, reach = short[0]
+        raise ValueError(f"at most {reach} bytes can be freed, {floor} are needed")
     points = sum(len(opts) for opts in options)
-    units = min(need_bytes, max(_MIN_UNITS, min(max(_UNITS, 64 * len(options)), _WORK // max(points, 1))))
-    quantum = need_bytes / units
+    most_units = max(_MIN_UNITS, min(max(_UNITS, 256 * len(options)), _WORK // max(points, 1)))
+    # Byte counts share a divisor (element sizes, shapes): in quanta of it the knapsack is exact, where that fits.
+    divisor = math.gcd(*(f for fs in freed for f in fs), *(f for f in [*floors, need_bytes] if f > 0))
+    if hardest // divisor <= most_units:
+        quantum, units = divisor, hardest // divisor
+    else:
+        quantum, units = hardest / most_units, most_units
+    # The floor the layers before each one must reach, and the end's, in quanta (rounded up: towards safety).
+    floor_units = [min(units, math.ceil(f / quantum)) if f > 0 else 0 for f in [*floors[1:], need_bytes]]
     # padded[units:] is best (best[j]: least cost freeing >= j quanta); padded[units - s + j] is best[j - s], or
-    # 0 where an option freeing s quanta alone frees j.
+    # best[0] where an option freeing s quanta alone frees j.
     padded = numpy.zeros(2 * units + 1)
     padded[units + 1:] = math.inf
     picks, steps = [], []
-    for opts, layer_freed in zip(options, freed):
-        step = [min(units, int(f // quantum) if units < need_bytes else f) for f in layer_freed]
+    for opts, layer_freed, floor in zip(options, freed, floor_units):
+        step = [min(units, int(f // quantum)) for f in layer_freed]
         best, pick = padded[units:].copy(), numpy.zeros(units + 1, dtype=numpy.int16)
         for k in range(1, len(opts)):
             candidate = padded[units - step[k]:2 * units + 1 - step[k]] + _priced(opts[k], timed, host_price)
             better = candidate < best  # strict: ties keep the earlier option
             best[better] = candidate[better]
             pick[better] = k
+        best[:floor] = best[floor]  # what frees less than the next layer's floor is no solution
         padded[units:] = best
+        padded[:units] = best[0]  # freeing at least a negative amount: at least nothing
         picks.append(pick)
         steps.append(step)
-    best = padded[units:]
-    if math.isinf(float(best[units])):  # rounding down lost the little slack there was: take the largest saving
+    if math.isinf(float(padded[units + floor_units[-1]])):  # rounding lost the little slack there was
         return [opts[max(range(len(opts)), key=lambda k: (f[k], -_priced(opts[k], timed, host_price)))]
                 for opts, f in zip(options, freed)]
-    chosen, j = [], units
-    for opts, step, pick in zip(reversed(options), reversed(steps), reversed(picks)):
-        k = int(pick[j])
+    chosen, j = [], floor_units[-1]
+    for opts, step, pick, floor in zip(reversed(options), reversed(steps), reversed(picks), reversed(floor_units)):
+        k = int(pick[max(j, floor)])
         chosen.append(opts[k])
-        j = max(0, j - int(step[k]))
+        j = max(0, max(j, floor) - int(step[k]))
     return chosen[::-1]
+
+
+def _backward_floors(base: Sequence[Option], need_bytes: int, transients: Sequence[int]) -> list[int]:
+    """What the layers before each layer must free for its backward to fit (see :func:`solve`); none without
+    ``transients``."""
+    if not transients:
+        return [0] * len(base)
+    after = list(itertools.accumulate((o.device_bytes for o in reversed(base)), initial=0))[::-1]
+    return [need_bytes - after[i] + t for i, t in enumerate(transients)]
+
+
+def held_peak(held: Sequence[int], transients: Sequence[int], host: Sequence[int] = (), head: int = 0) -> int:
+    """The most bytes the layers hold at once in a step: at the start of the backward (all the forward holds, with
+    the offload engine's newest offloaded layer still on the device, and the ``head`` bytes the head's backward
+    makes), or during any layer's backward, where the layers before it still hold ``held`` and it has
+    ``transients[i]`` alive (and the engine brings back the next offloaded layer's inputs).
+
+    Example::
+
+        >>> held_peak([10, 10, 100], [120, 120, 120])  # the last layer's backward: 10 + 10 + 120
+        140
+        >>> held_peak([10, 0, 0], [120, 120, 120], host=[0, 90, 90])  # one offloaded layer back, one kept
+        220
+    """
+    def newest(upto: int) -> int:  # the host bytes of the newest offloaded layer before `upto`
+        return next((b for b in reversed(host[:upto]) if b), 0)
+
+    end = sum(held) + newest(len(held)) + head
+    during = [sum(held[:i]) + t + newest(i) for i, t in enumerate(transients)]
+    return max([end, *during])
 
 
 def _priced(option: Option, timed: bool, host_price: float) -> float:
@@ -547,9 +675,10 @@ def _priced(option: Option, timed: bool, host_price: float) -> float:
 
 
 def choose(options: Sequence[Sequence[Option]], need_bytes: int, timed: bool = False,
-           host_memory: Optional[int] = None) -> Optional[list[Option]]:
-    """:func:`solve` with at most ``host_memory`` bytes offloaded (``None``: no limit), and the engine's newest
-    offloaded layer counted on the device; ``None`` when nothing fits.
+           host_memory: Optional[int] = None, transients: Sequence[int] = (), head: int = 0) -> Optional[list[Option]]:
+    """:func:`solve` with at most ``host_memory`` bytes offloaded (``None``: no limit), the engine's newest
+    offloaded layer counted on the device, and (with ``transients`` and ``head``) the backward bounded as
+    :func:`held_peak` predicts it; ``None`` when nothing fits.
 
     Host memory is a second constraint: each host byte is priced (a Lagrange multiplier, found by bisection) until
     the choice fits, so what no longer fits in host memory is recomputed instead. The offload engine keeps the newest
@@ -567,15 +696,16 @@ def choose(options: Sequence[Sequence[Option]], need_bytes: int, timed: bool = F
     The bisection is a Lagrangian relaxation: where host memory binds, its choice can cost up to about one layer's
     cost more than the best that fits.
     """
+    allowed = sum(o[0].device_bytes for o in options) - need_bytes
     need = need_bytes
-    for _ in range(8):  # `need` only grows, by the newest layer's bytes: a few rounds settle it
-        chosen = _within_host(options, need, timed, host_memory)
+    for _ in range(8):  # `need` only grows, by the offloaded bytes still on the device: a few rounds settle it
+        chosen = _within_host(options, need, timed, host_memory, transients, head)
         if chosen is None:
             return None
-        newest = kept_on_device(chosen)
-        if sum(o[0].device_bytes - c.device_bytes for o, c in zip(options, chosen)) - newest >= need_bytes:
+        over = held_peak([c.device_bytes for c in chosen], transients, [c.host_bytes for c in chosen], head) - allowed
+        if over <= 0:
             return chosen
-        need = max(need + 1, need_bytes + newest)
+        need += over
     return None
 
 
@@ -586,25 +716,25 @@ def kept_on_device(chosen: Sequence[Option]) -> int:
 
 
 def _within_host(options: Sequence[Sequence[Option]], need: int, timed: bool,
-                 host_memory: Optional[int]) -> Optional[list[Option]]:
+                 host_memory: Optional[int], transients: Sequence[int] = (), head: int = 0) -> Optional[list[Option]]:
     def host(chosen: Sequence[Option]) -> int:
         return sum(o.host_bytes for o in chosen)
 
     try:
-        chosen = solve(options, need, timed)
+        chosen = solve(options, need, timed, transients=transients, head=head)
     except ValueError:
         return None
     if host_memory is None or host(chosen) <= host_memory:
         return chosen
     # A price above every cost there is makes host bytes the first thing to save; bisect down from there.
     high = 1.0 + sum(max(o.cost(timed) for o in opts) for opts in options)
-    best = solve(options, need, timed, host_price=high)
+    best = solve(options, need, timed, high, transients, head)
     if host(best) > host_memory:
         return None
     low = high * 1e-15
     for _ in range(40):
         price = math.sqrt(low * high)
-        chosen = solve(options, need, timed, host_price=price)
+        chosen = solve(options, need, timed, price, transients, head)
         if host(chosen) <= host_memory:
             best, high = chosen, price
         else:
@@ -741,6 +871,10 @@ class CheckpointPlan:
     ``baseline_step_seconds`` without checkpointing, on that profile (``device`` names it); else both are ``None``.
     ``offloaded`` lists the layers whose held tensors live in host memory (a checkpointed layer's inputs, or all
     an un-checkpointed layer saves); ``host_bytes`` is what they hold there.
+
+    ``planned_bytes`` is what the forward leaves held; ``peak_bytes`` the step's activation peak, which the budget
+    bounds: the end of the forward, or a layer's backward, when it recomputes what it did not keep and makes its
+    gradients while the layers before it still hold theirs (:func:`held_peak`).
     """
 
     layers: dict[str, str]
@@ -757,8 +891,12 @@ class CheckpointPlan:
     baseline_step_seconds: Optional[float] = None
     device: Optional[str] = None  # the name of the profile the times are predicted on
     offloaded: list[str] = field(default_factory=list)
+    peak_bytes: int = 0  # the step's predicted activation peak (0 in a plan saved before it was predicted)
+    baseline_peak_bytes: int = 0  # the same without checkpointing: what a fraction budget is a fraction of
 
     def __post_init__(self) -> None:
+        self.peak_bytes = self.peak_bytes or self.planned_bytes
+        self.baseline_peak_bytes = self.baseline_peak_bytes or self.baseline_bytes
         if self.offload is True and not self.offloaded:  # a plan saved before `offloaded` existed
             self.offloaded = [name for name, mode in self.layers.items() if mode != "none"]
 
@@ -832,8 +970,10 @@ class CheckpointPlan:
         lines += [
             f"outside the layers: {format_bytes(self.outside_bytes)} (in every figure below)",
             f"plan: {n} of {len(self.layers)} layers checkpointed; activations {format_bytes(self.planned_bytes)}"
-            f" ({pct:.0f}% of {format_bytes(self.baseline_bytes)} without checkpointing), budget"
-            f" {format_bytes(self.budget_bytes)}; recompute {format_flops(self.recompute_flops)} per step"
+            f" ({pct:.0f}% of {format_bytes(self.baseline_bytes)} without checkpointing), peak"
+            f" {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget_bytes)},"
+            f" {format_bytes(self.baseline_peak_bytes)} without checkpointing); recompute"
+            f" {format_flops(self.recompute_flops)} per step"
             + (f"; {format_bytes(self.planned_host_bytes)} offloaded to host ({len(self.offloaded)} layers)"
                if self.offload else "")
             + (f"; {self.step_time_text()}" if self.predicted_step_seconds is not None else ""),
@@ -867,19 +1007,34 @@ class CheckpointPlan:
 def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: object,
               modes: Sequence[str] = PLAN_MODES, offload: Offload = False,
               device: Union[None, str, DeviceProfile] = None, outside_ops: Sequence[OpRecord] = (),
-              host_memory: Optional[int] = None, min_bytes: int = DEFAULT_MIN_BYTES) -> CheckpointPlan:
+              host_memory: Optional[int] = None, min_bytes: int = DEFAULT_MIN_BYTES,
+              head_bytes: int = 0, head_peak_bytes: int = 0) -> CheckpointPlan:
     """Solve for the cheapest plan from measured costs (what :func:`plan_checkpointing` does after measuring).
 
-    ``memory_budget``, ``offload``, ``device`` and ``host_memory`` as :func:`plan_checkpointing` takes them;
-    ``outside_ops``: the ops of the step outside the layers (for the predicted step time); ``min_bytes``: the offload
-    engine's threshold (smaller tensors stay on the device). Raises ``ValueError`` if the budget cannot be met.
+    Args:
+        costs: each matched layer's :class:`LayerCost`, in forward order.
+        outside_bytes: activation bytes held outside the layers (embeddings, head, loss).
+        memory_budget: a fraction of the bytes held without checkpointing, or bytes: the bound on the step's
+            activation peak (:attr:`CheckpointPlan.peak_bytes`).
+        modes, offload, device, host_memory: as :func:`plan_checkpointing` takes them.
+        outside_ops: the ops of the step outside the layers (for the predicted step time).
+        min_bytes: the offload engine's threshold (smaller tensors stay on the device).
+        head_bytes: of ``outside_bytes``, what the step saves after the last layer (head, loss), which the backward
+            frees before it reaches the layers; 0 counts all of ``outside_bytes`` as held through the layers' backward.
+        head_peak_bytes: what the backward of the head and loss makes alive at once (the logits' gradient) while
+            everything the forward holds is still there.
+
+    Raises ``ValueError`` if the budget cannot be met.
 
     Example::
 
         >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
         >>> plan = make_plan(costs, outside_bytes=100, memory_budget=0.5)
-        >>> plan.layers, plan.planned_bytes, plan.recompute_flops
-        ({'l0': 'selective', 'l1': 'selective', 'l2': 'selective', 'l3': 'full'}, 230, 65)
+        >>> plan.layers, plan.planned_bytes, plan.peak_bytes, plan.recompute_flops
+        ({'l0': 'full', 'l1': 'full', 'l2': 'full', 'l3': 'none'}, 230, 230, 150)
+
+    The budget is 250 B; when ``l3``'s backward runs, the layers before it hold their choices and ``l3`` has its
+    100 B alive (``backward_peak``), so ``l0``-``l2`` may hold 50 B at most: only ``"full"`` (10 B each) fits.
     """
     modes = _validate_modes(modes)
     _validate_offload(offload)
@@ -898,29 +1053,36 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
         costs = [replace(c, offloadable_bytes=c.full_bytes) for c in costs]
     if offload and host_memory is None:
         host_memory = psutil.virtual_memory().available // 2
+    # While the layers' backward runs, the head's and the loss's saved tensors are gone already.
+    transients = [c.backward_peak - head_bytes for c in costs]
     baseline = outside_bytes + sum(c.none_bytes for c in costs)
-    budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
+    baseline_peak = outside_bytes + held_peak([c.none_bytes for c in costs], transients, head=head_peak_bytes)
+    budget_bytes = int(budget * baseline_peak) if isinstance(budget, float) else budget
     windows = transfer_windows(costs, profile) if profile is not None else [(0.0, 0.0)] * len(costs)
     timed = profile is not None
 
     def chosen_for(value: Offload) -> Optional[list[Option]]:
         options = [layer_options(c, modes, value, device=profile, window=w, min_bytes=min_bytes)
                    for c, w in zip(costs, windows)]
-        return choose(options, baseline - budget_bytes, timed, host_memory if value else None)
+        return choose(options, baseline - budget_bytes, timed, host_memory if value else None, transients,
+                      head_peak_bytes)
 
     # "auto" chooses among supersets of the other two; trying them as well makes "never worse than either" exact
     # whatever the quantisation and the host-memory bisection lose.
     tried = [chosen_for(v) for v in (("auto", False, True) if offload == "auto" else (offload,))]
     found = [chosen for chosen in tried if chosen is not None]
     if not found:
-        raise ValueError(_impossible_message(costs, outside_bytes, baseline, budget_bytes, memory_budget, modes, offload,
-                                             host_memory, min_bytes))
+        raise ValueError(_impossible_message(costs, outside_bytes, baseline_peak, budget_bytes, memory_budget, modes, offload,
+                                             host_memory, min_bytes, head_bytes, head_peak_bytes))
     chosen = min(found, key=lambda c: sum(o.cost(timed) for o in c))  # the first of equals: "auto"'s own
     newest = kept_on_device(chosen)
     return CheckpointPlan(
         layers={c.name: o.choice for c, o in zip(costs, chosen)},
         baseline_bytes=baseline,
+        baseline_peak_bytes=baseline_peak,
         planned_bytes=outside_bytes + sum(o.device_bytes for o in chosen) + newest,
+        peak_bytes=outside_bytes + held_peak([o.device_bytes for o in chosen], transients, [o.host_bytes for o in chosen],
+                                             head_peak_bytes),
         budget_bytes=budget_bytes,
         recompute_flops=sum(o.flops for o in chosen),
         outside_bytes=outside_bytes,
@@ -994,7 +1156,7 @@ def plan_checkpointing(
         profile = DeviceProfile.measure(torch.device("cuda", cuda[0]))
     measured = measure_step(module, step, layer_cls, modes)
     return make_plan(measured.costs, measured.outside_bytes, memory_budget, modes, offload, profile, measured.outside_ops,
-                     host_memory)
+                     host_memory, head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -1005,6 +1167,8 @@ class StepMeasurement:
     costs: list[LayerCost]
     outside_bytes: int
     outside_ops: tuple[OpRecord, ...] = ()
+    head_bytes: int = 0  # of outside_bytes, what is saved after the last layer (see LayerCostRecorder.head_bytes)
+    head_peak_bytes: int = 0  # what the head's backward makes alive at once (LayerCostRecorder.head_peak_bytes)
 
 
 def measure_step(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
@@ -1053,12 +1217,15 @@ def _measure(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassAr
     with _fully_checkpointed(module, selected), torch.random.fork_rng(devices=_cuda_devices(module)), buffers_restored(module):
         with LayerCostRecorder(module, selected, selective="selective" in modes, outside_ops=outside_ops) as recorder:
             loss = step()
+            recorder.measure_head(loss)
             del loss  # frees the step's graph
     costs = recorder.costs()
     if not any(c.calls for c in costs):
         raise ValueError(f"`step()` never called a matched layer ({', '.join(n for n, _ in selected[:3])}, ...) in"
                          " training mode with grad enabled: pass a step that runs the model's forward and returns the loss.")
-    return StepMeasurement(costs, max(0, recorder.held_bytes - sum(c.full_bytes for c in costs)), recorder.outside_ops)
+    outside = max(0, recorder.held_bytes - sum(c.full_bytes for c in costs))
+    return StepMeasurement(costs, outside, recorder.outside_ops, min(outside, recorder.head_bytes),
+                           recorder.head_peak_bytes)
 
 
 def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str, str],
@@ -1079,6 +1246,24 @@ def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str
     chosen = _predicted_options(costs, choices, offload, kept_ops, min_bytes)
     newest = kept_on_device(chosen)
     return outside_bytes + sum(o.device_bytes for o in chosen) + newest, sum(o.flops for o in chosen)
+
+
+def predict_peak(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str, str],
+                 offload: Union[bool, Collection[str]] = False,
+                 kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({}), min_bytes: int = DEFAULT_MIN_BYTES,
+                 head_bytes: int = 0, head_peak_bytes: int = 0) -> int:
+    """The step's activation peak (:func:`held_peak`) for the layer modes ``choices``, as :func:`predict` takes them;
+    ``head_bytes`` and ``head_peak_bytes`` as :func:`make_plan` takes them.
+
+    Example::
+
+        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> predict_peak(costs, 100, {"l0": "full", "l2": "full"})  # l3's backward: 100 + 10 + 100 + 10 held, its 100
+        320
+    """
+    chosen = _predicted_options(costs, choices, offload, kept_ops, min_bytes)
+    return outside_bytes + held_peak([o.device_bytes for o in chosen], [c.backward_peak - head_bytes for c in costs],
+                                     [o.host_bytes for o in chosen], head_peak_bytes)
 
 
 def predict_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord], choices: Mapping[str, str],
@@ -1167,17 +1352,29 @@ def _fully_checkpointed(module: nn.Module, selected: Sequence[tuple[str, nn.Modu
 
 def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int, budget_bytes: int,
                         memory_budget: object, modes: Sequence[str], offload: Offload,
-                        host_memory: Optional[int] = None, min_bytes: int = DEFAULT_MIN_BYTES) -> str:
+                        host_memory: Optional[int] = None, min_bytes: int = DEFAULT_MIN_BYTES,
+                        head_bytes: int = 0, head_peak_bytes: int = 0) -> str:
+    transients = [c.backward_peak - head_bytes for c in costs]
+
+    def smallest(value: Offload) -> list[Option]:
+        # What an offloaded layer moves comes back to the device for its backward: count it too.
+        return [min(layer_options(c, modes, value, min_bytes=min_bytes),
+                    key=lambda o: (o.device_bytes + o.host_bytes, o.device_bytes)) for c in costs]
+
     def least(value: Offload) -> int:
-        return outside + sum(min(o.device_bytes for o in layer_options(c, modes, value, min_bytes=min_bytes))
-                             for c in costs)
+        chosen = smallest(value)
+        return outside + held_peak([o.device_bytes for o in chosen], transients, [o.host_bytes for o in chosen],
+                                   head_peak_bytes)
 
     minimum = least(offload)
-    text = (f"`memory_budget={memory_budget!r}` asks for at most {format_bytes(budget_bytes)} of activations"
-            f" ({_pct(budget_bytes, baseline)} of the {format_bytes(baseline)} held without checkpointing), but the least"
+    text = (f"`memory_budget={memory_budget!r}` asks for an activation peak of at most {format_bytes(budget_bytes)}"
+            f" ({_pct(budget_bytes, baseline)} of the {format_bytes(baseline)} peak without checkpointing), but the least"
             f" reachable is {format_bytes(minimum)} ({_pct(minimum, baseline)}), with every matched layer checkpointed"
             + (" or offloaded" if offload == "auto" else "")
-            + f"; {format_bytes(outside)} of it is outside the matched layers (embeddings, head, loss). Nothing was applied.")
+            + f"; {format_bytes(outside)} of it is outside the matched layers (embeddings, head, loss)"
+            + _floor_text(costs, [o.device_bytes for o in smallest(offload)], outside - head_bytes,
+                          outside + head_peak_bytes)
+            + ". Nothing was applied.")
     host_short = bool(offload) and minimum <= budget_bytes  # the device could hold it: host memory is what is short
     if host_short:
         text = (f"`memory_budget={memory_budget!r}` ({format_bytes(budget_bytes)} of activations) needs more than"
@@ -1203,9 +1400,21 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
     return text
 
 
+def _floor_text(costs: Sequence[LayerCost], held: Sequence[int], outside_during: int, at_start: int) -> str:
+    """Which layer's backward sets the least reachable peak, when one does (not the start of the backward, where
+    ``at_start`` is alive besides the layers' ``held``)."""
+    during = [outside_during + sum(held[:i]) + c.backward_peak for i, c in enumerate(costs)]
+    i = max(range(len(costs)), key=during.__getitem__)
+    if during[i] <= at_start + sum(held):
+        return ""
+    return (f"; the backward of `{costs[i].name}` sets that floor: it has {format_bytes(costs[i].backward_peak)} alive"
+            " at once (its recompute, what it saves and its gradients) while the layers before it hold their inputs")
+
+
 def _pct(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "n/a"
 
 
 __all__ = ["CheckpointPlan", "LayerCost", "LayerCostRecorder", "OpCostMode", "cheapest_choices", "count_cost",
-           "make_plan", "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_seconds"]
+           "held_peak", "make_plan", "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_peak",
+           "predict_seconds"]

@@ -295,6 +295,84 @@ class OpRecordMode(OpCostMode):
         return out
 
 
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages ops made while active that are still alive, after every op (a view or an in-place
+    result makes none); :meth:`peak` is the most alive at once since the last :meth:`mark`.
+
+    A storage is remembered by a weak reference (this keeps nothing alive); its birth and death are kept as events,
+    so that storages can be left out of the count after the fact (for example the gradients of weights, known only
+    once the backward has returned them).
+
+    Example::
+
+        >>> x = torch.randn(1000)
+        >>> with LiveBytes() as live:
+        ...     y = x * 2        # 4000 B, kept
+        ...     z = (y + 1) * 3  # 4000 B for y + 1, freed once the product exists: 12000 B at most
+        ...     live.mark()
+        ...     del z
+        ...     w = y.exp()
+        >>> live.peak(), live.peak(exclude=[y])  # since the mark: y and z, then y and w; without y
+        (8000, 4000)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[tuple[Any, int], tuple[Any, int]] = {}  # storage key -> (weak reference, bytes)
+        self._events: list[tuple[tuple[Any, int], int]] = []  # (storage key, +bytes when made, -bytes when freed)
+        self._start = 0  # the events since the mark count
+        self._at_mark: dict[tuple[Any, int], int] = {}  # what was alive at the mark
+
+    def mark(self) -> None:
+        """Count from here, starting from what is alive now."""
+        self._forget_dead()
+        self._start = len(self._events)
+        self._at_mark = {key: nbytes for key, (_, nbytes) in self._live.items()}
+
+    def peak(self, exclude: Iterable[torch.Tensor] = ()) -> int:
+        """The most bytes alive at once since the mark, the storages of ``exclude`` left out (from their last birth
+        on: an earlier storage at the same address still counts)."""
+        left_out = {storage_key(t) for t in exclude}
+        events = self._events[self._start:]
+        born = {key: i for i, (key, nbytes) in enumerate(events) if nbytes > 0 and key in left_out}
+        alive = sum(nbytes for key, nbytes in self._at_mark.items() if key not in left_out or key in born)
+        most = alive
+        for i, (key, nbytes) in enumerate(events):
+            if key in left_out and (key not in born or i >= born[key]):
+                continue
+            alive += nbytes
+            most = max(most, alive)
+        return most
+
+    def _forget_dead(self) -> None:
+        for key, (ref, nbytes) in list(self._live.items()):
+            if torch.UntypedStorage._expired(ref):
+                torch.UntypedStorage._free_weak_ref(ref)
+                del self._live[key]
+                self._events.append((key, -nbytes))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self._forget_dead()  # first: a storage freed by this op may have left its address to one of the outputs
+        read = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                key = storage_key(tensor)  # a view or an in-place result (of a weight, say) makes no storage
+                if key not in self._live and key not in read and tensor.untyped_storage().nbytes():
+                    storage = tensor.untyped_storage()
+                    self._live[key] = (storage._weak_ref(), storage.nbytes())
+                    self._events.append((key, storage.nbytes()))
+        return out
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._forget_dead()
+        for ref, _ in self._live.values():
+            torch.UntypedStorage._free_weak_ref(ref)
+        self._live.clear()
+
+
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[tuple[Any, int]]:
     """Storages of the arguments ``func``'s schema marks as written in place (``add_``'s self, an ``out=``)."""
     written = set()

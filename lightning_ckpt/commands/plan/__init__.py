@@ -35,7 +35,7 @@ LightningCLI arguments after the options override the config, as for ``lightning
 
 Example::
 
-    lightning-ckpt plan --config configs/tiny.yaml --memory-budget 0.3 --device-memory 80GiB
+    lightning-ckpt plan --config configs/tiny.yaml --memory-budget 0.5 --device-memory 80GiB
     lightning-ckpt plan --config configs/tiny.yaml --trainer.accelerator=cuda --trainer.precision=bf16-mixed \
         --model.init_args.n_embd=4096 --model.init_args.n_layer=32 --device-memory 80GiB
 
@@ -64,19 +64,21 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
   parameters, and gradients and optimizer state, are divided), ``note`` (what is not modelled).
 - ``layers``: per matched layer ``{name, class, none_bytes, full_bytes, selective_bytes, full_flops,
   selective_flops}``: bytes held not checkpointed, fully and selectively checkpointed; FLOPs recomputed.
-- ``settings``: per setting ``{name, description, checkpointed_layers, activation_bytes, recompute_flops,
-  predicted_step_seconds, fixed_bytes, per_sample_bytes, largest_batch}``, names ``none``, ``every_4th``,
+- ``settings``: per setting ``{name, description, checkpointed_layers, activation_bytes, peak_bytes, recompute_flops,
+  predicted_step_seconds, fixed_bytes, per_sample_bytes, largest_batch}`` (``activation_bytes``: held at the end of
+  the forward; ``peak_bytes``: the step's activation peak, forward and backward, which a budget bounds), names ``none``, ``every_4th``,
   ``every_2nd``, ``every_layer``, ``selective`` and ``plan`` (when the budget can be met).
   ``predicted_step_seconds``: on the ``--device`` profile, ``null`` without one. ``fixed_bytes`` and ``per_sample_bytes``: the fit
   ``activations = fixed + per_sample x batch`` and ``largest_batch`` the largest batch per device that fits in
   ``device_memory`` with the static memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when
   activations do not grow with the batch).
-- ``plan``: ``{layers, offloaded, kept_ops, budget_bytes, activation_bytes, host_bytes, recompute_flops,
+- ``plan``: ``{layers, offloaded, kept_ops, budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
   predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
   memory, the op outputs an ``ops`` layer keeps, the budget in bytes and the plan's predictions; ``null`` with
   ``plan_error`` saying why when the budget cannot be met.
 - ``front``: the planner's plans for budgets from the least setting up to no checkpointing, each
-  ``{budget_bytes, activation_bytes, recompute_flops}`` (what ``plan.png`` draws as a line).
+  ``{budget_bytes, activation_bytes, peak_bytes, recompute_flops, predicted_step_seconds}`` (what ``plan.png`` draws
+  as a line).
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                     " largest batch size each setting fits.")
     add_config_argument(parser)
     parser.add_argument("--memory-budget", default=None,
-                        help="a fraction of the activations without checkpointing (0.3) or bytes (2GiB); default:"
+                        help="a fraction of the activation peak without checkpointing (0.5) or bytes (2GiB); default:"
                              f" the config's GradientCheckpointing memory_budget, else {DEFAULT_BUDGET}")
     parser.add_argument("--device-memory", default=None,
                         help="memory of the target device (80GiB): also print the largest batch size each setting fits")
@@ -211,7 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plan, plan_error = None, None
     try:
         plan = make_plan(main_m.costs, main_m.outside_bytes, budget, offload=built.offload, device=profile,
-                         outside_ops=main_m.outside_ops)
+                         outside_ops=main_m.outside_ops, head_bytes=main_m.head_bytes,
+                         head_peak_bytes=main_m.head_peak_bytes)
     except ValueError as err:
         plan_error = str(err)
     static = static_memory(built)
@@ -222,7 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
     report = render(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
                     batch_sizes)
-    front = planner_front(main_m, built.offload, min(r.activation_bytes for r in rows),
+    front = planner_front(main_m, built.offload, min(r.peak_bytes for r in rows),
                           include=[plan.budget_bytes] if plan is not None else [], device=profile)
     data = report_data(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
                        batch_sizes, front, profile)

@@ -389,6 +389,8 @@ class Measurement:
     costs: list[LayerCost]
     outside_bytes: int
     outside_ops: tuple[OpRecord, ...] = ()  # the step's ops outside the layers (for predicted step times)
+    head_bytes: int = 0  # of outside_bytes, saved after the last layer (see LayerCostRecorder.head_bytes)
+    head_peak_bytes: int = 0  # what the head's backward makes alive at once (LayerCostRecorder.head_peak_bytes)
 
 
 def measure(built: Built, batch_size: Optional[int] = None) -> Measurement:
@@ -411,7 +413,8 @@ def measure(built: Built, batch_size: Optional[int] = None) -> Measurement:
     with built.mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_LOG_WARNING)
         measured = measure_step(module, step, built.layer_cls)
-    return Measurement(batch_size, measured.costs, measured.outside_bytes, measured.outside_ops)
+    return Measurement(batch_size, measured.costs, measured.outside_bytes, measured.outside_ops, measured.head_bytes,
+                       measured.head_peak_bytes)
 
 
 @dataclass

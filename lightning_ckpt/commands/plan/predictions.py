@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.planner import CheckpointPlan, Offload, make_plan, predict, predict_seconds
+from lightning_ckpt.core.planner import CheckpointPlan, Offload, make_plan, predict, predict_peak, predict_seconds
 
 if TYPE_CHECKING:
     from lightning_ckpt.commands.plan.measure import Measurement
@@ -59,6 +59,7 @@ class SettingRow:
     per_sample_bytes: Optional[float] = None
     largest_batch: Optional[int] = None
     predicted_step_seconds: Optional[float] = None  # with a device profile
+    peak_bytes: int = 0  # the step's activation peak, forward and backward
 
 
 def fit_line(x1: int, y1: int, x2: int, y2: int) -> tuple[float, float]:
@@ -99,6 +100,8 @@ def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], of
         moved: Union[bool, list[str]] = list(plan_offloaded) if name == "plan" else offload is True
         act, flops = predict(main.costs, main.outside_bytes, layers, moved, kept_ops)
         row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops)
+        row.peak_bytes = predict_peak(main.costs, main.outside_bytes, layers, moved, kept_ops,
+                                      head_bytes=main.head_bytes, head_peak_bytes=main.head_peak_bytes)
         if device is not None:
             row.predicted_step_seconds, _ = predict_seconds(main.costs, main.outside_ops, layers, device, moved,
                                                             kept_ops)
@@ -113,28 +116,32 @@ def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], of
 
 def planner_front(main: Measurement, offload: Offload, lowest: int, points: int = 16,
                   include: Sequence[int] = (), device: Optional[DeviceProfile] = None) -> list[dict[str, Any]]:
-    """The planner's plans for ``points`` budgets from ``lowest`` bytes up to the activations without checkpointing,
-    and for the budgets in ``include`` (the run's own), each ``{budget_bytes, activation_bytes, recompute_flops}``;
-    budgets it cannot meet are left out, equal plans kept once.
+    """The planner's plans for ``points`` budgets from ``lowest`` bytes up to the activation peak without
+    checkpointing, and for the budgets in ``include`` (the run's own), each ``{budget_bytes, activation_bytes,
+    peak_bytes, recompute_flops, predicted_step_seconds}``; budgets it cannot meet are left out, equal plans kept
+    once.
 
     Example::
 
         >>> from lightning_ckpt.commands.plan.measure import Measurement
         >>> from lightning_ckpt.core.planner import LayerCost
         >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
-        >>> [(p["activation_bytes"], p["recompute_flops"]) for p in planner_front(Measurement(8, costs, 100), False, 140, 4)]
-        [(140, 200), (260, 20), (380, 10), (500, 0)]
+        >>> front = planner_front(Measurement(8, costs, 100), False, 230, 4)  # peaks of 230, 320, 410 and 500 B
+        >>> [(p["peak_bytes"], p["recompute_flops"]) for p in front]  # at 320: l0-l2 selective (3 x 40 B), l3 plain
+        [(230, 150), (320, 15), (380, 10), (500, 0)]
     """
-    baseline, _ = predict(main.costs, main.outside_bytes, {}, offload is True)
+    baseline = make_plan(main.costs, main.outside_bytes, 1.0, head_bytes=main.head_bytes,
+                         head_peak_bytes=main.head_peak_bytes).baseline_peak_bytes
     front: list[dict[str, int]] = []
     budgets = {round(lowest + (baseline - lowest) * i / max(1, points - 1)) for i in range(points)} | set(include)
     for budget in sorted(budgets):
         try:
             plan = make_plan(main.costs, main.outside_bytes, max(1, budget), offload=offload, device=device,
-                             outside_ops=main.outside_ops)
+                             outside_ops=main.outside_ops, head_bytes=main.head_bytes,
+                             head_peak_bytes=main.head_peak_bytes)
         except ValueError:
             continue
-        point = {"budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes,
+        point = {"budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes, "peak_bytes": plan.peak_bytes,
                  "recompute_flops": plan.recompute_flops, "predicted_step_seconds": plan.predicted_step_seconds}
         if not front or (front[-1]["activation_bytes"], front[-1]["recompute_flops"]) != (plan.planned_bytes,
                                                                                          plan.recompute_flops):

@@ -137,7 +137,9 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
         lines.append(f"{n} of {len(plan.layers)} layers checkpointed"
                      f" ({', '.join(f'{k}: {v}' for k, v in plan.layers.items() if v != 'none') or 'none needed'}):"
                      f" activations {format_bytes(plan.planned_bytes)} ({100 * plan.planned_bytes / plan.baseline_bytes:.0f}%"
-                     f" of {format_bytes(plan.baseline_bytes)} without checkpointing), budget {format_bytes(plan.budget_bytes)};"
+                     f" of {format_bytes(plan.baseline_bytes)} without checkpointing), peak {format_bytes(plan.peak_bytes)}"
+                     f" (budget {format_bytes(plan.budget_bytes)}, {format_bytes(plan.baseline_peak_bytes)} without"
+                     " checkpointing);"
                      f" recompute {_b(plan.recompute_flops)} FLOP per step"
                      + (f"; {plan.step_time_text()}." if plan.predicted_step_seconds is not None else "."))
     else:
@@ -152,8 +154,8 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
         "## Settings",
         "",
         f"| setting | checkpointed layers | activations (B) | activations | of none | recompute (FLOP)"
-        f" | static + activations{fit_head}{memory_head}{time_head} |",
-        "|---|---:|---:|---:|---:|---:|---:"
+        f" | static + activations{fit_head}{memory_head}{time_head} | peak (B) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:"
         + "|---:" * ((len(batch_sizes) > 1) * 2 + (device_memory is not None) + 2 * timed) + "|",
     ]
     for r in rows:
@@ -164,8 +166,11 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
                 if r.predicted_step_seconds is not None and rows[0].predicted_step_seconds else "")
         lines.append(f"| {r.name} | {r.layers} | {_b(r.activation_bytes)} | {format_bytes(r.activation_bytes)}"
                      f" | {100 * r.activation_bytes / none_bytes:.0f}% | {_b(r.recompute_flops)}"
-                     f" | {format_bytes(static.total + r.activation_bytes)}{fit}{fits}{step} |")
-    lines += ["", "Settings: " + "; ".join(f"{k}: {v}" for k, v in SETTINGS.items() if k in {r.name for r in rows}) + "."]
+                     f" | {format_bytes(static.total + r.activation_bytes)}{fit}{fits}{step} | {_b(r.peak_bytes)} |")
+    lines += ["", "Settings: " + "; ".join(f"{k}: {v}" for k, v in SETTINGS.items() if k in {r.name for r in rows}) + ".",
+              "Activations: held for backward at the end of the forward; peak: the most alive at once over the step,"
+              " forward and backward (each layer's recompute and gradients while the layers before it hold theirs),"
+              " which is what a memory budget bounds."]
     if len(batch_sizes) > 1:
         lines.append(f"Activations were measured at batch sizes {batch_sizes[0]} and {batch_sizes[1]} and fitted as"
                      " fixed + per sample x batch.")
@@ -219,13 +224,14 @@ def report_data(title: str, built: Built, main: Measurement, plan: Optional[Chec
                     "selective_bytes": c.device_bytes("selective", built.offload is True), "full_flops": c.full_flops,
                     "selective_flops": c.selective_flops} for c in main.costs],
         "settings": [{"name": r.name, "description": SETTINGS.get(r.name, r.name), "checkpointed_layers": r.layers,
-                      "activation_bytes": r.activation_bytes, "recompute_flops": r.recompute_flops,
+                      "activation_bytes": r.activation_bytes, "peak_bytes": r.peak_bytes,
+                      "recompute_flops": r.recompute_flops,
                       "predicted_step_seconds": r.predicted_step_seconds, "fixed_bytes": r.fixed_bytes,
                       "per_sample_bytes": r.per_sample_bytes, "largest_batch": r.largest_batch} for r in rows],
         "plan": None if plan is None else {
             "layers": dict(plan.layers),
             "offloaded": list(plan.offloaded),
-            "budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes,
+            "budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes, "peak_bytes": plan.peak_bytes,
             "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops,
             "kept_ops": plan.kept_ops, "predicted_step_seconds": plan.predicted_step_seconds,
             "baseline_step_seconds": plan.baseline_step_seconds},
