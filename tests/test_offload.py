@@ -13,7 +13,8 @@ from torch.utils.checkpoint import checkpoint
 import lightning_ckpt.core.offload as offload
 from helpers import BATCH, SEQ, VOCAB, WIDTH, loss_and_grads, tiny_transformer, tokens
 from lightning_ckpt import apply_checkpointing
-from lightning_ckpt.core.offload import FakeStreamError, FakeStreams, OffloadEngine, OffloadToHost, pinned_size, use_engine
+from lightning_ckpt.core.fake_streams import FakeStreamError, FakeStreams
+from lightning_ckpt.core.offload import OffloadEngine, OffloadToHost, pinned_size, use_engine
 from lightning_ckpt.core.profiling import SavedTensorCounter, count_flops
 from lightning_ckpt.demos import Block
 
