@@ -217,14 +217,34 @@ def test_views_of_parameters_stay_put():
     torch.testing.assert_close(layer.weight.grad, out.new_ones(32, 64).t() @ x, rtol=0, atol=0)
 
 
+def test_each_hooks_object_files_what_it_saves_under_its_own_group():
+    """Nested hooks: what is saved inside the inner one is the inner layer call's, and what is saved after it exits is
+    the outer one's again; each group is the one drawn when its hooks were built."""
+    a, b, c = (torch.randn(64, requires_grad=True) for _ in range(3))
+    outer, inner = OffloadToHost(), OffloadToHost()
+    with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) as engine:
+        with outer:
+            out = a.exp()
+            with inner:
+                out = out + b.exp()
+            out = out + c.exp()
+        filed = {group: {id(ref().host) for ref in refs} for group, refs in engine._groups.items()}
+        assert sorted(filed) == [outer.group, inner.group] and outer.group < inner.group
+        assert len(filed[outer.group]) == 2 and len(filed[inner.group]) == 1
+        out.sum().backward()
+    for t in (a, b, c):
+        torch.testing.assert_close(t.grad, t.detach().exp(), rtol=0, atol=0)
+
+
 def test_round_trip_through_the_hooks_copies_and_restores_the_values():
     """The real `_pack`/`_unpack`, with the copy path forced: what comes back is a new tensor with the same values."""
     tensor = torch.randn(BATCH, SEQ, WIDTH)
+    hooks = OffloadToHost()
     with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) as engine:
-        packed = offload._pack(tensor)
+        packed = hooks.pack_hook(tensor)
     assert packed is not tensor
     engine.release()  # the forward copy is done and the engine let go of the original
-    restored = offload._unpack(packed)
+    restored = hooks.unpack_hook(packed)
     assert engine.stats.to_device_copies == 1 and engine.stats.reused_sources == 0
     assert restored.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
     assert torch.equal(restored, tensor) and restored.dtype == tensor.dtype

@@ -45,6 +45,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import warnings
@@ -592,10 +593,10 @@ def _latest_tagged(start: Any, group: int) -> Optional[int]:
 # Which engine, and the hooks
 
 
-_local = threading.local()
+_this_thread = threading.local()  # `.engine`: the engine `use_engine` put in charge in this thread
 _engines: dict[torch.device, OffloadEngine] = {}  # one per device, shared by threads (the engine has its own lock)
 _engines_lock = threading.Lock()
-_groups = itertools.count(1)
+_group_ids = itertools.count(1)  # one per OffloadToHost, increasing: the newest layer call has the largest
 
 
 def default_engine(device: Union[str, torch.device]) -> OffloadEngine:
@@ -617,7 +618,7 @@ def default_engine(device: Union[str, torch.device]) -> OffloadEngine:
 def engine_for(device: Union[str, torch.device]) -> Optional[OffloadEngine]:
     """The engine that would offload this thread's tensors on ``device`` (its :func:`use_engine` one, else the
     device's default); ``None`` on the CPU, where nothing is offloaded."""
-    engine = getattr(_local, "engine", None)
+    engine = getattr(_this_thread, "engine", None)
     if engine is not None:
         return engine
     return None if torch.device(device).type == "cpu" else default_engine(device)
@@ -629,12 +630,12 @@ def use_engine(engine: OffloadEngine) -> Iterator[OffloadEngine]:
     if not isinstance(engine, OffloadEngine):
         raise TypeError(f"`use_engine` takes an `OffloadEngine`, got {type(engine).__name__}. Build one with"
                         " `OffloadEngine(DeviceStreams('cuda'))` or `OffloadEngine(FakeStreams())`.")
-    previous = getattr(_local, "engine", None)
-    _local.engine = engine
+    previous = getattr(_this_thread, "engine", None)
+    _this_thread.engine = engine
     try:
         yield engine
     finally:
-        _local.engine = previous
+        _this_thread.engine = previous
 
 
 def release_all() -> None:
@@ -645,8 +646,8 @@ def release_all() -> None:
         engine.release()
 
 
-def _pack(tensor: torch.Tensor) -> Any:
-    engine = getattr(_local, "engine", None)
+def _pack(tensor: torch.Tensor, group: int) -> Any:
+    engine = getattr(_this_thread, "engine", None)
     if engine is None:
         if tensor.device.type == "cpu" or isinstance(tensor, torch.nn.Parameter):
             if tensor.device.type == "cpu":
@@ -654,7 +655,7 @@ def _pack(tensor: torch.Tensor) -> Any:
             report_held(tensor, "kept")  # still held where it is; these hooks hide it from outer counters
             return tensor
         engine = default_engine(tensor.device)
-    return engine.pack(tensor, getattr(_local, "group", 0))
+    return engine.pack(tensor, group)
 
 
 def _unpack(packed: Any) -> torch.Tensor:
@@ -666,20 +667,19 @@ def _unpack(packed: Any) -> torch.Tensor:
 class OffloadToHost(saved_tensors_hooks):
     """Saved-tensor hooks that keep accelerator tensors saved for backward in pinned host memory.
 
-    One instance wraps one checkpointed layer call: it is what tells the engine where one layer's inputs end and the
-    next one's begin, so that backward can bring back the next layer's inputs while the current one runs. Parameters
-    are never moved (they stay resident anyway). CPU tensors are left where they are, with a one-time warning that
-    offload does nothing on a CPU-only run (unless :func:`use_engine` put a fake device in charge).
+    Build one per checkpointed layer call: its ``group``, drawn when it is built and bound into its pack hook, is what
+    tells the engine where one layer's inputs end and the next one's begin, so that backward can bring back the next
+    layer's inputs while the current one runs. Parameters are never moved (they stay resident anyway). CPU tensors are
+    left where they are (unless :func:`use_engine` put a fake device in charge), with a one-time warning that
+    offload does nothing on a CPU-only run.
+
+    Example::
+
+        >>> first, second = OffloadToHost(), OffloadToHost()
+        >>> first.group < second.group  # the later layer call: backward needs its inputs first
+        True
     """
 
     def __init__(self) -> None:
-        super().__init__(_pack, _unpack)
-
-    def __enter__(self) -> None:
-        self._outer_group = getattr(_local, "group", 0)
-        _local.group = next(_groups)
-        super().__enter__()
-
-    def __exit__(self, *args: object) -> None:
-        super().__exit__(*args)
-        _local.group = self._outer_group
+        self.group = next(_group_ids)
+        super().__init__(functools.partial(_pack, group=self.group), _unpack)
