@@ -313,10 +313,12 @@ class OffloadStats:
 
 @dataclass(eq=False)
 class _InFlight:
+    """A device->host copy and the device tensor it reads (see :class:`OffloadEngine` for when each field changes)."""
+
     source: Optional[torch.Tensor]
     event: Any
     group: int
-    keep: bool = True  # the newest layer's: held after its copy for a backward that follows at once
+    keep: bool = True
 
 
 _GROUP_TAG = "lightning_ckpt.offload_group"
@@ -324,7 +326,10 @@ _WALK_LIMIT = 10_000
 
 
 class _Handle:
-    """What autograd holds instead of an offloaded tensor (one per storage; layers that save the same one share it)."""
+    """What autograd holds instead of an offloaded tensor (one per view; layers that save the same one share it).
+
+    ``ready`` and ``users`` change as :class:`OffloadEngine` says.
+    """
 
     def __init__(self, engine: OffloadEngine, group: int, like: torch.Tensor, buffer: _Buffer, flight: _InFlight):
         self.engine = engine
@@ -336,9 +341,9 @@ class _Handle:
         nbytes = like.numel() * like.element_size()
         self.host = buffer.data[:nbytes].view(like.dtype).as_strided(like.shape, stride)
         self.flight = flight
-        self.ready: Optional[tuple[torch.Tensor, Any]] = None  # the device tensor and the event to wait on
-        self.users = 1  # saved slots that have not unpacked it yet
-        self.key: tuple[Any, ...] = ()  # its storage, offset, shape, strides and dtype: where later saves find it
+        self.ready: Optional[tuple[torch.Tensor, Any]] = None
+        self.users = 1
+        self.key: tuple[Any, ...] = ()  # its `_shared` key, set once its copy has started
 
     def __del__(self) -> None:
         try:
@@ -359,6 +364,36 @@ class OffloadEngine:
     by walking the autograd graph from each layer's inputs to the previous layer's), never another graph's. A device
     tensor that a copy still writes into is held until that copy's event is done, whatever happens to its handle
     (an exception in backward, a partial ``autograd.grad``, a graph dropped after its prefetch started).
+
+    State (changed only under ``_lock``: backward, and so unpacks and handle deaths, may run on autograd's threads).
+    A *group* is one :class:`OffloadToHost`, i.e. one layer call; later calls have larger groups.
+
+    - ``_in_flight``: one :class:`_InFlight` per device->host copy whose device tensor (``source``) the engine may
+      still hold, because the copy is not known to be done or the tensor is the newest layer's. The engine lets go of
+      ``source`` when the copy is done and ``keep`` is off, when a group more than ``lag`` after its own packs (the
+      compute stream then waits for the copy), when the handle dies after its copy is done, or at :meth:`release`; each
+      ``_retire`` (at every pack and unpack) drops the entries let go of. Empty after :meth:`release`.
+    - ``flight.keep``: on from the pack while its group is the newest (the backward that follows at once needs it
+      first); off once a later group packs, or when its handle is unpacked or dies.
+    - ``_landing``: ``(device tensor, event)`` of host->device copies whose handle died before the copy was known to
+      be done (a backward that stopped early): held until the event is done, checked at each ``_retire``; emptied by
+      :meth:`release`.
+    - ``_groups``: group -> weak references to the live handles that the group saved (a shared handle is listed under
+      each group that saved it); what a prefetch brings back. A group's entry goes when its last handle dies, so the
+      dict is empty once no graph holds a handle.
+    - ``_previous``: group -> the latest earlier group whose inputs lie behind its own in the autograd graph, i.e. the
+      layer backward reaches next in the same graph; set at pack, it goes with the group's ``_groups`` entry.
+    - ``_shared``: view key (:func:`_storage_key`) -> (storage weak reference, the tensor's version at pack, weak
+      reference to its handle), so that a later save of the same view, still alive and unchanged, shares that handle's
+      host copy. An entry goes when its handle dies, or is replaced by a later pack of the same view; one whose storage
+      died or changed meanwhile is ignored. Empty once no graph holds a handle.
+    - ``_newest``: the largest group packed so far (``-1`` before any); it only grows.
+    - ``handle.ready``: ``None``, or ``(device tensor, event)`` once bringing it back has started (a host->device
+      copy, or the still-held ``source`` with no event), by a prefetch or by its own unpack. Unpack hands it out
+      and clears it after the last user; if the handle dies first with the copy still running, it moves to
+      ``_landing``.
+    - ``handle.users``: saved slots holding the handle that have not unpacked it: 1 at its pack, one more per later
+      save of the same view, one less per unpack.
 
     Args:
         streams: the device's streams (:class:`DeviceStreams`) or the CPU fake
@@ -388,11 +423,11 @@ class OffloadEngine:
         self.lag = lag
         self.pool = HostPool(streams.host_buffer, streams.host_size, streams.empty_host_cache)
         self.stats = OffloadStats()
-        self._lock = threading.RLock()  # backward (and so unpack and handle deaths) may run on autograd's threads
+        self._lock = threading.RLock()
         self._in_flight: list[_InFlight] = []
-        self._landing: list[tuple[torch.Tensor, Any]] = []  # device tensors a copy may still write into
+        self._landing: list[tuple[torch.Tensor, Any]] = []
         self._groups: dict[int, list[weakref.ref[_Handle]]] = {}
-        self._previous: dict[int, int] = {}  # group -> the checkpointed layer before it in the same graph
+        self._previous: dict[int, int] = {}
         self._shared: dict[tuple[Any, ...], tuple[StorageWeakRef, int, weakref.ref[_Handle]]] = {}
         self._newest = -1
 
