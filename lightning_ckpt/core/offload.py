@@ -383,7 +383,7 @@ class OffloadEngine:
       dict is empty once no graph holds a handle.
     - ``_previous``: group -> the latest earlier group whose inputs lie behind its own in the autograd graph, i.e. the
       layer backward reaches next in the same graph; set at pack, it goes with the group's ``_groups`` entry.
-    - ``_shared``: view key (:func:`_storage_key`) -> (storage weak reference, the tensor's version at pack, weak
+    - ``_shared``: view key (:func:`_view_key`) -> (storage weak reference, the tensor's version at pack, weak
       reference to its handle), so that a later save of the same view, still alive and unchanged, shares that handle's
       host copy. An entry goes when its handle dies, or is replaced by a later pack of the same view; one whose storage
       died or changed meanwhile is ignored. Empty once no graph holds a handle.
@@ -466,7 +466,7 @@ class OffloadEngine:
             # holding it makes the lifetime explicit, bounded by `lag`, and checkable on the fake backend.
             self._in_flight.append(flight)
             self._groups.setdefault(group, []).append(weakref.ref(handle))
-            handle.key = _storage_key(tensor)
+            handle.key = _view_key(tensor)
             self._shared[handle.key] = (StorageWeakRef(tensor.untyped_storage()), tensor._version, weakref.ref(handle))
             self.stats.offloaded_bytes += nbytes
             self.stats.to_host_copies += 1
@@ -543,7 +543,7 @@ class OffloadEngine:
         node.metadata[_GROUP_TAG] = group
 
     def _shared_handle(self, tensor: torch.Tensor) -> Optional[_Handle]:
-        entry = self._shared.get(_storage_key(tensor))
+        entry = self._shared.get(_view_key(tensor))
         if entry is None:
             return None
         storage, version, ref = entry
@@ -600,7 +600,17 @@ class OffloadEngine:
             self.pool.give(handle.buffer)
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+def _view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies the view ``tensor`` is of its storage: the same elements in the same layout. Unlike
+    :func:`~lightning_ckpt.core.profiling.storage_key`, which all views of a storage share, two views with other
+    offsets, shapes, strides or dtypes get two keys: each is copied on its own.
+
+    Example::
+
+        >>> x = torch.zeros(4, 4)
+        >>> _view_key(x) == _view_key(x.view(4, 4)) != _view_key(x[1:])
+        True
+    """
     return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
             tuple(tensor.stride()), tensor.dtype)
 
