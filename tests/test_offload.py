@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import inspect
+import os
 import threading
+import warnings
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lightning_ckpt.core.offload as offload
+import lightning_ckpt.core.wrapping as wrapping
 from helpers import BATCH, SEQ, VOCAB, WIDTH, loss_and_grads, tiny_transformer, tokens
 from lightning_ckpt import apply_checkpointing
 from lightning_ckpt.core.fake_streams import FakeStreamError, FakeStreams
@@ -517,6 +522,50 @@ def test_threads_share_one_engine_per_device(monkeypatch):
         thread.join()
     assert len(engines) == 3 and all(e is engines[0] for e in engines)
     assert engines[0] is offload.default_engine("cpu")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# On a CPU-only machine offload does nothing, and says so once, at setup
+
+
+NO_EFFECT = "`offload=True` has no effect here"
+
+
+def said_no_effect(caught: list) -> list:
+    return [w for w in caught if NO_EFFECT in str(w.message)]
+
+
+def test_offload_on_a_cpu_only_machine_is_said_once_at_the_line_that_applies_it(monkeypatch):
+    monkeypatch.setattr(wrapping, "_warned_offload_on_cpu", False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # CPU-only, also on an accelerator runner
+    model = tiny_transformer(n_layer=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # only the package's own once-flag may hold back a repeat
+        line = inspect.currentframe().f_lineno + 1
+        apply_checkpointing(model, layer_cls=Block, offload=True)
+        apply_checkpointing(model, layer_cls=Block, offload=True, mode="selective")  # applied again: not said again
+        loss_and_grads(model, tokens())  # nor by the forward and backward
+        loss_and_grads(model, tokens())
+    said = said_no_effect(caught)
+    assert len(said) == 1
+    assert not said[0].filename.startswith(os.path.dirname(torch.__file__))  # not torch's checkpoint
+    assert (said[0].filename, said[0].lineno) == (__file__, line)  # the caller of apply_checkpointing
+
+
+@pytest.mark.parametrize("case", ["accelerator present", "fake device in charge", "no offload"])
+def test_offload_that_may_take_effect_is_not_warned_about(monkeypatch, case):
+    """With an accelerator the model may still be moved there after setup (Lightning moves it after the callbacks'
+    setup); a fake device offloads CPU tensors."""
+    monkeypatch.setattr(wrapping, "_warned_offload_on_cpu", False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: case == "accelerator present")
+    model = tiny_transformer(n_layer=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) if case == "fake device in charge" else (
+                contextlib.nullcontext()):
+            apply_checkpointing(model, layer_cls=Block, offload=case != "no offload")
+            loss_and_grads(model, tokens())
+    assert said_no_effect(caught) == []
 
 
 # ----------------------------------------------------------------------------------------------------------------

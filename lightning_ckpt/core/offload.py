@@ -48,7 +48,6 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -66,20 +65,6 @@ DEFAULT_MIN_BYTES = 1 << 20
 
 DEFAULT_LAG = 2
 """A forward copy may still run while this many later checkpointed layers start; then the compute stream waits."""
-
-_warned_cpu = False
-
-
-def _warn_cpu_once() -> None:
-    global _warned_cpu
-    if not _warned_cpu:
-        _warned_cpu = True
-        warnings.warn(
-            "lightning_ckpt: `offload=True` has no effect here: the saved layer inputs are already in host (CPU)"
-            " memory. Offload moves them off an accelerator.",
-            stacklevel=3,
-        )
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # The stream/event interface
@@ -695,8 +680,6 @@ def _pack(tensor: torch.Tensor, group: int) -> Any:
     engine = getattr(_this_thread, "engine", None)
     if engine is None:
         if tensor.device.type == "cpu" or isinstance(tensor, torch.nn.Parameter):
-            if tensor.device.type == "cpu":
-                _warn_cpu_once()
             report_held(tensor, "kept")  # still held where it is; these hooks hide it from outer counters
             return tensor
         engine = default_engine(tensor.device)
@@ -715,8 +698,8 @@ class OffloadToHost(saved_tensors_hooks):
     Build one per checkpointed layer call: its ``group``, drawn when it is built and bound into its pack hook, is what
     tells the engine where one layer's inputs end and the next one's begin, so that backward can bring back the next
     layer's inputs while the current one runs. Parameters are never moved (they stay resident anyway). CPU tensors are
-    left where they are (unless :func:`use_engine` put a fake device in charge), with a one-time warning that
-    offload does nothing on a CPU-only run.
+    left where they are, unless :func:`use_engine` put a fake device in charge (on a CPU-only machine
+    :func:`~lightning_ckpt.core.wrapping.apply_checkpointing` says once that ``offload=True`` does nothing).
 
     Example::
 
