@@ -60,6 +60,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_ckpt.core.profiling import report_held
 
+__all__ = ["DEFAULT_LAG", "DEFAULT_MIN_BYTES", "DeviceStreams", "HostPool", "OffloadEngine", "OffloadStats",
+           "OffloadToHost", "Streams", "default_engine", "engine_for", "pinned_size", "release_all", "use_engine"]
+
 DEFAULT_MIN_BYTES = 1 << 20
 """Tensors smaller than this stay on the device: copying them costs more than it saves."""
 
