@@ -64,7 +64,7 @@ class FakeStreams:
       :class:`FakeStreamError`, at the copy or at the next call into the fake;
     - queuing a copy that touches memory a queued copy still uses, without waiting for it, raises it too;
     - host buffers model torch's caching host allocator: a dropped buffer stays pinned (``pinned_bytes``) until
-      ``empty_host_cache``, and sizes are rounded up as :func:`pinned_size` says.
+      ``empty_host_cache``, and sizes are rounded up as :func:`~lightning_ckpt.core.offload.pinned_size` says.
 
     Example::
 
