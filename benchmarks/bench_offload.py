@@ -41,6 +41,7 @@ from _results import machine, write_section
 from lightning_ckpt import apply_checkpointing, remove_checkpointing
 from lightning_ckpt.core import offload as offload_module
 from lightning_ckpt.core import wrapping
+from lightning_ckpt.core.fake_streams import FakeStreams
 from lightning_ckpt.demos import Block, Transformer
 
 VOCAB, HEADS = 32000, 16
@@ -193,7 +194,7 @@ def run(seqs: list[int], steps: int = 3, warmup: int = 1, layers: int = 20, hidd
         model = Transformer(VOCAB if not cpu_smoke else 64, max(seqs), layers, hidden, HEADS if not cpu_smoke else 2,
                             dropout=0.0)
     n_params = sum(p.numel() for p in model.parameters())
-    smoke = offload_module.OffloadEngine(offload_module.FakeStreams(), min_bytes=0) if cpu_smoke else None
+    smoke = offload_module.OffloadEngine(FakeStreams(), min_bytes=0) if cpu_smoke else None
     rows: list[Row] = []
     started = time.perf_counter()
     with offload_module.use_engine(smoke) if smoke is not None else contextlib.nullcontext():

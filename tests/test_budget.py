@@ -22,7 +22,8 @@ from lightning_ckpt.core.budget import (
     static_bytes,
 )
 from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES, FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.fake_streams import FakeStreams
+from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES, OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost, make_plan
 
 GIB = 2**30

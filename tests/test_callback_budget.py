@@ -20,7 +20,8 @@ from lightning_ckpt import GradientCheckpointing
 import lightning_ckpt.callbacks.gradient_checkpointing as callback_module
 from lightning_ckpt.core.budget import AUTO_MEMORY_FRACTION, Measurement, combine_costs, pack_costs
 from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.fake_streams import FakeStreams
+from lightning_ckpt.core.offload import OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost
 from lightning_ckpt.core.profiling import SavedTensorCounter
 from lightning_ckpt.core.wrapping import checkpointed_names

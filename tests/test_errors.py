@@ -32,7 +32,8 @@ from lightning_ckpt.callbacks.gradient_checkpointing import find_checkpointing_c
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.compare.stats import measurements
 from lightning_ckpt.core.budget import auto_memory_budget
-from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.fake_streams import FakeStreams
+from lightning_ckpt.core.offload import OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost, make_plan, plan_checkpointing
 from lightning_ckpt.demos import GPT, Block
 from lightning_ckpt.strategies.ddp import check_ddp_settings
@@ -759,10 +760,10 @@ def test_auto_budget_message_gives_each_part_and_refuses_exactly_when_nothing_is
 
 #: Raise sites no user meets as such: how many in each function, and why.
 NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
-    "core.offload.FakeStreams._queue": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
-    "core.offload.FakeStreams._perform": (
+    "core.fake_streams.FakeStreams._queue": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
+    "core.fake_streams.FakeStreams._perform": (
         2, "the offload tests' fake streams report a bug of the offload engine itself"),
-    "core.offload.FakeStreams._check": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
+    "core.fake_streams.FakeStreams._check": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
     "callbacks.gradient_checkpointing.check_lightning_strategy": (
         1, "DeepSpeed refused at setup: tested from a Trainer in test_parallelism.py, with a stand-in for deepspeed"
            " (not installed)"),

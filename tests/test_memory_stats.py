@@ -36,7 +36,8 @@ from lightning_ckpt.core.memory_stats import (
     reset_device_peaks,
     tokens_in_batch,
 )
-from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.fake_streams import FakeStreams
+from lightning_ckpt.core.offload import OffloadEngine, use_engine
 from lightning_ckpt.core.profiling import count_cost
 from lightning_ckpt.core.wrapping import apply_checkpointing
 

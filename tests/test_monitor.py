@@ -33,7 +33,8 @@ from lightning_ckpt.core.memory_stats import (
     TOKENS_PER_SEC,
     all_gather_released,
 )
-from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, default_engine, use_engine
+from lightning_ckpt.core.fake_streams import FakeStreams
+from lightning_ckpt.core.offload import OffloadEngine, default_engine, use_engine
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequences
 
 VOCAB, SEQ, BATCH = 32, 16, 8

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import inspect
+import os
 import threading
+import warnings
 
 import pytest
 import torch
@@ -11,9 +15,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lightning_ckpt.core.offload as offload
+import lightning_ckpt.core.wrapping as wrapping
 from helpers import BATCH, SEQ, VOCAB, WIDTH, loss_and_grads, tiny_transformer, tokens
 from lightning_ckpt import apply_checkpointing
-from lightning_ckpt.core.offload import FakeStreamError, FakeStreams, OffloadEngine, OffloadToHost, pinned_size, use_engine
+from lightning_ckpt.core.fake_streams import FakeStreamError, FakeStreams
+from lightning_ckpt.core.offload import OffloadEngine, OffloadToHost, pinned_size, use_engine
 from lightning_ckpt.core.profiling import SavedTensorCounter, count_flops
 from lightning_ckpt.demos import Block
 
@@ -216,14 +222,34 @@ def test_views_of_parameters_stay_put():
     torch.testing.assert_close(layer.weight.grad, out.new_ones(32, 64).t() @ x, rtol=0, atol=0)
 
 
+def test_each_hooks_object_files_what_it_saves_under_its_own_group():
+    """Nested hooks: what is saved inside the inner one is the inner layer call's, and what is saved after it exits is
+    the outer one's again; each group is the one drawn when its hooks were built."""
+    a, b, c = (torch.randn(64, requires_grad=True) for _ in range(3))
+    outer, inner = OffloadToHost(), OffloadToHost()
+    with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) as engine:
+        with outer:
+            out = a.exp()
+            with inner:
+                out = out + b.exp()
+            out = out + c.exp()
+        filed = {group: {id(ref().host) for ref in refs} for group, refs in engine._groups.items()}
+        assert sorted(filed) == [outer.group, inner.group] and outer.group < inner.group
+        assert len(filed[outer.group]) == 2 and len(filed[inner.group]) == 1
+        out.sum().backward()
+    for t in (a, b, c):
+        torch.testing.assert_close(t.grad, t.detach().exp(), rtol=0, atol=0)
+
+
 def test_round_trip_through_the_hooks_copies_and_restores_the_values():
     """The real `_pack`/`_unpack`, with the copy path forced: what comes back is a new tensor with the same values."""
     tensor = torch.randn(BATCH, SEQ, WIDTH)
+    hooks = OffloadToHost()
     with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) as engine:
-        packed = offload._pack(tensor)
+        packed = hooks.pack_hook(tensor)
     assert packed is not tensor
     engine.release()  # the forward copy is done and the engine let go of the original
-    restored = offload._unpack(packed)
+    restored = hooks.unpack_hook(packed)
     assert engine.stats.to_device_copies == 1 and engine.stats.reused_sources == 0
     assert restored.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
     assert torch.equal(restored, tensor) and restored.dtype == tensor.dtype
@@ -499,6 +525,50 @@ def test_threads_share_one_engine_per_device(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# On a CPU-only machine offload does nothing, and says so once, at setup
+
+
+NO_EFFECT = "`offload=True` has no effect here"
+
+
+def said_no_effect(caught: list) -> list:
+    return [w for w in caught if NO_EFFECT in str(w.message)]
+
+
+def test_offload_on_a_cpu_only_machine_is_said_once_at_the_line_that_applies_it(monkeypatch):
+    monkeypatch.setattr(wrapping, "_warned_offload_on_cpu", False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # CPU-only, also on an accelerator runner
+    model = tiny_transformer(n_layer=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # only the package's own once-flag may hold back a repeat
+        line = inspect.currentframe().f_lineno + 1
+        apply_checkpointing(model, layer_cls=Block, offload=True)
+        apply_checkpointing(model, layer_cls=Block, offload=True, mode="selective")  # applied again: not said again
+        loss_and_grads(model, tokens())  # nor by the forward and backward
+        loss_and_grads(model, tokens())
+    said = said_no_effect(caught)
+    assert len(said) == 1
+    assert not said[0].filename.startswith(os.path.dirname(torch.__file__))  # not torch's checkpoint
+    assert (said[0].filename, said[0].lineno) == (__file__, line)  # the caller of apply_checkpointing
+
+
+@pytest.mark.parametrize("case", ["accelerator present", "fake device in charge", "no offload"])
+def test_offload_that_may_take_effect_is_not_warned_about(monkeypatch, case):
+    """With an accelerator the model may still be moved there after setup (Lightning moves it after the callbacks'
+    setup); a fake device offloads CPU tensors."""
+    monkeypatch.setattr(wrapping, "_warned_offload_on_cpu", False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: case == "accelerator present")
+    model = tiny_transformer(n_layer=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) if case == "fake device in charge" else (
+                contextlib.nullcontext()):
+            apply_checkpointing(model, layer_cls=Block, offload=case != "no offload")
+            loss_and_grads(model, tokens())
+    assert said_no_effect(caught) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Accelerator tests: `python benchmarks/accelerator_check.py` runs them (and the benchmark) in one command.
 
 
@@ -702,7 +772,11 @@ def test_offload_without_recompute_moves_every_saved_tensor_and_keeps_training_e
     model = tiny_transformer(n_layer=N_LAYER, dropout=0.1)
     names = apply_checkpointing(model, layer_cls=Block, mode="none", offload=True)
     assert names == [f"blocks.{i}" for i in range(N_LAYER)]
-    with use_engine(OffloadEngine(FakeStreams(seed=6), min_bytes=0)) as engine:
+    # The counter tells storages apart by address: a device tensor let go of during the counted forward could hand its
+    # address to a later one, counted once for both. With no copy done early and `lag` over the layer count, the
+    # engine holds every one of them until backward.
+    streams = FakeStreams(seed=6, complete_probability=0.0)
+    with use_engine(OffloadEngine(streams, min_bytes=0, lag=N_LAYER)) as engine:
         with SavedTensorCounter(exclude=model.parameters()) as saved:
             model(idx)
         # on the device stays only what is saved outside the blocks (embeddings, head); the rest is in host memory

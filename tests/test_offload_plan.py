@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.fake_streams import FakeStreams
+from lightning_ckpt.core.offload import OffloadEngine, use_engine
 from lightning_ckpt.core.planner import CheckpointPlan, make_plan, measure_step, plan_checkpointing, predict_seconds
 from lightning_ckpt.core.profiling import SavedTensorCounter, count_cost
 

@@ -254,7 +254,8 @@ def test_the_planner_on_real_models(case):
 
 def test_offload_copies_of_a_transformers_model_keep_its_gradients():
     """The offload engine's real copy path (fake streams: late, out of order) on Llama with its default cache."""
-    from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
+    from lightning_ckpt.core.fake_streams import FakeStreams
+    from lightning_ckpt.core.offload import OffloadEngine, use_engine
 
     ref = loss_and_grads(llama())
     model = llama()
@@ -286,7 +287,8 @@ OFFLOAD_CASES = {**PLAN_CASES, "batchnorm cnn, channels-last": _channels_last_cn
 def test_offload_on_real_models_trains_as_checkpointing_without_it(case):
     """Every saved input through the offload engine (fake streams: late, out-of-order copies): two steps give the
     loss, gradients and buffers (BatchNorm statistics) of checkpointing without offload, bit for bit."""
-    from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
+    from lightning_ckpt.core.fake_streams import FakeStreams
+    from lightning_ckpt.core.offload import OffloadEngine, use_engine
 
     runs = []
     for offloaded in (False, True):
@@ -314,7 +316,8 @@ def test_an_offload_auto_plan_on_real_models_trains_exactly_and_moves_what_it_pl
     the applied plan (offload-only and recomputed layers mixed) gives the plain model's loss and gradients bit for
     bit through the fake engine, moves no more than the plan's host bytes per step, and holds its device bytes."""
     from lightning_ckpt import DeviceProfile
-    from lightning_ckpt.core.offload import FakeStreams, OffloadEngine, use_engine
+    from lightning_ckpt.core.fake_streams import FakeStreams
+    from lightning_ckpt.core.offload import OffloadEngine, use_engine
     from lightning_ckpt.core.planner import kept_on_device, make_plan, measure_step
 
     reference, reference_loss, _ = PLAN_CASES[case]()  # the same model, plain: its buffers see one forward too

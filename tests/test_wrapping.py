@@ -287,15 +287,16 @@ def test_tensor_kwargs_are_saved_like_positional_inputs():
     assert saved.bytes == 3 * x_bytes + 3 * bias_bytes == 480
 
 
-def test_offload_on_cpu_is_a_noop_that_says_so_and_keeps_gradients():
-    import lightning_ckpt.core.offload as offload
+def test_offload_on_cpu_is_a_noop_that_says_so_and_keeps_gradients(monkeypatch):
+    import lightning_ckpt.core.wrapping as wrapping
 
     idx = tokens()
     _, ref_grads = loss_and_grads(tiny_transformer(), idx)
     model = tiny_transformer()
-    apply_checkpointing(model, layer_cls=Block, offload=True)
-    offload._warned_cpu = False
+    monkeypatch.setattr(wrapping, "_warned_offload_on_cpu", False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # a CPU-only machine
     with pytest.warns(UserWarning, match="no effect") as record:
+        apply_checkpointing(model, layer_cls=Block, offload=True)
         _, grads = loss_and_grads(model, idx)
         loss_and_grads(model, idx)
     assert sum("no effect" in str(w.message) for w in record) == 1

@@ -19,8 +19,9 @@ device in backward. The copies run on a side stream so that they overlap compute
 - tensors under ``min_bytes`` (default 1 MiB), parameters and tensors on other devices stay where they are.
 
 Scheduling talks to a small stream/event interface (:class:`Streams`): :class:`DeviceStreams` for CUDA
-(or any device module with streams and events) and :class:`FakeStreams`, which runs copies on the CPU
-late and in a shuffled order, so the same logic is tested on machines without an accelerator.
+(or any device module with streams and events) and :class:`~lightning_ckpt.core.fake_streams.FakeStreams`,
+which runs copies on the CPU late and in a shuffled order, so the same logic is tested on machines without an
+accelerator.
 One engine is shared per device (:func:`default_engine`); :func:`use_engine` puts another in
 charge, and :func:`release_all` drops every pooled host buffer (call it at teardown). Plain PyTorch;
 nothing here imports Lightning.
@@ -29,6 +30,7 @@ Example::
 
     >>> import torch
     >>> from torch.utils.checkpoint import checkpoint
+    >>> from lightning_ckpt.core.fake_streams import FakeStreams
     >>> layer = torch.nn.Linear(8, 8)
     >>> x = torch.randn(2, 8, requires_grad=True)
     >>> with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) as engine:
@@ -43,10 +45,9 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import itertools
-import random
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -59,25 +60,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_ckpt.core.profiling import report_held
 
+__all__ = ["DEFAULT_LAG", "DEFAULT_MIN_BYTES", "DeviceStreams", "HostPool", "OffloadEngine", "OffloadStats",
+           "OffloadToHost", "Streams", "default_engine", "engine_for", "pinned_size", "release_all", "use_engine"]
+
 DEFAULT_MIN_BYTES = 1 << 20
 """Tensors smaller than this stay on the device: copying them costs more than it saves."""
 
 DEFAULT_LAG = 2
 """A forward copy may still run while this many later checkpointed layers start; then the compute stream waits."""
-
-_warned_cpu = False
-
-
-def _warn_cpu_once() -> None:
-    global _warned_cpu
-    if not _warned_cpu:
-        _warned_cpu = True
-        warnings.warn(
-            "lightning_ckpt: `offload=True` has no effect here: the saved layer inputs are already in host (CPU)"
-            " memory. Offload moves them off an accelerator.",
-            stacklevel=3,
-        )
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # The stream/event interface
@@ -206,183 +196,6 @@ class DeviceStreams:
             self._side.synchronize()
 
 
-class FakeStreamError(RuntimeError):
-    """The engine broke a stream rule that real hardware would not have reported (the fake backend's finding)."""
-
-
-@dataclass(eq=False)
-class _FakeCopy:
-    source: Any  # () -> Tensor | None: weak for a device->host copy (the engine must keep the tensor alive)
-    dst: Any  # () -> Tensor | None: weak for a host->device copy (the engine must keep its destination alive)
-    after: tuple[Any, ...]
-    kind: str
-    order: int
-    reads: int
-    writes: int
-    performed: bool = False
-
-
-class FakeStreams:
-    """A CPU stand-in for a device: "device" tensors are CPU tensors, copies are host-to-host and run late.
-
-    A copy is queued and performed only when something forces it: a ``wait`` on its event (which also performs a
-    random, shuffled subset of the other queued copies), a ``done`` query that decides, at random, that it has finished,
-    or a later copy that lists it in ``after``. So copies run out of order wherever the rules allow. Breaking a rule is
-    visible:
-
-    - fresh host buffers and device tensors are filled with NaN bytes (a missing ``wait`` hands out NaN);
-    - a device->host copy only holds a weak reference to its source, a host->device copy to its destination: freeing
-      either before the copy ran (on a device the caching allocator would hand that block to other kernels) raises
-      :class:`FakeStreamError`, at the copy or at the next call into the fake;
-    - queuing a copy that touches memory a queued copy still uses, without waiting for it, raises it too;
-    - host buffers model torch's caching host allocator: a dropped buffer stays pinned (``pinned_bytes``) until
-      ``empty_host_cache``, and sizes are rounded up as :func:`pinned_size` says.
-
-    Example::
-
-        >>> streams = FakeStreams(seed=0)
-        >>> src, dst = torch.arange(4.0), streams.host_buffer(16).view(torch.float32)
-        >>> event = streams.to_host(src, dst, after=[streams.record()])
-        >>> bool(dst.isnan().all())  # not run yet
-        True
-        >>> streams.wait(event)
-        >>> dst
-        tensor([0., 1., 2., 3.])
-    """
-
-    def __init__(self, seed: int = 0, complete_probability: float = 0.3) -> None:
-        self._rng = random.Random(seed)
-        self.complete_probability = complete_probability
-        self._pending: list[_FakeCopy] = []
-        self._orders = itertools.count()
-        self._broken: list[str] = []
-        self.performed = 0
-        self.out_of_order = 0  # copies performed before one queued earlier
-        self._last_order = -1
-        self.live_host_bytes = 0  # pinned buffers alive
-        self.cached_host_bytes = 0  # pinned buffers dropped, still held by the (modelled) caching allocator
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Host memory pinned by this fake device: live buffers and the allocator's cache."""
-        return self.live_host_bytes + self.cached_host_bytes
-
-    def offloadable(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu"
-
-    def host_size(self, nbytes: int) -> int:
-        return pinned_size(nbytes)
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        self._check()
-        buffer = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
-        size = self.host_size(nbytes)
-        self.live_host_bytes += size
-        weakref.finalize(buffer, self._host_buffer_dropped, size)
-        return buffer
-
-    def _host_buffer_dropped(self, size: int) -> None:
-        self.live_host_bytes -= size
-        self.cached_host_bytes += size
-
-    def empty_host_cache(self) -> None:
-        self.cached_host_bytes = 0
-
-    def empty_device(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
-        out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
-        out.untyped_storage().fill_(0xFF)
-        return out
-
-    def record(self) -> Any:
-        self._check()
-        return None  # compute "runs" eagerly here: whatever it issued is already done
-
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Any]) -> _FakeCopy:
-        return self._queue(weakref.ref(src), lambda: dst, src, dst, after, "to_host")
-
-    def to_device(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Any]) -> _FakeCopy:
-        copy = self._queue(lambda: src, weakref.ref(dst), src, dst, after, "to_device")
-        weakref.finalize(dst, self._destination_dropped, copy)
-        return copy
-
-    def _destination_dropped(self, copy: _FakeCopy) -> None:
-        if not copy.performed:
-            self._broken.append("the destination of a to_device copy was freed before the copy landed: on a device"
-                                " its block would be reused while the copy still writes into it")
-
-    def _check(self) -> None:
-        if self._broken:
-            raise FakeStreamError(self._broken[0])
-
-    def wait(self, event: Any) -> None:
-        self._check()
-        if event is None or event.performed:
-            return
-        others = [c for c in self._pending if c is not event and self._rng.random() < 0.5]
-        batch = [event, *others]
-        self._rng.shuffle(batch)
-        for copy in batch:
-            self._perform(copy)
-
-    def done(self, event: Any) -> bool:
-        self._check()
-        if event is None or event.performed:
-            return True
-        if self._rng.random() < self.complete_probability:
-            self._perform(event)
-            return True
-        return False
-
-    def synchronize(self) -> None:
-        self._check()
-        for copy in list(self._pending):
-            self._perform(copy)
-
-    def _queue(self, source: Any, dst_ref: Any, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Any],
-               kind: str) -> _FakeCopy:
-        self._check()
-        copy = _FakeCopy(source, dst_ref, tuple(e for e in after if e is not None), kind, next(self._orders),
-                         src.untyped_storage().data_ptr(), dst.untyped_storage().data_ptr())
-        covered = self._closure(copy.after)
-        for other in self._pending:
-            touches = {other.reads, other.writes} & {copy.writes} or other.writes == copy.reads
-            if touches and other not in covered:
-                raise FakeStreamError(f"a {kind} copy was queued on memory that a queued {other.kind} copy still uses,"
-                                      " without waiting for its event")
-        self._pending.append(copy)
-        return copy
-
-    def _closure(self, events: Sequence[_FakeCopy]) -> set[_FakeCopy]:
-        seen: set[_FakeCopy] = set()
-        stack = list(events)
-        while stack:
-            copy = stack.pop()
-            if copy not in seen:
-                seen.add(copy)
-                stack.extend(copy.after)
-        return seen
-
-    def _perform(self, copy: _FakeCopy) -> None:
-        if copy.performed:
-            return
-        for dep in copy.after:
-            self._perform(dep)
-        src, dst = copy.source(), copy.dst()
-        if src is None:
-            raise FakeStreamError(f"the source of a {copy.kind} copy was freed before the copy ran: hold it until the"
-                                  " copy's event is done")
-        if dst is None:
-            raise FakeStreamError(f"the destination of a {copy.kind} copy was freed before the copy landed: hold it"
-                                  " until the copy's event is done")
-        dst.copy_(src)
-        copy.performed = True
-        self._pending.remove(copy)
-        self.performed += 1
-        if copy.order < self._last_order:
-            self.out_of_order += 1
-        self._last_order = max(self._last_order, copy.order)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The host buffer pool
 
@@ -488,10 +301,12 @@ class OffloadStats:
 
 @dataclass(eq=False)
 class _InFlight:
+    """A device->host copy and the device tensor it reads (see :class:`OffloadEngine` for when each field changes)."""
+
     source: Optional[torch.Tensor]
     event: Any
     group: int
-    keep: bool = True  # the newest layer's: held after its copy for a backward that follows at once
+    keep: bool = True
 
 
 _GROUP_TAG = "lightning_ckpt.offload_group"
@@ -499,7 +314,10 @@ _WALK_LIMIT = 10_000
 
 
 class _Handle:
-    """What autograd holds instead of an offloaded tensor (one per storage; layers that save the same one share it)."""
+    """What autograd holds instead of an offloaded tensor (one per view; layers that save the same one share it).
+
+    ``ready`` and ``users`` change as :class:`OffloadEngine` says.
+    """
 
     def __init__(self, engine: OffloadEngine, group: int, like: torch.Tensor, buffer: _Buffer, flight: _InFlight):
         self.engine = engine
@@ -511,9 +329,9 @@ class _Handle:
         nbytes = like.numel() * like.element_size()
         self.host = buffer.data[:nbytes].view(like.dtype).as_strided(like.shape, stride)
         self.flight = flight
-        self.ready: Optional[tuple[torch.Tensor, Any]] = None  # the device tensor and the event to wait on
-        self.users = 1  # saved slots that have not unpacked it yet
-        self.key: tuple[Any, ...] = ()  # its storage, offset, shape, strides and dtype: where later saves find it
+        self.ready: Optional[tuple[torch.Tensor, Any]] = None
+        self.users = 1
+        self.key: tuple[Any, ...] = ()  # its `_shared` key, set once its copy has started
 
     def __del__(self) -> None:
         try:
@@ -535,14 +353,46 @@ class OffloadEngine:
     tensor that a copy still writes into is held until that copy's event is done, whatever happens to its handle
     (an exception in backward, a partial ``autograd.grad``, a graph dropped after its prefetch started).
 
+    State (changed only under ``_lock``: backward, and so unpacks and handle deaths, may run on autograd's threads).
+    A *group* is one :class:`OffloadToHost`, i.e. one layer call; later calls have larger groups.
+
+    - ``_in_flight``: one :class:`_InFlight` per device->host copy whose device tensor (``source``) the engine may
+      still hold, because the copy is not known to be done or the tensor is the newest layer's. The engine lets go of
+      ``source`` when the copy is done and ``keep`` is off, when a group more than ``lag`` after its own packs (the
+      compute stream then waits for the copy), when the handle dies after its copy is done, or at :meth:`release`; each
+      ``_retire`` (at every pack and unpack) drops the entries let go of. Empty after :meth:`release`.
+    - ``flight.keep``: on from the pack while its group is the newest (the backward that follows at once needs it
+      first); off once a later group packs, or when its handle is unpacked or dies.
+    - ``_landing``: ``(device tensor, event)`` of host->device copies whose handle died before the copy was known to
+      be done (a backward that stopped early): held until the event is done, checked at each ``_retire``; emptied by
+      :meth:`release`.
+    - ``_groups``: group -> weak references to the live handles that the group saved (a shared handle is listed under
+      each group that saved it); what a prefetch brings back. A group's entry goes when its last handle dies, so the
+      dict is empty once no graph holds a handle.
+    - ``_previous``: group -> the latest earlier group whose inputs lie behind its own in the autograd graph, i.e. the
+      layer backward reaches next in the same graph; set at pack, it goes with the group's ``_groups`` entry.
+    - ``_shared``: view key (:func:`_view_key`) -> (storage weak reference, the tensor's version at pack, weak
+      reference to its handle), so that a later save of the same view, still alive and unchanged, shares that handle's
+      host copy. An entry goes when its handle dies, or is replaced by a later pack of the same view; one whose storage
+      died or changed meanwhile is ignored. Empty once no graph holds a handle.
+    - ``_newest``: the largest group packed so far (``-1`` before any); it only grows.
+    - ``handle.ready``: ``None``, or ``(device tensor, event)`` once bringing it back has started (a host->device
+      copy, or the still-held ``source`` with no event), by a prefetch or by its own unpack. Unpack hands it out
+      and clears it after the last user; if the handle dies first with the copy still running, it moves to
+      ``_landing``.
+    - ``handle.users``: saved slots holding the handle that have not unpacked it: 1 at its pack, one more per later
+      save of the same view, one less per unpack.
+
     Args:
-        streams: the device's streams (:class:`DeviceStreams`) or the CPU fake (:class:`FakeStreams`).
+        streams: the device's streams (:class:`DeviceStreams`) or the CPU fake
+            (:class:`~lightning_ckpt.core.fake_streams.FakeStreams`).
         min_bytes: tensors smaller than this stay on the device.
         lag: how many later checkpointed layers may start before the compute stream waits for a forward copy.
             The engine holds each device tensor until its copy is done, so this bounds the extra device memory.
 
     Example::
 
+        >>> from lightning_ckpt.core.fake_streams import FakeStreams
         >>> engine = OffloadEngine(FakeStreams(), min_bytes=0)
         >>> packed = engine.pack(torch.ones(4), group=0)
         >>> engine.unpack(packed)
@@ -561,11 +411,11 @@ class OffloadEngine:
         self.lag = lag
         self.pool = HostPool(streams.host_buffer, streams.host_size, streams.empty_host_cache)
         self.stats = OffloadStats()
-        self._lock = threading.RLock()  # backward (and so unpack and handle deaths) may run on autograd's threads
+        self._lock = threading.RLock()
         self._in_flight: list[_InFlight] = []
-        self._landing: list[tuple[torch.Tensor, Any]] = []  # device tensors a copy may still write into
+        self._landing: list[tuple[torch.Tensor, Any]] = []
         self._groups: dict[int, list[weakref.ref[_Handle]]] = {}
-        self._previous: dict[int, int] = {}  # group -> the checkpointed layer before it in the same graph
+        self._previous: dict[int, int] = {}
         self._shared: dict[tuple[Any, ...], tuple[StorageWeakRef, int, weakref.ref[_Handle]]] = {}
         self._newest = -1
 
@@ -604,7 +454,7 @@ class OffloadEngine:
             # holding it makes the lifetime explicit, bounded by `lag`, and checkable on the fake backend.
             self._in_flight.append(flight)
             self._groups.setdefault(group, []).append(weakref.ref(handle))
-            handle.key = _storage_key(tensor)
+            handle.key = _view_key(tensor)
             self._shared[handle.key] = (StorageWeakRef(tensor.untyped_storage()), tensor._version, weakref.ref(handle))
             self.stats.offloaded_bytes += nbytes
             self.stats.to_host_copies += 1
@@ -681,7 +531,7 @@ class OffloadEngine:
         node.metadata[_GROUP_TAG] = group
 
     def _shared_handle(self, tensor: torch.Tensor) -> Optional[_Handle]:
-        entry = self._shared.get(_storage_key(tensor))
+        entry = self._shared.get(_view_key(tensor))
         if entry is None:
             return None
         storage, version, ref = entry
@@ -738,7 +588,17 @@ class OffloadEngine:
             self.pool.give(handle.buffer)
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+def _view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies the view ``tensor`` is of its storage: the same elements in the same layout. Unlike
+    :func:`~lightning_ckpt.core.profiling.storage_key`, which all views of a storage share, two views with other
+    offsets, shapes, strides or dtypes get two keys: each is copied on its own.
+
+    Example::
+
+        >>> x = torch.zeros(4, 4)
+        >>> _view_key(x) == _view_key(x.view(4, 4)) != _view_key(x[1:])
+        True
+    """
     return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
             tuple(tensor.stride()), tensor.dtype)
 
@@ -766,10 +626,10 @@ def _latest_tagged(start: Any, group: int) -> Optional[int]:
 # Which engine, and the hooks
 
 
-_local = threading.local()
+_this_thread = threading.local()  # `.engine`: the engine `use_engine` put in charge in this thread
 _engines: dict[torch.device, OffloadEngine] = {}  # one per device, shared by threads (the engine has its own lock)
 _engines_lock = threading.Lock()
-_groups = itertools.count(1)
+_group_ids = itertools.count(1)  # one per OffloadToHost, increasing: the newest layer call has the largest
 
 
 def default_engine(device: Union[str, torch.device]) -> OffloadEngine:
@@ -791,7 +651,7 @@ def default_engine(device: Union[str, torch.device]) -> OffloadEngine:
 def engine_for(device: Union[str, torch.device]) -> Optional[OffloadEngine]:
     """The engine that would offload this thread's tensors on ``device`` (its :func:`use_engine` one, else the
     device's default); ``None`` on the CPU, where nothing is offloaded."""
-    engine = getattr(_local, "engine", None)
+    engine = getattr(_this_thread, "engine", None)
     if engine is not None:
         return engine
     return None if torch.device(device).type == "cpu" else default_engine(device)
@@ -803,12 +663,12 @@ def use_engine(engine: OffloadEngine) -> Iterator[OffloadEngine]:
     if not isinstance(engine, OffloadEngine):
         raise TypeError(f"`use_engine` takes an `OffloadEngine`, got {type(engine).__name__}. Build one with"
                         " `OffloadEngine(DeviceStreams('cuda'))` or `OffloadEngine(FakeStreams())`.")
-    previous = getattr(_local, "engine", None)
-    _local.engine = engine
+    previous = getattr(_this_thread, "engine", None)
+    _this_thread.engine = engine
     try:
         yield engine
     finally:
-        _local.engine = previous
+        _this_thread.engine = previous
 
 
 def release_all() -> None:
@@ -819,16 +679,14 @@ def release_all() -> None:
         engine.release()
 
 
-def _pack(tensor: torch.Tensor) -> Any:
-    engine = getattr(_local, "engine", None)
+def _pack(tensor: torch.Tensor, group: int) -> Any:
+    engine = getattr(_this_thread, "engine", None)
     if engine is None:
         if tensor.device.type == "cpu" or isinstance(tensor, torch.nn.Parameter):
-            if tensor.device.type == "cpu":
-                _warn_cpu_once()
             report_held(tensor, "kept")  # still held where it is; these hooks hide it from outer counters
             return tensor
         engine = default_engine(tensor.device)
-    return engine.pack(tensor, getattr(_local, "group", 0))
+    return engine.pack(tensor, group)
 
 
 def _unpack(packed: Any) -> torch.Tensor:
@@ -840,20 +698,19 @@ def _unpack(packed: Any) -> torch.Tensor:
 class OffloadToHost(saved_tensors_hooks):
     """Saved-tensor hooks that keep accelerator tensors saved for backward in pinned host memory.
 
-    One instance wraps one checkpointed layer call: it is what tells the engine where one layer's inputs end and the
-    next one's begin, so that backward can bring back the next layer's inputs while the current one runs. Parameters
-    are never moved (they stay resident anyway). CPU tensors are left where they are, with a one-time warning that
-    offload does nothing on a CPU-only run (unless :func:`use_engine` put a fake device in charge).
+    Build one per checkpointed layer call: its ``group``, drawn when it is built and bound into its pack hook, is what
+    tells the engine where one layer's inputs end and the next one's begin, so that backward can bring back the next
+    layer's inputs while the current one runs. Parameters are never moved (they stay resident anyway). CPU tensors are
+    left where they are, unless :func:`use_engine` put a fake device in charge (on a CPU-only machine
+    :func:`~lightning_ckpt.core.wrapping.apply_checkpointing` says once that ``offload=True`` does nothing).
+
+    Example::
+
+        >>> first, second = OffloadToHost(), OffloadToHost()
+        >>> first.group < second.group  # the later layer call: backward needs its inputs first
+        True
     """
 
     def __init__(self) -> None:
-        super().__init__(_pack, _unpack)
-
-    def __enter__(self) -> None:
-        self._outer_group = getattr(_local, "group", 0)
-        _local.group = next(_groups)
-        super().__enter__()
-
-    def __exit__(self, *args: object) -> None:
-        super().__exit__(*args)
-        _local.group = self._outer_group
+        self.group = next(_group_ids)
+        super().__init__(functools.partial(_pack, group=self.group), _unpack)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ckpt.core.layer_state import CallState, LayerState
-from lightning_ckpt.core.offload import OffloadToHost
+from lightning_ckpt.core.offload import OffloadToHost, engine_for
 from lightning_ckpt.core.policies import selective_context_fn
 from lightning_ckpt.core.selection import (
     LayerClassArg,
@@ -280,9 +281,36 @@ def apply_checkpointing(
         else:
             original = layer.__dict__.get("forward")
             layer.forward = CheckpointedForward(layer, options, original)
+    if options.offload:
+        _warn_if_offload_does_nothing([layer for _, layer in selected])
     names = [name for name, _ in selected]
     turn_off_caches(module, names)
     return names
+
+
+_warned_offload_on_cpu = False
+
+
+def _warn_if_offload_does_nothing(layers: Sequence[nn.Module]) -> None:
+    """Say once per process that ``offload=True`` does nothing for ``layers``: their parameters are on the CPU of a
+    machine without an accelerator, so what they save for backward is in host memory already (unless
+    :func:`~lightning_ckpt.core.offload.use_engine` put a fake device in charge). Said here, at setup, and attributed
+    to the caller of :func:`apply_checkpointing`, rather than at the first saved tensor, inside torch's checkpoint.
+
+    With an accelerator present nothing is said: a model still on the CPU may be moved after setup (Lightning's
+    strategies move it after the callbacks' ``setup``).
+    """
+    global _warned_offload_on_cpu
+    devices = {p.device.type for layer in layers for p in layer.parameters()}
+    if (_warned_offload_on_cpu or devices != {"cpu"} or torch.accelerator.is_available()
+            or engine_for("cpu") is not None):
+        return
+    _warned_offload_on_cpu = True
+    warnings.warn(
+        "lightning_ckpt: `offload=True` has no effect here: the saved layer inputs are already in host (CPU)"
+        " memory. Offload moves them off an accelerator.",
+        stacklevel=3,  # this function, apply_checkpointing, its caller
+    )
 
 
 def remove_checkpointing(module: nn.Module) -> list[str]:
