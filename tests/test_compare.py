@@ -30,7 +30,7 @@ from lightning_ckpt.commands.compare.stats import (
 from lightning_ckpt.commands.compare.variants import available_variants, planned_settings
 from lightning_ckpt.commands.plan.measure import Measurement, build, measure
 from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.memory_stats import ACTIVATIONS, SAMPLES_PER_SEC, STEP_SEC
+from lightning_ckpt.core.memory_stats import ACTIVATIONS, SAMPLES_PER_SEC, STEP_SEC, TOKENS_PER_SEC
 from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.planner import LayerCost, predict_seconds
 
@@ -62,7 +62,7 @@ def step_samples(seed: int, scale: float = 1.0, sigma: float = 0.15, rounds: int
 
 def synthetic(name: str, step_times) -> VariantResult:
     return VariantResult(name=name, activations_gib=1.0 if name == "none" else 0.5, step_times=step_times,
-                         samples_per_sec=100.0, loss_diff=0.0, grad_diff=0.0)
+                         samples_per_step=8.0, loss_diff=0.0, grad_diff=0.0)
 
 
 # ---------------------------------------------------------------------------------------------------- configs
@@ -197,6 +197,27 @@ def test_measurements_take_peaks_over_every_step_and_times_after_warmup():
     planned = measurements("planned", [(runs[0][0], {"checkpointed_layers": ["a"], "plan": plan})], warmup=1)
     assert planned.layer_modes == {"a": "selective"} and planned.kept_ops == {"a": [0, 2]}
     assert planned.offload == ["b"]  # the layers the plan offloads, not every checkpointed one
+
+
+def test_throughput_is_the_samples_of_a_step_over_the_median_step_time():
+    # The reported case: batch 8 on a busy machine, an even number of timed steps whose two middle ones are far
+    # apart. The median step is their mean time; the median of the logged rates would be the mean of their rates.
+    def rows(*times):
+        return [{STEP_SEC: t, SAMPLES_PER_SEC: 8 / t, TOKENS_PER_SEC: 8 * 32 / t} for t in times]
+
+    done = {"checkpointed_layers": [], "device": "cpu"}
+    r = measurements("none", [(rows(1.0, 0.100, 0.130), done), (rows(2.0, 0.400, 0.420), done)], warmup=1)
+    median = (0.130 + 0.400) / 2  # 0.265 s
+    by_hand = 8 / median  # 30.19 samples/s, where the median of the rates is (8 / 0.130 + 8 / 0.400) / 2 = 40.77
+    assert r.step.median == pytest.approx(median) and r.samples_per_step == pytest.approx(8)
+    assert r.samples_per_sec == pytest.approx(by_hand) and r.tokens_per_sec == pytest.approx(32 * by_hand)
+
+    row = table(render_markdown([r], "synthetic", 1e-3, 1e-6))["none"]
+    assert (row["step"], row["samples/s"]) == ("265", "30.19")
+    entry = to_json([r], {})["variants"][0]
+    assert entry["step_sec_median"] == pytest.approx(median) and entry["samples_per_step"] == pytest.approx(8)
+    assert entry["samples_per_sec"] == pytest.approx(by_hand)
+    assert entry["tokens_per_sec"] == pytest.approx(256 / median) and entry["tokens_per_step"] == pytest.approx(256)
 
 
 def test_a_planted_zero_difference_is_reported_within_noise_never_as_a_gain():

@@ -75,7 +75,7 @@ def render_markdown(results: Sequence[VariantResult], title: str, rtol: float, a
         f"# Checkpointing comparison: {title}",
         "",
         f"Memory saved is measured on {memory_what}. {timing} Step time is the median over the timed steps, with"
-        f" its interquartile range (IQR). Time lost is the ratio of medians to `{BASELINE}` with a"
+        f" its interquartile range (IQR); samples/s is the samples of one step over that median. Time lost is the ratio of medians to `{BASELINE}` with a"
         f" {100 * CONFIDENCE:.0f}% bootstrap interval (rounds, then steps, resampled); a difference whose interval"
         f" contains 0% is within noise, and with fewer than {MIN_TIMED_STEPS} timed steps there is no verdict."
         f" Loss and gradients after step 1 are compared with `{BASELINE}` (tolerance: |diff| <= {atol:g} +"
@@ -137,6 +137,7 @@ def to_json(results: Sequence[VariantResult], settings: Mapping[str, Any]) -> di
                 activations_gib=r.activations_gib, offloaded_gib=r.offloaded_gib, timed_memory_gib=r.timed_memory_gib,
                 timed_steps=step.n,
                 step_sec_median=step.median, step_sec_q1=step.q1, step_sec_q3=step.q3,
+                samples_per_step=r.samples_per_step, tokens_per_step=r.tokens_per_step,
                 samples_per_sec=r.samples_per_sec, tokens_per_sec=r.tokens_per_sec, step_times=r.step_times,
                 loss_diff=r.loss_diff, grad_diff=r.grad_diff, mismatch=r.mismatch, layer_modes=r.layer_modes,
                 kept_ops=r.kept_ops, offload=r.offload, predicted_step_seconds=r.predicted_step_seconds,
