@@ -16,6 +16,7 @@ from matplotlib.container import ErrorbarContainer
 
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.compare import DEFAULT_WARMUP
+from lightning_ckpt.commands.compare.comparison import Comparison
 from lightning_ckpt.commands.compare.report import plot, prediction_text, render_markdown, to_json
 from lightning_ckpt.commands.compare.run import PERTURB_ENV, config_seed, read_monitor_csv, schedule, variant_config
 from lightning_ckpt.commands.compare.stats import (
@@ -58,6 +59,11 @@ def step_samples(seed: int, scale: float = 1.0, sigma: float = 0.15, rounds: int
     """Synthetic step times in seconds, ``[rounds][per_round]``, log-normal around ``scale * 10 ms``."""
     rng = np.random.default_rng(seed)
     return (scale * 0.010 * rng.lognormal(0.0, sigma, (rounds, per_round))).tolist()
+
+
+def comparison(results, steps_per_round=(10, 10, 10), **settings) -> Comparison:
+    """The comparison of ``results`` from ``synthetic.yaml``, timed as :func:`step_samples` draws them."""
+    return Comparison(list(results), Path("synthetic.yaml"), list(steps_per_round), **settings)
 
 
 def synthetic(name: str, step_times) -> VariantResult:
@@ -212,9 +218,9 @@ def test_throughput_is_the_samples_of_a_step_over_the_median_step_time():
     assert r.step.median == pytest.approx(median) and r.samples_per_step == pytest.approx(8)
     assert r.samples_per_sec == pytest.approx(by_hand) and r.tokens_per_sec == pytest.approx(32 * by_hand)
 
-    row = table(render_markdown([r], "synthetic", 1e-3, 1e-6))["none"]
+    row = table(render_markdown(comparison([r], [2, 2])))["none"]
     assert (row["step"], row["samples/s"]) == ("265", "30.19")
-    entry = to_json([r], {})["variants"][0]
+    entry = to_json(comparison([r], [2, 2]))["variants"][0]
     assert entry["step_sec_median"] == pytest.approx(median) and entry["samples_per_step"] == pytest.approx(8)
     assert entry["samples_per_sec"] == pytest.approx(by_hand)
     assert entry["tokens_per_sec"] == pytest.approx(256 / median) and entry["tokens_per_step"] == pytest.approx(256)
@@ -224,7 +230,7 @@ def test_a_planted_zero_difference_is_reported_within_noise_never_as_a_gain():
     base, same = step_samples(seed=1), step_samples(seed=2)  # identical distributions
     diff = time_difference(base, same)
     assert diff.low < 1.0 < diff.high and diff.within_noise
-    row = table(render_markdown([synthetic("none", base), synthetic("every_4th", same)], "synthetic", 1e-3, 1e-6))
+    row = table(render_markdown(comparison([synthetic("none", base), synthetic("every_4th", same)])))
     match = re.fullmatch(r"≈0%, within noise ±([\d.]+)%", row["every_4th"]["time lost"])
     assert match, row["every_4th"]["time lost"]
     assert float(match.group(1)) == pytest.approx(100 * max(diff.high - 1, 1 - diff.low), abs=0.5)
@@ -241,8 +247,8 @@ def test_a_planted_30_percent_loss_is_reported_with_its_number():
     base, slower = step_samples(seed=1), step_samples(seed=2, scale=1.3)
     diff = time_difference(base, slower)
     assert not diff.within_noise and diff.ratio == pytest.approx(1.3, abs=0.06) and diff.low > 1.15
-    text = table(render_markdown([synthetic("none", base), synthetic("every_layer", slower)], "synthetic", 1e-3,
-                                 1e-6))["every_layer"]["time lost"]
+    text = table(render_markdown(comparison([synthetic("none", base), synthetic("every_layer", slower)])))[
+        "every_layer"]["time lost"]
     match = re.fullmatch(r"\+(\d+)% \(\+(\d+)% to \+(\d+)%\)", text)
     assert match, text
     change, low, high = (int(g) for g in match.groups())
@@ -276,14 +282,14 @@ def test_unequal_timed_steps_give_no_verdict_when_either_side_has_too_few():
         assert diff.timed_steps == 3 and not diff.enough_steps
         assert diff.describe() == "n/a: 3 timed steps, too few to tell"
     results = [synthetic("none", many), synthetic("every_layer", few)]
-    row = table(render_markdown(results, "synthetic", 1e-3, 1e-6))["every_layer"]
+    row = table(render_markdown(comparison(results)))["every_layer"]
     assert row["time lost"] == "n/a: 3 timed steps, too few to tell" and row["timed steps"] == "3"
-    assert to_json(results, {})["variants"][1]["time_lost"]["enough_steps"] is False
+    assert to_json(comparison(results))["variants"][1]["time_lost"]["enough_steps"] is False
 
 
 def test_plot_draws_interquartile_error_bars(tmp_path):
     results = [synthetic("none", step_samples(seed=1)), synthetic("every_layer", step_samples(seed=2, scale=1.3))]
-    fig = plot(results, tmp_path / "compare.png", "synthetic")
+    fig = plot(comparison(results), tmp_path / "compare.png")
     png = (tmp_path / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     bars = [c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]
@@ -300,9 +306,11 @@ def test_render_markdown_shows_memory_saved_a_failed_variant_and_a_warm_up_peak(
     planned.timed_memory_gib = 0.25  # its measuring first step held 0.5 GiB
     failed = VariantResult(name="every_2nd", error="see every_2nd/round1/worker.log")
     results = [synthetic("none", samples), synthetic("every_layer", samples), failed, planned]
-    markdown = render_markdown(results, "synthetic", 1e-3, 1e-6, timing="Timed in 3 rounds.")
-    assert markdown.startswith("# Checkpointing comparison: synthetic\n")
-    assert "Timed in 3 rounds." in markdown and "95% bootstrap interval" in markdown
+    markdown = render_markdown(comparison(results, warmup=2))
+    assert markdown.startswith("# Checkpointing comparison: synthetic.yaml, 30 timed steps per variant\n")
+    assert ("Timing: 30 timed steps per variant in 3 round(s) of fresh processes (10/10/10 steps, each after 2"
+            " untimed warm-up step(s)), the rounds interleaved and alternately reversed.") in markdown
+    assert "95% bootstrap interval" in markdown
     assert "tolerance: |diff| <= 1e-06 + 0.001 x the largest |value|" in markdown
     rows = table(markdown)
     assert rows["every_layer"]["memory saved"] == "0.5 GiB (50%)"  # activations 1.0 -> 0.5 GiB
@@ -312,8 +320,10 @@ def test_render_markdown_shows_memory_saved_a_failed_variant_and_a_warm_up_peak(
             " (the first step measures for the memory_budget plan).") in markdown
     assert "`every_layer`: the warm-up" not in markdown
 
-    written = to_json(results, {"seed": 3})
-    assert written["seed"] == 3
+    written = to_json(comparison(results, seed=3))
+    assert (written["seed"], written["steps"], written["rounds"], written["steps_per_round"]) == (3, 30, 3, [10] * 3)
+    assert written["order"][:5] == [(0, "none"), (0, "every_layer"), (0, "every_2nd"), (0, "planned"), (1, "planned")]
+    assert written["time_model"] == {"error": ""} and (written["rtol"], written["atol"]) == (1e-3, 1e-6)
     assert written["variants"][2] == {"name": "every_2nd", "description": "every 2nd layer",
                                       "error": "see every_2nd/round1/worker.log"}
     assert written["variants"][1]["time_lost"]["within_noise"] is True  # the same samples
@@ -360,11 +370,11 @@ def test_predicted_column_is_the_time_models_ratio_for_the_layers_each_variant_c
     # selective recomputes only the gelu but pays 200 us per op under its policy, forward and recompute
     assert results[3].predicted_ratio == pytest.approx(1 + 4 * (1e-5 + 1e-4 + 4 * 2e-4) / step)
 
-    rows = table(render_markdown(results, "synthetic", 1e-3, 1e-6, prediction=prediction_text(model)))
+    rows = table(render_markdown(comparison(results, time_model=model)))
     assert rows["none"]["predicted"] == "-"
     assert rows["every_layer"]["predicted"] == f"+{100 * (full - 1):.0f}%"
     assert rows["selective"]["predicted"] == f"+{100 * (results[3].predicted_ratio - 1):.0f}%"
-    written = to_json(results, {"time_model": model.as_dict()})
+    written = to_json(comparison(results, time_model=model))
     assert [v["predicted_time_lost"] for v in written["variants"]] == [r.predicted_ratio for r in results]
     assert written["time_model"]["op_overhead"] == 1e-4 and written["time_model"]["policy_overhead"] == 2e-4
 
@@ -390,9 +400,10 @@ def test_a_variant_whose_layers_were_not_measured_gets_no_prediction():
     problems = predict_variants(results, model)
     assert problems == ["`every_layer` checkpointed other.9, which the measured step does not have"]
     assert results[0].predicted_ratio == 1.0 and results[1].predicted_ratio is None
-    text = prediction_text(model, problems)
+    text = prediction_text(comparison(results, time_model=model, unpredicted=problems))
     assert text.endswith("No prediction: `every_layer` checkpointed other.9, which the measured step does not have.")
-    assert table(render_markdown(results, "synthetic", 1e-3, 1e-6, prediction=text))["every_layer"]["predicted"] == "n/a"
+    assert table(render_markdown(comparison(results, time_model=model, unpredicted=problems)))["every_layer"][
+        "predicted"] == "n/a"
 
 
 # ---------------------------------------------------------------------------------------------------- runs
