@@ -31,9 +31,10 @@ from lightning_ckpt.commands.compare.stats import (
 from lightning_ckpt.commands.compare.variants import available_variants, planned_settings
 from lightning_ckpt.commands.plan.measure import Measurement, build, measure
 from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.memory_stats import ACTIVATIONS, SAMPLES_PER_SEC, STEP_SEC, TOKENS_PER_SEC
+from lightning_ckpt.core.memory_stats import ACTIVATIONS, GIB, SAMPLES_PER_SEC, STEP_SEC, TOKENS_PER_SEC
 from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.planner import LayerCost, predict_seconds
+from lightning_ckpt.core.profiling import format_bytes
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 COLUMNS = ["variant", "layers", "peak device", "host RSS", "activations", "offloaded", "timed steps", "step",
@@ -298,6 +299,31 @@ def test_plot_draws_interquartile_error_bars(tmp_path):
         (start, end), = [segment[:, 0] for segment in container.lines[2][0].get_segments()]
         assert (start, end) == pytest.approx((1000 * result.step.q1, 1000 * result.step.q3))
         assert end - start > 0
+    # memory in the binary unit of the largest figure: activations of 1 and 0.5 GiB
+    assert fig.axes[0].get_ylabel() == "activations held for backward (GiB)"
+    assert [c.lines[0].get_ydata()[0] for c in bars] == [1.0, 0.5]
+    for r, mib in zip(results, (3.5, 0.75)):
+        r.activations_gib = mib / 1024
+    fig = plot(comparison(results), tmp_path / "compare.png")
+    bars = [c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]
+    assert fig.axes[0].get_ylabel() == "activations held for backward (MiB)"
+    assert [c.lines[0].get_ydata()[0] for c in bars] == [3.5, 0.75]
+
+
+def test_memory_is_written_in_the_binary_unit_that_fits_it():
+    samples = step_samples(seed=1)
+    none, every = synthetic("none", samples), synthetic("every_layer", samples)
+    none.activations_gib, none.host_rss_gib = 3.5 / 1024, 1.5  # 3.5 MiB; 1.5 GiB
+    every.activations_gib, every.offloaded_gib = 1 / 1024, 0.0002501  # 1 MiB; 0.0002501 x 1024^2 = 262.2 KiB
+    rows = table(render_markdown(comparison([none, every])))
+    assert [rows["none"][k] for k in ("peak device", "host RSS", "activations", "offloaded")] == [
+        "n/a", "1.5 GiB", "3.5 MiB", "0 B"]
+    assert (rows["every_layer"]["activations"], rows["every_layer"]["offloaded"]) == ("1.0 MiB", "262.2 KiB")
+    assert rows["every_layer"]["memory saved"] == "2.5 MiB (71%)"  # 3.5 - 1 MiB, of 3.5
+    assert rows["every_layer"]["host RSS"] == "n/a"  # not measured: NaN
+    # compare.json keeps its figures in GiB
+    written = to_json(comparison([none, every]))["variants"]
+    assert (written[0]["activations_gib"], written[1]["offloaded_gib"]) == (3.5 / 1024, 0.0002501)
 
 
 def test_render_markdown_shows_memory_saved_a_failed_variant_and_a_warm_up_peak():
@@ -313,10 +339,10 @@ def test_render_markdown_shows_memory_saved_a_failed_variant_and_a_warm_up_peak(
     assert "95% bootstrap interval" in markdown
     assert "tolerance: |diff| <= 1e-06 + 0.001 x the largest |value|" in markdown
     rows = table(markdown)
-    assert rows["every_layer"]["memory saved"] == "0.5 GiB (50%)"  # activations 1.0 -> 0.5 GiB
+    assert rows["every_layer"]["memory saved"] == "512.0 MiB (50%)"  # activations 1.0 -> 0.5 GiB
     assert float(rows["every_layer"]["step"]) == pytest.approx(1000 * np.median(samples), rel=1e-2)
     assert rows["every_2nd"]["check"] == "FAILED: see every_2nd/round1/worker.log"
-    assert ("`planned`: the warm-up steps held the most (0.5 GiB, in the table); the timed steps at most 0.25 GiB"
+    assert ("`planned`: the warm-up steps held the most (512.0 MiB, in the table); the timed steps at most 256.0 MiB"
             " (the first step measures for the memory_budget plan).") in markdown
     assert "`every_layer`: the warm-up" not in markdown
 
@@ -463,7 +489,8 @@ def test_compare_tiny_config_writes_table_json_and_plot(tmp_path, capsys):
     rows = table(markdown)
     assert list(rows) == FIXED
     assert [rows[n]["layers"] for n in rows] == ["0", "4", "4", "2", "1", "4"]  # tiny.yaml: 4 blocks
-    activations = {n: float(r["activations"]) for n, r in rows.items()}
+    written = json.loads((out / "compare.json").read_text())
+    activations = {v["name"]: v["activations_gib"] for v in written["variants"]}
     assert activations["none"] > activations["every_4th"] > activations["every_2nd"] > activations["every_layer"] > 0
     assert activations["none"] > activations["selective"] > activations["every_layer"]
     for name in FIXED[1:]:
@@ -474,10 +501,15 @@ def test_compare_tiny_config_writes_table_json_and_plot(tmp_path, capsys):
         assert row["time lost"] == "n/a: 3 timed steps, too few to tell"  # 3 steps are not a result
         assert float(row["step"]) > 0 and float(row["samples/s"]) > 0
     assert rows["none"]["check"] == "baseline" and rows["none"]["peak device"] == "n/a"  # CPU run
-    saved = float(rows["every_layer"]["memory saved"].split()[0])
-    assert saved == pytest.approx(activations["none"] - activations["every_layer"], rel=1e-2)
+    # memory in the table and the progress lines in binary units, from the JSON's GiB (KiB and MiB here)
+    for name in FIXED:
+        assert rows[name]["activations"] == format_bytes(activations[name] * GIB)
+        assert re.fullmatch(r"\d+\.\d [KM]iB", rows[name]["activations"])
+    assert f"2 layers checkpointed, activations {format_bytes(activations['every_2nd'] * GIB)}, median" in printed
+    saved = activations["none"] - activations["every_layer"]
+    percent = 100 * saved / activations["none"]
+    assert rows["every_layer"]["memory saved"] == f"{format_bytes(saved * GIB)} ({percent:.0f}%)"
 
-    written = json.loads((out / "compare.json").read_text())
     assert [v["name"] for v in written["variants"]] == FIXED
     assert all(v["timed_steps"] == 3 for v in written["variants"])
     # the predicted column: the time model on the preset, for the layers each variant checkpointed
@@ -539,14 +571,15 @@ def test_compare_planned_variant_fits_the_budget(tmp_path, capsys):
     rows = table((out / "compare.md").read_text())
     assert list(rows) == ["none", "every_layer", "planned"]
     assert rows["planned"]["check"] == "ok"  # step 1 (measured, fully checkpointed) has the gradients of none
-    activations = {n: float(r["activations"]) for n, r in rows.items()}
-    planned = json.loads((out / "compare.json").read_text())["variants"][2]
+    written = json.loads((out / "compare.json").read_text())
+    activations = {v["name"]: v["activations_gib"] for v in written["variants"]}
+    planned = written["variants"][2]
     # the plan holds from step 2: the timed steps (after 1 warm-up step) are within the budget
     assert activations["every_layer"] <= planned["timed_memory_gib"] <= 0.5 * activations["none"] * 1.02
-    assert planned["timed_memory_gib"] <= planned["activations_gib"] == pytest.approx(activations["planned"], rel=1e-3)
+    assert planned["timed_memory_gib"] <= planned["activations_gib"]
+    assert rows["planned"]["activations"] == format_bytes(planned["activations_gib"] * GIB)
     assert 1 <= int(rows["planned"]["layers"]) <= 4
     # predicted on this CPU, measured (the default): the plan's own layers; any recompute costs time
-    written = json.loads((out / "compare.json").read_text())
     assert written["time_model"]["device"] == "measured cpu" and written["time_model"]["offload_moves"] is False
     assert set(planned["layer_modes"]) <= set(written["time_model"]["layers"]) and planned["layer_modes"]
     assert planned["predicted_time_lost"] > 1 and written["variants"][1]["predicted_time_lost"] > 1

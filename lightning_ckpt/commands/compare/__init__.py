@@ -69,7 +69,7 @@ from lightning_ckpt.commands.arguments import (
     check_device_argument,
 )
 from lightning_ckpt.commands.compare.comparison import ATOL, RTOL, Comparison
-from lightning_ckpt.commands.compare.report import format_ms, format_number, plot, render_markdown, to_json
+from lightning_ckpt.commands.compare.report import format_gib, format_ms, plot, render_markdown, to_json
 from lightning_ckpt.commands.compare.run import (
     PERTURB_ENV,
     Output,
@@ -118,8 +118,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", type=Path, default=None,
                         help="where to write compare.md, compare.json, compare.png and per-process logs"
                              " (default: lightning_ckpt_compare/<config name>)")
-    parser.add_argument("--rtol", type=float, default=RTOL, help=f"relative gradient/loss tolerance (default: {RTOL:g})")
-    parser.add_argument("--atol", type=float, default=ATOL, help=f"absolute gradient/loss tolerance (default: {ATOL:g})")
+    parser.add_argument("--rtol", type=float, default=RTOL,
+                        help=f"relative gradient/loss tolerance (default: {RTOL:g})")
+    parser.add_argument("--atol", type=float, default=ATOL,
+                        help=f"absolute gradient/loss tolerance (default: {ATOL:g})")
     add_device_argument(parser, "price the predicted slowdowns on this device",
                         "default: auto")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -267,7 +269,7 @@ def _print_done(got: Output, seconds: float, warmup: int, mismatch: Optional[str
     rows, result = got
     timed = [row[STEP_SEC] for row in rows[warmup:]]
     print(f"done in {seconds:.1f} s: {len(result['checkpointed_layers'])} layers checkpointed, activations"
-          f" {format_number(max(row.get(ACTIVATIONS, 0.0) for row in rows))} GiB, median"
+          f" {format_gib(max(row.get(ACTIVATIONS, 0.0) for row in rows))}, median"
           f" {format_ms(spread(timed).median)} ms/step" + (f", MISMATCH: {mismatch}" if mismatch else ""),
           flush=True)
 

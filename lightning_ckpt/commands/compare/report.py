@@ -20,6 +20,8 @@ from lightning_ckpt.commands.compare.stats import (
     time_difference,
 )
 from lightning_ckpt.commands.compare.variants import BASELINE, DESCRIPTIONS, PLANNED
+from lightning_ckpt.core.memory_stats import GIB
+from lightning_ckpt.core.profiling import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -39,6 +41,33 @@ def format_number(value: Optional[float], digits: int = 4) -> str:
 def format_ms(value: float) -> str:
     """Seconds as milliseconds, 3 significant digits."""
     return format_number(1000 * value, 3)
+
+
+def format_gib(value: Optional[float]) -> str:
+    """A memory figure in GiB (as the monitor logs them) in the binary unit that fits it
+    (:func:`~lightning_ckpt.core.profiling.format_bytes`); ``"n/a"`` for ``None`` or NaN.
+
+    Example::
+
+        >>> format_gib(0.0002501), format_gib(1.5), format_gib(0.0), format_gib(None)
+        ('262.2 KiB', '1.5 GiB', '0 B', 'n/a')
+    """
+    return "n/a" if value is None or math.isnan(value) else format_bytes(value * GIB)
+
+
+def binary_unit(num_bytes: float) -> tuple[str, int]:
+    """The unit that :func:`~lightning_ckpt.core.profiling.format_bytes` writes ``num_bytes`` in, and its size in
+    bytes: for an axis whose largest figure is ``num_bytes``.
+
+    Example::
+
+        >>> binary_unit(3 * 2**20), binary_unit(1023), binary_unit(2**30)
+        (('MiB', 1048576), ('B', 1), ('GiB', 1073741824))
+    """
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= size:
+            return unit, size
+    return "B", 1
 
 
 def title(c: Comparison) -> str:
@@ -79,9 +108,9 @@ def prediction_text(c: Comparison) -> str:
 
 
 #: The table's columns, one row per variant (:func:`_row`).
-COLUMNS = ("variant", "checkpointed layers", "peak device (GiB)", "host RSS (GiB)", "activations (GiB)",
-           "offloaded (GiB)", "timed steps", "step (ms)", "step IQR (ms)", "samples/s", "memory saved", "time lost",
-           "predicted", "loss diff", "grad diff", "check")
+COLUMNS = ("variant", "checkpointed layers", "peak device", "host RSS", "activations", "offloaded", "timed steps",
+           "step (ms)", "step IQR (ms)", "samples/s", "memory saved", "time lost", "predicted", "loss diff",
+           "grad diff", "check")
 
 
 def render_markdown(c: Comparison) -> str:
@@ -139,16 +168,16 @@ def _row(r: VariantResult, base: VariantResult) -> str:
         check = "baseline"
     else:
         delta = base.memory_gib - r.memory_gib
-        saved = f"{format_number(delta, 3)} GiB ({100 * delta / base.memory_gib:.0f}%)" if base.memory_gib else "n/a"
+        saved = f"{format_gib(delta)} ({100 * delta / base.memory_gib:.0f}%)" if base.memory_gib else "n/a"
         lost = time_difference(base.step_times, r.step_times).describe()
         predicted = "n/a" if r.predicted_ratio is None else signed_percent(r.predicted_ratio - 1)
         loss, grad = format_number(r.loss_diff, 2), format_number(r.grad_diff, 2)
         check = f"**MISMATCH: {r.mismatch}**" if r.mismatch else "ok"
-    step, n = r.step, format_number
-    return (f"| {r.name} | {len(r.checkpointed_layers)} | {n(r.peak_allocated_gib)} | {n(r.host_rss_gib)}"
-            f" | {n(r.activations_gib)} | {n(r.offloaded_gib)} | {step.n} | {format_ms(step.median)}"
-            f" | {format_ms(step.q1)}–{format_ms(step.q3)} | {n(r.samples_per_sec)} | {saved} | {lost} | {predicted}"
-            f" | {loss} | {grad} | {check} |")
+    step, gib = r.step, format_gib
+    return (f"| {r.name} | {len(r.checkpointed_layers)} | {gib(r.peak_allocated_gib)} | {gib(r.host_rss_gib)}"
+            f" | {gib(r.activations_gib)} | {gib(r.offloaded_gib)} | {step.n} | {format_ms(step.median)}"
+            f" | {format_ms(step.q1)}–{format_ms(step.q3)} | {format_number(r.samples_per_sec)} | {saved} | {lost}"
+            f" | {predicted} | {loss} | {grad} | {check} |")
 
 
 def _warmup_note(r: VariantResult) -> str:
@@ -156,8 +185,8 @@ def _warmup_note(r: VariantResult) -> str:
     if r.error or r.timed_memory_gib is None or r.memory_gib <= 1.01 * r.timed_memory_gib:
         return ""
     why = " (the first step measures for the memory_budget plan)." if r.name == PLANNED else "."
-    return (f"`{r.name}`: the warm-up steps held the most ({format_number(r.memory_gib)} GiB, in the table); the"
-            f" timed steps at most {format_number(r.timed_memory_gib)} GiB{why}")
+    return (f"`{r.name}`: the warm-up steps held the most ({format_gib(r.memory_gib)}, in the table); the"
+            f" timed steps at most {format_gib(r.timed_memory_gib)}{why}")
 
 
 def to_json(c: Comparison) -> dict[str, Any]:
@@ -194,7 +223,8 @@ def _variant_json(r: VariantResult, base: VariantResult) -> dict[str, Any]:
 
 def plot(c: Comparison, path: Path) -> Optional[Figure]:
     """Memory against median step time, one labelled point per variant with its step-time interquartile range as
-    horizontal error bars, saved as a PNG. Returns the figure (``None`` without matplotlib)."""
+    horizontal error bars, saved as a PNG; memory in the binary unit of the largest figure (:func:`binary_unit`).
+    Returns the figure (``None`` without matplotlib)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -205,16 +235,17 @@ def plot(c: Comparison, path: Path) -> Optional[Figure]:
     fig = Figure(figsize=(6.5, 4.5), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    unit, size = binary_unit(max((r.memory_gib * GIB for r in done), default=0.0))
     for r in done:
         colour = "tab:red" if r.mismatch else "tab:blue" if r.name != BASELINE else "black"
         step = r.step
-        x = 1000 * step.median
-        ax.errorbar([x], [r.memory_gib], xerr=[[1000 * (step.median - step.q1)], [1000 * (step.q3 - step.median)]],
+        x, y = 1000 * step.median, r.memory_gib * GIB / size
+        ax.errorbar([x], [y], xerr=[[1000 * (step.median - step.q1)], [1000 * (step.q3 - step.median)]],
                     fmt="o", color=colour, capsize=4)
-        ax.annotate(r.name, (x, r.memory_gib), textcoords="offset points", xytext=(5, 5), fontsize=9)
+        ax.annotate(r.name, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=9)
     on_device = bool(done) and done[0].peak_allocated_gib is not None
     ax.set_xlabel("median step time (ms); bars: interquartile range")
-    ax.set_ylabel("peak allocated device memory (GiB)" if on_device else "activations held for backward (GiB)")
+    ax.set_ylabel(f"peak allocated device memory ({unit})" if on_device else f"activations held for backward ({unit})")
     ax.set_title(f"Checkpointing: memory vs step time\n{title(c)}", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
