@@ -16,6 +16,7 @@ from matplotlib.container import ErrorbarContainer
 
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.compare import DEFAULT_WARMUP
+from lightning_ckpt.commands.compare.comparison import Comparison
 from lightning_ckpt.commands.compare.report import plot, prediction_text, render_markdown, to_json
 from lightning_ckpt.commands.compare.run import PERTURB_ENV, config_seed, read_monitor_csv, schedule, variant_config
 from lightning_ckpt.commands.compare.stats import (
@@ -30,9 +31,10 @@ from lightning_ckpt.commands.compare.stats import (
 from lightning_ckpt.commands.compare.variants import available_variants, planned_settings
 from lightning_ckpt.commands.plan.measure import Measurement, build, measure
 from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.memory_stats import ACTIVATIONS, SAMPLES_PER_SEC, STEP_SEC
+from lightning_ckpt.core.memory_stats import ACTIVATIONS, GIB, SAMPLES_PER_SEC, STEP_SEC, TOKENS_PER_SEC
 from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.planner import LayerCost, predict_seconds
+from lightning_ckpt.core.profiling import format_bytes
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 COLUMNS = ["variant", "layers", "peak device", "host RSS", "activations", "offloaded", "timed steps", "step",
@@ -60,9 +62,14 @@ def step_samples(seed: int, scale: float = 1.0, sigma: float = 0.15, rounds: int
     return (scale * 0.010 * rng.lognormal(0.0, sigma, (rounds, per_round))).tolist()
 
 
+def comparison(results, steps_per_round=(10, 10, 10), **settings) -> Comparison:
+    """The comparison of ``results`` from ``synthetic.yaml``, timed as :func:`step_samples` draws them."""
+    return Comparison(list(results), Path("synthetic.yaml"), list(steps_per_round), **settings)
+
+
 def synthetic(name: str, step_times) -> VariantResult:
     return VariantResult(name=name, activations_gib=1.0 if name == "none" else 0.5, step_times=step_times,
-                         samples_per_sec=100.0, loss_diff=0.0, grad_diff=0.0)
+                         samples_per_step=8.0, loss_diff=0.0, grad_diff=0.0)
 
 
 # ---------------------------------------------------------------------------------------------------- configs
@@ -199,11 +206,32 @@ def test_measurements_take_peaks_over_every_step_and_times_after_warmup():
     assert planned.offload == ["b"]  # the layers the plan offloads, not every checkpointed one
 
 
+def test_throughput_is_the_samples_of_a_step_over_the_median_step_time():
+    # The reported case: batch 8 on a busy machine, an even number of timed steps whose two middle ones are far
+    # apart. The median step is their mean time; the median of the logged rates would be the mean of their rates.
+    def rows(*times):
+        return [{STEP_SEC: t, SAMPLES_PER_SEC: 8 / t, TOKENS_PER_SEC: 8 * 32 / t} for t in times]
+
+    done = {"checkpointed_layers": [], "device": "cpu"}
+    r = measurements("none", [(rows(1.0, 0.100, 0.130), done), (rows(2.0, 0.400, 0.420), done)], warmup=1)
+    median = (0.130 + 0.400) / 2  # 0.265 s
+    by_hand = 8 / median  # 30.19 samples/s, where the median of the rates is (8 / 0.130 + 8 / 0.400) / 2 = 40.77
+    assert r.step.median == pytest.approx(median) and r.samples_per_step == pytest.approx(8)
+    assert r.samples_per_sec == pytest.approx(by_hand) and r.tokens_per_sec == pytest.approx(32 * by_hand)
+
+    row = table(render_markdown(comparison([r], [2, 2])))["none"]
+    assert (row["step"], row["samples/s"]) == ("265", "30.19")
+    entry = to_json(comparison([r], [2, 2]))["variants"][0]
+    assert entry["step_sec_median"] == pytest.approx(median) and entry["samples_per_step"] == pytest.approx(8)
+    assert entry["samples_per_sec"] == pytest.approx(by_hand)
+    assert entry["tokens_per_sec"] == pytest.approx(256 / median) and entry["tokens_per_step"] == pytest.approx(256)
+
+
 def test_a_planted_zero_difference_is_reported_within_noise_never_as_a_gain():
     base, same = step_samples(seed=1), step_samples(seed=2)  # identical distributions
     diff = time_difference(base, same)
     assert diff.low < 1.0 < diff.high and diff.within_noise
-    row = table(render_markdown([synthetic("none", base), synthetic("every_4th", same)], "synthetic", 1e-3, 1e-6))
+    row = table(render_markdown(comparison([synthetic("none", base), synthetic("every_4th", same)])))
     match = re.fullmatch(r"≈0%, within noise ±([\d.]+)%", row["every_4th"]["time lost"])
     assert match, row["every_4th"]["time lost"]
     assert float(match.group(1)) == pytest.approx(100 * max(diff.high - 1, 1 - diff.low), abs=0.5)
@@ -220,8 +248,8 @@ def test_a_planted_30_percent_loss_is_reported_with_its_number():
     base, slower = step_samples(seed=1), step_samples(seed=2, scale=1.3)
     diff = time_difference(base, slower)
     assert not diff.within_noise and diff.ratio == pytest.approx(1.3, abs=0.06) and diff.low > 1.15
-    text = table(render_markdown([synthetic("none", base), synthetic("every_layer", slower)], "synthetic", 1e-3,
-                                 1e-6))["every_layer"]["time lost"]
+    text = table(render_markdown(comparison([synthetic("none", base), synthetic("every_layer", slower)])))[
+        "every_layer"]["time lost"]
     match = re.fullmatch(r"\+(\d+)% \(\+(\d+)% to \+(\d+)%\)", text)
     assert match, text
     change, low, high = (int(g) for g in match.groups())
@@ -255,14 +283,14 @@ def test_unequal_timed_steps_give_no_verdict_when_either_side_has_too_few():
         assert diff.timed_steps == 3 and not diff.enough_steps
         assert diff.describe() == "n/a: 3 timed steps, too few to tell"
     results = [synthetic("none", many), synthetic("every_layer", few)]
-    row = table(render_markdown(results, "synthetic", 1e-3, 1e-6))["every_layer"]
+    row = table(render_markdown(comparison(results)))["every_layer"]
     assert row["time lost"] == "n/a: 3 timed steps, too few to tell" and row["timed steps"] == "3"
-    assert to_json(results, {})["variants"][1]["time_lost"]["enough_steps"] is False
+    assert to_json(comparison(results))["variants"][1]["time_lost"]["enough_steps"] is False
 
 
 def test_plot_draws_interquartile_error_bars(tmp_path):
     results = [synthetic("none", step_samples(seed=1)), synthetic("every_layer", step_samples(seed=2, scale=1.3))]
-    fig = plot(results, tmp_path / "compare.png", "synthetic")
+    fig = plot(comparison(results), tmp_path / "compare.png")
     png = (tmp_path / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     bars = [c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]
@@ -271,6 +299,31 @@ def test_plot_draws_interquartile_error_bars(tmp_path):
         (start, end), = [segment[:, 0] for segment in container.lines[2][0].get_segments()]
         assert (start, end) == pytest.approx((1000 * result.step.q1, 1000 * result.step.q3))
         assert end - start > 0
+    # memory in the binary unit of the largest figure: activations of 1 and 0.5 GiB
+    assert fig.axes[0].get_ylabel() == "activations held for backward (GiB)"
+    assert [c.lines[0].get_ydata()[0] for c in bars] == [1.0, 0.5]
+    for r, mib in zip(results, (3.5, 0.75)):
+        r.activations_gib = mib / 1024
+    fig = plot(comparison(results), tmp_path / "compare.png")
+    bars = [c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]
+    assert fig.axes[0].get_ylabel() == "activations held for backward (MiB)"
+    assert [c.lines[0].get_ydata()[0] for c in bars] == [3.5, 0.75]
+
+
+def test_memory_is_written_in_the_binary_unit_that_fits_it():
+    samples = step_samples(seed=1)
+    none, every = synthetic("none", samples), synthetic("every_layer", samples)
+    none.activations_gib, none.host_rss_gib = 3.5 / 1024, 1.5  # 3.5 MiB; 1.5 GiB
+    every.activations_gib, every.offloaded_gib = 1 / 1024, 0.0002501  # 1 MiB; 0.0002501 x 1024^2 = 262.2 KiB
+    rows = table(render_markdown(comparison([none, every])))
+    assert [rows["none"][k] for k in ("peak device", "host RSS", "activations", "offloaded")] == [
+        "n/a", "1.5 GiB", "3.5 MiB", "0 B"]
+    assert (rows["every_layer"]["activations"], rows["every_layer"]["offloaded"]) == ("1.0 MiB", "262.2 KiB")
+    assert rows["every_layer"]["memory saved"] == "2.5 MiB (71%)"  # 3.5 - 1 MiB, of 3.5
+    assert rows["every_layer"]["host RSS"] == "n/a"  # not measured: NaN
+    # compare.json keeps its figures in GiB
+    written = to_json(comparison([none, every]))["variants"]
+    assert (written[0]["activations_gib"], written[1]["offloaded_gib"]) == (3.5 / 1024, 0.0002501)
 
 
 def test_render_markdown_shows_memory_saved_a_failed_variant_and_a_warm_up_peak():
@@ -279,20 +332,24 @@ def test_render_markdown_shows_memory_saved_a_failed_variant_and_a_warm_up_peak(
     planned.timed_memory_gib = 0.25  # its measuring first step held 0.5 GiB
     failed = VariantResult(name="every_2nd", error="see every_2nd/round1/worker.log")
     results = [synthetic("none", samples), synthetic("every_layer", samples), failed, planned]
-    markdown = render_markdown(results, "synthetic", 1e-3, 1e-6, timing="Timed in 3 rounds.")
-    assert markdown.startswith("# Checkpointing comparison: synthetic\n")
-    assert "Timed in 3 rounds." in markdown and "95% bootstrap interval" in markdown
+    markdown = render_markdown(comparison(results, warmup=2))
+    assert markdown.startswith("# Checkpointing comparison: synthetic.yaml, 30 timed steps per variant\n")
+    assert ("Timing: 30 timed steps per variant in 3 round(s) of fresh processes (10/10/10 steps, each after 2"
+            " untimed warm-up step(s)), the rounds interleaved and alternately reversed.") in markdown
+    assert "95% bootstrap interval" in markdown
     assert "tolerance: |diff| <= 1e-06 + 0.001 x the largest |value|" in markdown
     rows = table(markdown)
-    assert rows["every_layer"]["memory saved"] == "0.5 GiB (50%)"  # activations 1.0 -> 0.5 GiB
+    assert rows["every_layer"]["memory saved"] == "512.0 MiB (50%)"  # activations 1.0 -> 0.5 GiB
     assert float(rows["every_layer"]["step"]) == pytest.approx(1000 * np.median(samples), rel=1e-2)
     assert rows["every_2nd"]["check"] == "FAILED: see every_2nd/round1/worker.log"
-    assert ("`planned`: the warm-up steps held the most (0.5 GiB, in the table); the timed steps at most 0.25 GiB"
+    assert ("`planned`: the warm-up steps held the most (512.0 MiB, in the table); the timed steps at most 256.0 MiB"
             " (the first step measures for the memory_budget plan).") in markdown
     assert "`every_layer`: the warm-up" not in markdown
 
-    written = to_json(results, {"seed": 3})
-    assert written["seed"] == 3
+    written = to_json(comparison(results, seed=3))
+    assert (written["seed"], written["steps"], written["rounds"], written["steps_per_round"]) == (3, 30, 3, [10] * 3)
+    assert written["order"][:5] == [(0, "none"), (0, "every_layer"), (0, "every_2nd"), (0, "planned"), (1, "planned")]
+    assert written["time_model"] == {"error": ""} and (written["rtol"], written["atol"]) == (1e-3, 1e-6)
     assert written["variants"][2] == {"name": "every_2nd", "description": "every 2nd layer",
                                       "error": "see every_2nd/round1/worker.log"}
     assert written["variants"][1]["time_lost"]["within_noise"] is True  # the same samples
@@ -339,11 +396,11 @@ def test_predicted_column_is_the_time_models_ratio_for_the_layers_each_variant_c
     # selective recomputes only the gelu but pays 200 us per op under its policy, forward and recompute
     assert results[3].predicted_ratio == pytest.approx(1 + 4 * (1e-5 + 1e-4 + 4 * 2e-4) / step)
 
-    rows = table(render_markdown(results, "synthetic", 1e-3, 1e-6, prediction=prediction_text(model)))
+    rows = table(render_markdown(comparison(results, time_model=model)))
     assert rows["none"]["predicted"] == "-"
     assert rows["every_layer"]["predicted"] == f"+{100 * (full - 1):.0f}%"
     assert rows["selective"]["predicted"] == f"+{100 * (results[3].predicted_ratio - 1):.0f}%"
-    written = to_json(results, {"time_model": model.as_dict()})
+    written = to_json(comparison(results, time_model=model))
     assert [v["predicted_time_lost"] for v in written["variants"]] == [r.predicted_ratio for r in results]
     assert written["time_model"]["op_overhead"] == 1e-4 and written["time_model"]["policy_overhead"] == 2e-4
 
@@ -369,9 +426,10 @@ def test_a_variant_whose_layers_were_not_measured_gets_no_prediction():
     problems = predict_variants(results, model)
     assert problems == ["`every_layer` checkpointed other.9, which the measured step does not have"]
     assert results[0].predicted_ratio == 1.0 and results[1].predicted_ratio is None
-    text = prediction_text(model, problems)
+    text = prediction_text(comparison(results, time_model=model, unpredicted=problems))
     assert text.endswith("No prediction: `every_layer` checkpointed other.9, which the measured step does not have.")
-    assert table(render_markdown(results, "synthetic", 1e-3, 1e-6, prediction=text))["every_layer"]["predicted"] == "n/a"
+    assert table(render_markdown(comparison(results, time_model=model, unpredicted=problems)))["every_layer"][
+        "predicted"] == "n/a"
 
 
 # ---------------------------------------------------------------------------------------------------- runs
@@ -431,7 +489,8 @@ def test_compare_tiny_config_writes_table_json_and_plot(tmp_path, capsys):
     rows = table(markdown)
     assert list(rows) == FIXED
     assert [rows[n]["layers"] for n in rows] == ["0", "4", "4", "2", "1", "4"]  # tiny.yaml: 4 blocks
-    activations = {n: float(r["activations"]) for n, r in rows.items()}
+    written = json.loads((out / "compare.json").read_text())
+    activations = {v["name"]: v["activations_gib"] for v in written["variants"]}
     assert activations["none"] > activations["every_4th"] > activations["every_2nd"] > activations["every_layer"] > 0
     assert activations["none"] > activations["selective"] > activations["every_layer"]
     for name in FIXED[1:]:
@@ -442,10 +501,15 @@ def test_compare_tiny_config_writes_table_json_and_plot(tmp_path, capsys):
         assert row["time lost"] == "n/a: 3 timed steps, too few to tell"  # 3 steps are not a result
         assert float(row["step"]) > 0 and float(row["samples/s"]) > 0
     assert rows["none"]["check"] == "baseline" and rows["none"]["peak device"] == "n/a"  # CPU run
-    saved = float(rows["every_layer"]["memory saved"].split()[0])
-    assert saved == pytest.approx(activations["none"] - activations["every_layer"], rel=1e-2)
+    # memory in the table and the progress lines in binary units, from the JSON's GiB (KiB and MiB here)
+    for name in FIXED:
+        assert rows[name]["activations"] == format_bytes(activations[name] * GIB)
+        assert re.fullmatch(r"\d+\.\d [KM]iB", rows[name]["activations"])
+    assert f"2 layers checkpointed, activations {format_bytes(activations['every_2nd'] * GIB)}, median" in printed
+    saved = activations["none"] - activations["every_layer"]
+    percent = 100 * saved / activations["none"]
+    assert rows["every_layer"]["memory saved"] == f"{format_bytes(saved * GIB)} ({percent:.0f}%)"
 
-    written = json.loads((out / "compare.json").read_text())
     assert [v["name"] for v in written["variants"]] == FIXED
     assert all(v["timed_steps"] == 3 for v in written["variants"])
     # the predicted column: the time model on the preset, for the layers each variant checkpointed
@@ -507,14 +571,15 @@ def test_compare_planned_variant_fits_the_budget(tmp_path, capsys):
     rows = table((out / "compare.md").read_text())
     assert list(rows) == ["none", "every_layer", "planned"]
     assert rows["planned"]["check"] == "ok"  # step 1 (measured, fully checkpointed) has the gradients of none
-    activations = {n: float(r["activations"]) for n, r in rows.items()}
-    planned = json.loads((out / "compare.json").read_text())["variants"][2]
+    written = json.loads((out / "compare.json").read_text())
+    activations = {v["name"]: v["activations_gib"] for v in written["variants"]}
+    planned = written["variants"][2]
     # the plan holds from step 2: the timed steps (after 1 warm-up step) are within the budget
     assert activations["every_layer"] <= planned["timed_memory_gib"] <= 0.5 * activations["none"] * 1.02
-    assert planned["timed_memory_gib"] <= planned["activations_gib"] == pytest.approx(activations["planned"], rel=1e-3)
+    assert planned["timed_memory_gib"] <= planned["activations_gib"]
+    assert rows["planned"]["activations"] == format_bytes(planned["activations_gib"] * GIB)
     assert 1 <= int(rows["planned"]["layers"]) <= 4
     # predicted on this CPU, measured (the default): the plan's own layers; any recompute costs time
-    written = json.loads((out / "compare.json").read_text())
     assert written["time_model"]["device"] == "measured cpu" and written["time_model"]["offload_moves"] is False
     assert set(planned["layer_modes"]) <= set(written["time_model"]["layers"]) and planned["layer_modes"]
     assert planned["predicted_time_lost"] > 1 and written["variants"][1]["predicted_time_lost"] > 1

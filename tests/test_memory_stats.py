@@ -42,6 +42,7 @@ from lightning_ckpt.core.profiling import count_cost
 from lightning_ckpt.core.wrapping import apply_checkpointing
 
 NAN = math.nan
+MIB, KIB = 2**20, 2**10
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,11 +164,11 @@ def test_summary_says_activations_are_the_largest_part_when_they_are():
     lines = format_summary(summary()).splitlines()
     assert lines == [
         "MemoryMonitor summary (10 steps):",
-        "  peak device memory: n/a (cpu run); peak host RSS 2 GiB",
-        "  peak activations:   1 GiB held for backward",
+        "  peak device memory: n/a (cpu run); peak host RSS 2.0 GiB",
+        "  peak activations:   1.0 GiB held for backward",
         "  throughput:         1,234.5 samples/s",
-        "  memory breakdown: parameters 0.125 GiB, gradients 0.125 GiB, optimizer state 0.25 GiB, activations 1 GiB",
-        "  Activations (1 GiB) are the largest part: checkpointing more layers (smaller `every_n_layers`) or"
+        "  memory breakdown: parameters 128.0 MiB, gradients 128.0 MiB, optimizer state 256.0 MiB, activations 1.0 GiB",
+        "  Activations (1.0 GiB) are the largest part: checkpointing more layers (smaller `every_n_layers`) or"
         " `offload=True` shrinks them.",
     ]
 
@@ -175,38 +176,65 @@ def test_summary_says_activations_are_the_largest_part_when_they_are():
 def test_summary_says_weights_outweigh_activations_and_names_the_processes():
     text = format_summary(summary(world_size=4, device="cuda", peak_allocated_bytes=3 * GIB,
                                   peak_reserved_bytes=4 * GIB, activation_bytes=GIB // 4,
-                                  offloaded_activation_bytes=GIB // 16, optimizer_state_bytes=GIB,
+                                  offloaded_activation_bytes=GIB // 16, optimizer_state_bytes=5 * GIB // 4,
                                   tokens_per_sec=98765.4))
     lines = text.splitlines()
     assert lines[0] == "MemoryMonitor summary (10 steps, 4 processes):"
-    assert lines[1] == "  peak device memory: 3 GiB allocated, 4 GiB reserved; peak host RSS 2 GiB"
-    assert lines[2] == "  peak activations:   0.25 GiB held for backward (+ 0.0625 GiB offloaded to host memory)"
+    assert lines[1] == "  peak device memory: 3.0 GiB allocated, 4.0 GiB reserved; peak host RSS 2.0 GiB"
+    assert lines[2] == "  peak activations:   256.0 MiB held for backward (+ 64.0 MiB offloaded to host memory)"
     assert lines[3] == "  throughput:         1,234.5 samples/s, 98,765 tokens/s"
-    assert lines[4].startswith("  memory breakdown per process: parameters 0.125 GiB")
-    # 0.125 + 0.125 + 1 GiB of weights against 0.25 GiB of activations
-    assert lines[5].startswith("  Parameters, gradients and optimizer state (1.25 GiB) outweigh activations (0.25 GiB):"
-                               " checkpointing cannot shrink them.")
+    assert lines[4].startswith("  memory breakdown per process: parameters 128.0 MiB")
+    # 0.125 + 0.125 + 1.25 GiB of weights against 0.25 GiB of activations
+    assert lines[5] == ("  Parameters, gradients and optimizer state (1.5 GiB) outweigh activations (256.0 MiB):"
+                        " checkpointing cannot shrink them. Instead, shard them across devices (FSDP, DeepSpeed ZeRO)"
+                        " or train fewer parameters (parameter-efficient tuning such as LoRA).")
     assert "largest part" not in text
 
 
-def test_summary_ties_go_to_the_weights_and_missing_throughput_reads_na():
-    # weights (0.125 + 0.125 + 0.25 GiB) equal to the activations: checkpointing is not the lever
+def test_summary_says_equal_weights_and_activations_are_about_equal_and_missing_throughput_reads_na():
+    # weights (128 + 128 + 256 MiB) equal to the activations: neither outweighs the other, and each has its remedy
     lines = format_summary(summary(samples_per_sec=None, activation_bytes=GIB // 2)).splitlines()
     assert lines[3] == "  throughput:         n/a"
-    assert "(0.5 GiB) outweigh activations (0.5 GiB)" in lines[5]
-    assert "largest part" in format_summary(summary(activation_bytes=GIB // 2, optimizer_state_bytes=GIB // 4 - 1))
+    assert lines[5] == ("  Parameters, gradients and optimizer state (512.0 MiB) are about equal to activations"
+                        " (512.0 MiB): both count. For activations, checkpointing more layers (smaller"
+                        " `every_n_layers`) or `offload=True` shrinks them. For the rest, shard them across devices (FSDP, DeepSpeed"
+                        " ZeRO) or train fewer parameters (parameter-efficient tuning such as LoRA).")
+
+
+@pytest.mark.parametrize("activations, words", [
+    # weights of 9 MiB (2 + 2 + 5): about equal while they are at least 90% of the activations, 9 / 10 exactly
+    (10 * MIB, "  Parameters, gradients and optimizer state (9.0 MiB) are about equal to activations (10.0 MiB): both"),
+    # 1 KiB more and they are 9216 / 10241 = 89.99%: the activations are the largest part, though both print 10.0 MiB
+    (10 * MIB + KIB, "  Activations (10.0 MiB) are the largest part:"),
+], ids=["90% exactly", "89.99%"])
+def test_summary_about_equal_boundary_on_the_activations_side(activations, words):
+    weights = {"parameter_bytes": 2 * MIB, "gradient_bytes": 2 * MIB, "optimizer_state_bytes": 5 * MIB}
+    assert format_summary(summary(activation_bytes=activations, **weights)).splitlines()[5].startswith(words)
+
+
+@pytest.mark.parametrize("activations, words", [
+    # weights of 10 MiB (2 + 2 + 6): activations of 9 MiB are 90% of them exactly, about equal
+    (9 * MIB, "  Parameters, gradients and optimizer state (10.0 MiB) are about equal to activations (9.0 MiB): both"),
+    # 1 KiB less, 9215 / 10240 = 89.99%: the weights outweigh them, though the activations still print as 9.0 MiB
+    (9 * MIB - KIB, "  Parameters, gradients and optimizer state (10.0 MiB) outweigh activations (9.0 MiB):"
+                    " checkpointing cannot shrink them."),
+], ids=["90% exactly", "89.99%"])
+def test_summary_about_equal_boundary_on_the_weights_side(activations, words):
+    weights = {"parameter_bytes": 2 * MIB, "gradient_bytes": 2 * MIB, "optimizer_state_bytes": 6 * MIB}
+    assert format_summary(summary(activation_bytes=activations, **weights)).splitlines()[5].startswith(words)
 
 
 def test_summary_compares_peak_activations_with_the_budget_and_advises_the_setting_the_user_set():
     lines = format_summary(summary(chooser="memory_budget", budget_bytes=GIB // 2)).splitlines()
-    assert lines[2] == "  peak activations:   1 GiB held for backward, 2.00x the memory_budget of 0.5 GiB"
-    assert lines[5] == "  Activations (1 GiB) are the largest part: a smaller `memory_budget` (or `offload=True`) shrinks them."
+    assert lines[2] == "  peak activations:   1.0 GiB held for backward, 2.00x the memory_budget of 512.0 MiB"
+    assert lines[5] == ("  Activations (1.0 GiB) are the largest part: a smaller `memory_budget` (or `offload=True`)"
+                        " shrinks them.")
     within = format_summary(summary(chooser="memory_budget", budget_bytes=4 * GIB)).splitlines()
-    assert within[2] == "  peak activations:   1 GiB held for backward, 0.25x the memory_budget of 4 GiB"
+    assert within[2] == "  peak activations:   1.0 GiB held for backward, 0.25x the memory_budget of 4.0 GiB"
     plain = format_summary(summary(chooser=None)).splitlines()
-    assert plain[2] == "  peak activations:   1 GiB held for backward"
-    assert plain[5] == ("  Activations (1 GiB) are the largest part: checkpointing layers (the `GradientCheckpointing`"
-                        " callback) shrinks them.")
+    assert plain[2] == "  peak activations:   1.0 GiB held for backward"
+    assert plain[5] == ("  Activations (1.0 GiB) are the largest part: checkpointing layers (the"
+                        " `GradientCheckpointing` callback) shrinks them.")
 
 
 def test_two_ranks_from_local_figures_to_the_text():
@@ -223,7 +251,7 @@ def test_two_ranks_from_local_figures_to_the_text():
     assert reduced["peak_allocated_bytes"] is None
     text = format_summary(reduced)
     assert "(5 steps, 2 processes)" in text and "100.0 samples/s\n" in text
-    assert text.endswith("Activations (0.00195 GiB) are the largest part: checkpointing more layers (smaller"
+    assert text.endswith("Activations (2.0 MiB) are the largest part: checkpointing more layers (smaller"
                          " `every_n_layers`) or `offload=True` shrinks them.")
 
 

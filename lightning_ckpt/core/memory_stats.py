@@ -23,7 +23,13 @@ from typing import Any, Optional
 import psutil
 import torch
 
-from lightning_ckpt.core.profiling import OpCostMode, SavedTensorCounter, optimizer_state_bytes, tensor_bytes
+from lightning_ckpt.core.profiling import (
+    OpCostMode,
+    SavedTensorCounter,
+    format_bytes,
+    optimizer_state_bytes,
+    tensor_bytes,
+)
 from lightning_ckpt.core.wrapping import in_recompute
 
 GIB = 2**30
@@ -483,8 +489,13 @@ def reduce_summary(keys: Sequence[str], gathered: torch.Tensor) -> dict[str, Any
     return summary
 
 
-def _gib(num_bytes: Optional[float]) -> str:
-    return "n/a" if num_bytes is None else f"{num_bytes / GIB:.3g} GiB"
+def _bytes(num_bytes: Optional[float]) -> str:
+    return "n/a" if num_bytes is None else format_bytes(num_bytes)
+
+
+#: Weights and activations this close (the smaller at least this share of the larger) are about equal: then neither
+#: "outweighs" the other, and each has its own remedy.
+ABOUT_EQUAL = 0.9
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
@@ -497,7 +508,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ...     "offloaded_activation_bytes": 0, "parameter_bytes": 2**20, "gradient_bytes": 2**20,
         ...     "optimizer_state_bytes": 2**21, "samples_per_sec": 100.0, "tokens_per_sec": None,
         ...     "chooser": "every_n_layers"}).splitlines()[-1])
-          Activations (0.5 GiB) are the largest part: checkpointing more layers (smaller `every_n_layers`) or `offload=True` shrinks them.
+          Activations (512.0 MiB) are the largest part: checkpointing more layers (smaller `every_n_layers`) or `offload=True` shrinks them.
 
     ``chooser`` is how the run chose its checkpointed layers (``"memory_budget"``, ``"every_n_layers"`` or ``None``
     without the callback), and ``budget_bytes`` (optional) the largest budget of its plans, which the peak is
@@ -505,35 +516,56 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     """
     ranks = f", {summary['world_size']} processes" if summary["world_size"] > 1 else ""
     lines = [f"MemoryMonitor summary ({summary['steps']} steps{ranks}):"]
+    rss = _bytes(summary["peak_host_rss_bytes"])
     if summary["peak_allocated_bytes"] is not None:
-        lines.append(f"  peak device memory: {_gib(summary['peak_allocated_bytes'])} allocated,"
-                     f" {_gib(summary['peak_reserved_bytes'])} reserved; peak host RSS {_gib(summary['peak_host_rss_bytes'])}")
+        lines.append(f"  peak device memory: {_bytes(summary['peak_allocated_bytes'])} allocated,"
+                     f" {_bytes(summary['peak_reserved_bytes'])} reserved; peak host RSS {rss}")
     else:
-        lines.append(f"  peak device memory: n/a ({summary['device']} run); peak host RSS {_gib(summary['peak_host_rss_bytes'])}")
+        lines.append(f"  peak device memory: n/a ({summary['device']} run); peak host RSS {rss}")
     offloaded = summary["offloaded_activation_bytes"]
     budget = summary.get("budget_bytes")
-    lines.append(f"  peak activations:   {_gib(summary['activation_bytes'])} held for backward"
-                 + (f" (+ {_gib(offloaded)} offloaded to host memory)" if offloaded else "")
-                 + (f", {summary['activation_bytes'] / budget:.2f}x the memory_budget of {_gib(budget)}" if budget else ""))
+    lines.append(f"  peak activations:   {_bytes(summary['activation_bytes'])} held for backward"
+                 + (f" (+ {_bytes(offloaded)} offloaded to host memory)" if offloaded else "")
+                 + (f", {summary['activation_bytes'] / budget:.2f}x the memory_budget of {_bytes(budget)}" if budget
+                    else ""))
     rate = summary["samples_per_sec"]
     tokens = summary.get("tokens_per_sec")
     lines.append(f"  throughput:         {rate:,.1f} samples/s" + (f", {tokens:,.0f} tokens/s" if tokens else "")
                  if rate is not None else "  throughput:         n/a")
-    weights = summary["parameter_bytes"] + summary["gradient_bytes"] + summary["optimizer_state_bytes"]
-    activations = summary["activation_bytes"]
     per = " per process" if summary["world_size"] > 1 else ""
-    lines.append(f"  memory breakdown{per}: parameters {_gib(summary['parameter_bytes'])}, gradients"
-                 f" {_gib(summary['gradient_bytes'])}, optimizer state {_gib(summary['optimizer_state_bytes'])},"
-                 f" activations {_gib(activations)}")
-    if weights >= activations:
-        lines.append(
-            f"  Parameters, gradients and optimizer state ({_gib(weights)}) outweigh activations ({_gib(activations)}):"
-            " checkpointing cannot shrink them. Shard them across devices (FSDP, DeepSpeed ZeRO) or train fewer"
-            " parameters (parameter-efficient tuning such as LoRA) instead."
-        )
-    else:
-        lines.append(f"  Activations ({_gib(activations)}) are the largest part: {_ADVICE[summary.get('chooser')]}")
+    lines.append(f"  memory breakdown{per}: parameters {_bytes(summary['parameter_bytes'])}, gradients"
+                 f" {_bytes(summary['gradient_bytes'])}, optimizer state {_bytes(summary['optimizer_state_bytes'])},"
+                 f" activations {_bytes(summary['activation_bytes'])}")
+    weights = summary["parameter_bytes"] + summary["gradient_bytes"] + summary["optimizer_state_bytes"]
+    lines.append("  " + weights_against_activations(weights, summary["activation_bytes"], summary.get("chooser")))
     return "\n".join(lines)
+
+
+def weights_against_activations(weights: float, activations: float, chooser: Optional[str] = None) -> str:
+    """Which is larger, ``weights`` (parameters, gradients and optimizer state) or ``activations`` (bytes, compared
+    as they are, not as printed), and what shrinks it; "about equal" when the smaller is at least
+    :data:`ABOUT_EQUAL` of the larger. ``chooser`` is how the run chose its checkpointed layers.
+
+    Example::
+
+        >>> weights_against_activations(2**24, 2**24).split(":")[0]  # the same 16 MiB: neither outweighs the other
+        'Parameters, gradients and optimizer state (16.0 MiB) are about equal to activations (16.0 MiB)'
+        >>> weights_against_activations(2**24, 2**20).split(":")[0]
+        'Parameters, gradients and optimizer state (16.0 MiB) outweigh activations (1.0 MiB)'
+    """
+    w, a = format_bytes(weights), format_bytes(activations)
+    if min(weights, activations) >= ABOUT_EQUAL * max(weights, activations):
+        return (f"Parameters, gradients and optimizer state ({w}) are about equal to activations ({a}): both count."
+                f" For activations, {_ADVICE[chooser]} For the rest, {_SHARD}.")
+    if weights > activations:
+        return (f"Parameters, gradients and optimizer state ({w}) outweigh activations ({a}): checkpointing cannot"
+                f" shrink them. Instead, {_SHARD}.")
+    return f"Activations ({a}) are the largest part: {_ADVICE[chooser]}"
+
+
+_SHARD = ("shard them across devices (FSDP, DeepSpeed ZeRO) or train fewer parameters (parameter-efficient tuning"
+          " such as LoRA)")
+"""What shrinks parameters, gradients and optimizer state, which checkpointing does not."""
 
 
 _ADVICE = {

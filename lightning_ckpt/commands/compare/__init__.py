@@ -42,8 +42,10 @@ wrong gradient is caught; the variant's config says so (``perturb_grad: true``).
 The command is in parts: :mod:`~lightning_ckpt.commands.compare.variants` (what each variant sets, and which a config
 can run), :mod:`~lightning_ckpt.commands.compare.run` (the config of each process, the worker and the time model's
 measured step), :mod:`~lightning_ckpt.commands.compare.stats` (the numbers: spreads,
-bootstrap intervals, gradient differences, predictions) and :mod:`~lightning_ckpt.commands.compare.report` (table,
-JSON, plot); this module parses the arguments and drives the runs (:func:`main`).
+bootstrap intervals, gradient differences, predictions), :mod:`~lightning_ckpt.commands.compare.comparison` (one
+comparison, whole: the results and the settings they ran with) and :mod:`~lightning_ckpt.commands.compare.report`
+(table, JSON, plot); this module parses the arguments (:func:`_parse`), runs the processes (:func:`_run_all`), puts
+their numbers together (:func:`_compare`) and writes the report (:func:`_write`): :func:`main` is those four steps.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -65,16 +68,11 @@ from lightning_ckpt.commands.arguments import (
     check_config_argument,
     check_device_argument,
 )
-from lightning_ckpt.commands.compare.report import (
-    format_ms,
-    format_number,
-    plot,
-    prediction_text,
-    render_markdown,
-    to_json,
-)
+from lightning_ckpt.commands.compare.comparison import ATOL, RTOL, Comparison
+from lightning_ckpt.commands.compare.report import format_gib, format_ms, plot, render_markdown, to_json
 from lightning_ckpt.commands.compare.run import (
     PERTURB_ENV,
+    Output,
     config_seed,
     measure_time_model,
     run_process,
@@ -100,7 +98,7 @@ __all__ = ["main"]
 DEFAULT_STEPS, DEFAULT_ROUNDS, DEFAULT_WARMUP = 30, 3, 2
 
 
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-ckpt compare", allow_abbrev=False,
         description="Run one LightningCLI config with and without checkpointing, each variant in fresh processes"
@@ -120,11 +118,21 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=Path, default=None,
                         help="where to write compare.md, compare.json, compare.png and per-process logs"
                              " (default: lightning_ckpt_compare/<config name>)")
-    parser.add_argument("--rtol", type=float, default=1e-3, help="relative gradient/loss tolerance (default: 1e-3)")
-    parser.add_argument("--atol", type=float, default=1e-6, help="absolute gradient/loss tolerance (default: 1e-6)")
+    parser.add_argument("--rtol", type=float, default=RTOL,
+                        help=f"relative gradient/loss tolerance (default: {RTOL:g})")
+    parser.add_argument("--atol", type=float, default=ATOL,
+                        help=f"absolute gradient/loss tolerance (default: {ATOL:g})")
     add_device_argument(parser, "price the predicted slowdowns on this device",
                         "default: auto")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line, checked (a usage error exits 2), with what follows from it: the config read (``base``),
+    the variants to run, the baseline first, the timed steps of each round (``per_round``), ``seed`` and
+    ``out_dir``. A worker's command line (``--worker DIR``) is returned as it is."""
+    parser = _parser()
     args = parser.parse_args(list(argv))
     if args.worker is not None:
         return args
@@ -140,16 +148,24 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     if not isinstance(args.base, Mapping):
         parser.error(f"--config {args.config}: expected a LightningCLI config (a mapping of trainer, model, data),"
                      f" got a {type(args.base).__name__}")
-    allowed = available_variants(args.base)
-    names = allowed if args.variants is None else [n.strip() for n in args.variants.split(",") if n.strip()]
+    args.variants = _variants(parser, args.variants, args.base)
+    args.per_round = steps_per_round(args.steps, args.rounds)
+    args.seed = config_seed(args.base)
+    args.out_dir = (args.output_dir or Path("lightning_ckpt_compare") / args.config.stem).resolve()
+    return args
+
+
+def _variants(parser: argparse.ArgumentParser, chosen: Optional[str], base: Mapping[str, Any]) -> list[str]:
+    """The variants that ``--variants`` names (``None``: all that the config allows), the baseline first."""
+    allowed = available_variants(base)
+    names = allowed if chosen is None else [n.strip() for n in chosen.split(",") if n.strip()]
     if PLANNED in names and PLANNED not in allowed:
         parser.error(f"the '{PLANNED}' variant needs a memory_budget in the config's GradientCheckpointing init_args"
                      f" (e.g. `memory_budget: 0.5`); choose from {', '.join(allowed)}")
     unknown = [n for n in names if n not in allowed]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(allowed)}")
-    args.variants = [BASELINE] + [n for n in allowed if n in names and n != BASELINE]
-    return args
+    return [BASELINE] + [n for n in allowed if n in names and n != BASELINE]
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -164,99 +180,137 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.worker is not None:
         run_worker(args.worker)
         return 0
+    runs = _run_all(args)
+    if runs is None:
+        return 2
+    comparison = _compare(args, runs)
+    _write(comparison, args.out_dir)
+    status = comparison.exit_status
+    if status == 1:
+        print("compare: loss or gradients differ from the run without checkpointing beyond tolerance"
+              " (flagged in the table).", file=sys.stderr)
+    return status
 
-    out_dir = (args.output_dir or Path("lightning_ckpt_compare") / args.config.stem).resolve()
-    seed = config_seed(args.base)
-    perturbed = os.environ.get(PERTURB_ENV)
-    per_round = steps_per_round(args.steps, args.rounds)
-    order = schedule(args.variants, len(per_round))
-    timing = (f"Timing: {args.steps} timed steps per variant in {len(per_round)} round(s) of fresh processes"
-              f" ({'/'.join(map(str, per_round))} steps, each after {args.warmup} untimed warm-up step(s)), the"
-              f" rounds interleaved and alternately reversed.")
-    print(f"compare: {args.config}, {len(args.variants)} variants x {len(per_round)} rounds = {len(order)} fresh"
-          f" processes, {args.warmup} warm-up + {'/'.join(map(str, per_round))} timed steps each, seed {seed}"
-          f" -> {out_dir} (each process's output in <variant>/round<k>/worker.log)", flush=True)
 
-    runs: dict[str, list[Any]] = {name: [] for name in args.variants}
-    failed: dict[str, str] = {}
-    checks: dict[str, tuple[float, float, Optional[str]]] = {}
-    baseline_first: Any = None
+# ---------------------------------------------------------------------------------------------------- run
+
+
+@dataclass
+class Runs:
+    """What the processes left, by variant: each process's ``(monitor rows, result.json)``, why a variant failed,
+    and ``(loss difference, gradient difference, mismatch)`` of its first step against the baseline's."""
+
+    outputs: dict[str, list[Output]]
+    failed: dict[str, str] = field(default_factory=dict)
+    checks: dict[str, tuple[float, float, Optional[str]]] = field(default_factory=dict)
+    baseline_first: Any = None  # the baseline's first step: {"loss": float, "grads": {name: tensor}}
+
+
+def _run_all(args: argparse.Namespace) -> Optional[Runs]:
+    """Run every process in :func:`~lightning_ckpt.commands.compare.run.schedule` order, printing progress; a variant
+    that fails is not run again. ``None`` when the baseline fails: then there is nothing to compare against."""
+    order = schedule(args.variants, len(args.per_round))
+    print(f"compare: {args.config}, {len(args.variants)} variants x {len(args.per_round)} rounds = {len(order)} fresh"
+          f" processes, {args.warmup} warm-up + {'/'.join(map(str, args.per_round))} timed steps each, seed"
+          f" {args.seed} -> {args.out_dir} (each process's output in <variant>/round<k>/worker.log)", flush=True)
+    runs = Runs(outputs={name: [] for name in args.variants})
     for i, (r, name) in enumerate(order, 1):
-        if name in failed:
+        if name in runs.failed:
             continue
-        run_dir = out_dir / name / f"round{r + 1}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config = variant_config(args.base, name, args.warmup + per_round[r], run_dir, seed,
-                                perturb_grad=(r == 0 and name == perturbed), record_first_step=(r == 0))
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        print(f"[{i}/{len(order)}] round {r + 1}/{len(per_round)} {name} ({DESCRIPTIONS[name]}) ...", end=" ",
+        print(f"[{i}/{len(order)}] round {r + 1}/{len(args.per_round)} {name} ({DESCRIPTIONS[name]}) ...", end=" ",
               flush=True)
-        got, seconds = run_process(run_dir, os.environ)
+        run_dir = args.out_dir / name / f"round{r + 1}"
+        got, seconds = _run_one(args, r, name, run_dir)
         if got is None or not got[0]:
-            log = run_dir / "worker.log"
-            if got is None:
-                print(f"FAILED after {seconds:.1f} s; last lines of {log}:\n{_tail(log)}", flush=True)
-            else:
-                print(f"FAILED: {NO_STEPS}", flush=True)
-            failed[name] = f"see {log.relative_to(out_dir)}" if got is None else "trained no step"
+            runs.failed[name] = _failure(got, seconds, run_dir, args.out_dir)
             if name == BASELINE:
                 print("compare: the run without checkpointing failed; nothing to compare against.", file=sys.stderr)
-                return 2
+                return None
             continue
-        runs[name].append(got)
-        mismatch = None
-        if r == 0:
-            first_path = run_dir / "first_step.pt"
-            first = torch.load(first_path, weights_only=True)
-            first_path.unlink()  # as large as the model; the differences are what is kept
-            if name == BASELINE:
-                baseline_first = first
-            else:
-                checks[name] = first_step_difference(baseline_first, first, args.rtol, args.atol)
-                mismatch = checks[name][2]
-        rows, result = got
-        timed = [row[STEP_SEC] for row in rows[args.warmup:]]
-        print(f"done in {seconds:.1f} s: {len(result['checkpointed_layers'])} layers checkpointed, activations"
-              f" {format_number(max(row.get(ACTIVATIONS, 0.0) for row in rows))} GiB, median"
-              f" {format_ms(spread(timed).median)} ms/step" + (f", MISMATCH: {mismatch}" if mismatch else ""),
-              flush=True)
+        runs.outputs[name].append(got)
+        mismatch = _check_first_step(runs, name, run_dir / "first_step.pt", args.rtol, args.atol) if r == 0 else None
+        _print_done(got, seconds, args.warmup, mismatch)
+    return runs
 
-    results: list[VariantResult] = []
-    for name in args.variants:
-        if name in failed:
-            results.append(VariantResult(name=name, error=failed[name]))
-            continue
-        result = measurements(name, runs[name], args.warmup)
-        if name in checks:
-            result.loss_diff, result.grad_diff, result.mismatch = checks[name]
-        results.append(result)
 
+def _run_one(args: argparse.Namespace, r: int, name: str, run_dir: Path) -> tuple[Optional[Output], float]:
+    """Write the config of variant ``name``'s process in round ``r`` to ``run_dir`` and run it (:func:`run_process`);
+    round 1 records the first step, and perturbs it when the test hook names the variant."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = variant_config(args.base, name, args.warmup + args.per_round[r], run_dir, args.seed,
+                            perturb_grad=(r == 0 and name == os.environ.get(PERTURB_ENV)), record_first_step=(r == 0))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return run_process(run_dir, os.environ)
+
+
+def _failure(got: Optional[Output], seconds: float, run_dir: Path, out_dir: Path) -> str:
+    """Print why a process gave nothing to compare; return the table's words for it."""
+    log = run_dir / "worker.log"
+    if got is None:
+        print(f"FAILED after {seconds:.1f} s; last lines of {log}:\n{_tail(log)}", flush=True)
+        return f"see {log.relative_to(out_dir)}"
+    print(f"FAILED: {NO_STEPS}", flush=True)
+    return "trained no step"
+
+
+def _check_first_step(runs: Runs, name: str, path: Path, rtol: float, atol: float) -> Optional[str]:
+    """Load round 1's first step of ``name`` from ``path`` and compare it with the baseline's (the baseline runs
+    first); returns what is beyond tolerance, if anything."""
+    first = torch.load(path, weights_only=True)
+    path.unlink()  # as large as the model; the differences are what is kept
+    if name == BASELINE:
+        runs.baseline_first = first
+        return None
+    runs.checks[name] = first_step_difference(runs.baseline_first, first, rtol, atol)
+    return runs.checks[name][2]
+
+
+def _print_done(got: Output, seconds: float, warmup: int, mismatch: Optional[str]) -> None:
+    rows, result = got
+    timed = [row[STEP_SEC] for row in rows[warmup:]]
+    print(f"done in {seconds:.1f} s: {len(result['checkpointed_layers'])} layers checkpointed, activations"
+          f" {format_gib(max(row.get(ACTIVATIONS, 0.0) for row in rows))}, median"
+          f" {format_ms(spread(timed).median)} ms/step" + (f", MISMATCH: {mismatch}" if mismatch else ""),
+          flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- compute
+
+
+def _compare(args: argparse.Namespace, runs: Runs) -> Comparison:
+    """Each variant's numbers (:func:`~lightning_ckpt.commands.compare.stats.measurements`) and its predicted
+    slowdown, as one :class:`~lightning_ckpt.commands.compare.comparison.Comparison`."""
+    results = [_result(name, runs, args.warmup) for name in args.variants]
+    comparison = Comparison(results, args.config, args.per_round, args.warmup, args.seed, args.rtol, args.atol)
     print("compare: measuring one step of the model and the device profile for the predicted slowdowns ...",
           flush=True)
-    model, problems, why = None, [], ""
     try:
-        model = measure_time_model(args.config, args.device)
-        problems = predict_variants(results, model)
+        comparison.time_model = measure_time_model(args.config, args.device)
+        comparison.unpredicted = predict_variants(results, comparison.time_model)
     except Exception as err:  # noqa: BLE001 - the runs are done; a prediction that fails must not lose them
-        why = f"measuring the step for the time model failed ({type(err).__name__}: {err})"
-        print(f"compare: no predicted slowdowns: {why}", file=sys.stderr)
+        comparison.no_time_model = f"measuring the step for the time model failed ({type(err).__name__}: {err})"
+        print(f"compare: no predicted slowdowns: {comparison.no_time_model}", file=sys.stderr)
+    return comparison
 
-    title = f"{args.config.name}, {args.steps} timed steps per variant"
-    markdown = render_markdown(results, title, args.rtol, args.atol, timing, prediction_text(model, problems, why))
+
+def _result(name: str, runs: Runs, warmup: int) -> VariantResult:
+    if name in runs.failed:
+        return VariantResult(name=name, error=runs.failed[name])
+    result = measurements(name, runs.outputs[name], warmup)
+    if name in runs.checks:
+        result.loss_diff, result.grad_diff, result.mismatch = runs.checks[name]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- render
+
+
+def _write(comparison: Comparison, out_dir: Path) -> None:
+    """Write ``compare.md``, ``compare.json`` and ``compare.png`` to ``out_dir``, and print the table."""
+    markdown = render_markdown(comparison)
     (out_dir / "compare.md").write_text(markdown)
-    settings = {"config": str(args.config), "steps": args.steps, "rounds": len(per_round),
-                "steps_per_round": per_round, "warmup": args.warmup, "seed": seed, "order": order,
-                "rtol": args.rtol, "atol": args.atol,
-                "time_model": model.as_dict() if model is not None else {"error": why}}
-    (out_dir / "compare.json").write_text(json.dumps(to_json(results, settings), indent=2))
-    fig = plot(results, out_dir / "compare.png", title)
+    (out_dir / "compare.json").write_text(json.dumps(to_json(comparison), indent=2))
+    fig = plot(comparison, out_dir / "compare.png")
     print()
     print(markdown)
     print(f"compare: wrote {out_dir / 'compare.md'}, compare.json" + (" and compare.png" if fig else ""), flush=True)
-    if any(r.error for r in results):
-        return 2
-    if any(r.mismatch for r in results):
-        print("compare: loss or gradients differ from the run without checkpointing beyond tolerance"
-              " (flagged in the table).", file=sys.stderr)
-        return 1
-    return 0

@@ -35,6 +35,8 @@ from lightning_ckpt.core.memory_stats import STEP_SEC
 
 PERTURB_ENV = "LIGHTNING_CKPT_COMPARE_PERTURB_GRAD"
 CALLBACK_PATH = "lightning_ckpt.GradientCheckpointing"
+#: What one process leaves: the monitor's rows (:func:`read_monitor_csv`) and its ``result.json`` (:func:`run_worker`).
+Output = tuple[list[dict[str, float]], Any]
 
 
 # ---------------------------------------------------------------------------------------------------- variants
@@ -208,7 +210,7 @@ def read_monitor_csv(path: Path) -> list[dict[str, float]]:
     return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in rows if row.get(STEP_SEC)]
 
 
-def run_process(run_dir: Path, env: Mapping[str, str]) -> tuple[Optional[tuple[list[dict[str, float]], Any]], float]:
+def run_process(run_dir: Path, env: Mapping[str, str]) -> tuple[Optional[Output], float]:
     """Train one process in ``run_dir``: its ``(monitor rows, result.json)``, ``None`` when it failed, and its
     seconds."""
     start = time.perf_counter()
