@@ -480,8 +480,8 @@ class _RecordingBudgetCallback(GradientCheckpointing):
     local_none_bytes: list[int] = []
     local_outside_bytes = 0
 
-    def _stop_measuring(self) -> bool:
-        stopped = super()._stop_measuring()
+    def _stop_measuring(self, loss: Any = None) -> bool:
+        stopped = super()._stop_measuring(loss)
         if stopped and self._measured is not None:
             self.local_none_bytes = [c.none_bytes for c in self._measured.costs]
             self.local_outside_bytes = self._measured.outside_bytes

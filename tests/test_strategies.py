@@ -487,7 +487,14 @@ def test_memory_budget_under_fsdp_measures_sharded_layers_like_ddp(budget_runs):
     for fsdp_rank, ddp_rank in zip(fsdp, ok(budget_runs, "ddp_memory_budget_ranks_differ")):
         assert fsdp_rank["local_none_bytes"] == ddp_rank["local_none_bytes"]
         assert fsdp_rank["local_outside_bytes"] == ddp_rank["local_outside_bytes"]
-        assert fsdp_rank["plan"] == ddp_rank["plan"]
+        # The one difference: under FSDP2 the head's backward (the logits' gradient) is not measured (FSDP2's hooks
+        # expect one backward per forward), so both predicted peaks lack the same bytes, which DDP measured.
+        fsdp_plan, ddp_plan = dict(fsdp_rank["plan"]), dict(ddp_rank["plan"])
+        head = ddp_plan["baseline_peak_bytes"] - fsdp_plan["baseline_peak_bytes"]
+        assert head > 0 and ddp_plan["peak_bytes"] - fsdp_plan["peak_bytes"] == head
+        for key in ("peak_bytes", "baseline_peak_bytes"):
+            del fsdp_plan[key], ddp_plan[key]
+        assert fsdp_plan == ddp_plan
     # And it trains as FSDP without the callback.
     reference = ok(budget_runs, "fsdp_memory_budget_reference")
     assert reference[0]["seen"] == [[], [], []]

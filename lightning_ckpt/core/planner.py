@@ -346,8 +346,11 @@ class LayerCostRecorder:
         self._last_output = None
         if self._sharded or not outputs or not loss.requires_grad:
             return
+        mark = len(self._outside.runs) if self._outside is not None else 0
         with hidden_from_counters(), LiveBytes() as live:
             torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)
+        if self._outside is not None:
+            del self._outside.runs[mark:]  # a backward, not the step's forward
         self.head_peak_bytes = live.peak()
 
     def _resident(self) -> list[torch.Tensor]:
@@ -603,10 +606,11 @@ def solve(options: Sequence[Sequence[Option]], need_bytes: int, timed: bool = Fa
         raise ValueError(f"at most {reach} bytes can be freed, {floor} are needed")
     points = sum(len(opts) for opts in options)
     most_units = max(_MIN_UNITS, min(max(_UNITS, 256 * len(options)), _WORK // max(points, 1)))
-    # Byte counts share a divisor (element sizes, shapes): in quanta of it the knapsack is exact, where that fits.
-    divisor = math.gcd(*(f for fs in freed for f in fs), *(f for f in [*floors, need_bytes] if f > 0))
-    if hardest // divisor <= most_units:
-        quantum, units = divisor, hardest // divisor
+    # What the options free shares a divisor (element sizes, shapes): every sum of them is a multiple of it, so in
+    # quanta of it (the floors rounded up) the knapsack is exact, where that makes few enough quanta.
+    divisor = math.gcd(*(f for fs in freed for f in fs)) or 1
+    if math.ceil(hardest / divisor) <= most_units:
+        quantum, units = divisor, math.ceil(hardest / divisor)
     else:
         quantum, units = hardest / most_units, most_units
     # The floor the layers before each one must reach, and the end's, in quanta (rounded up: towards safety).
