@@ -504,3 +504,13 @@ def test_shard_grad_op_keeps_weights_whole_and_splits_gradients_and_optimizer_st
     assert static.unsharded == 104 + 28 + 80 + 168 == 380
     assert static.optimizer == "AdamW" and static.sharding == sharding
     assert all(p.grad is None for p in built.module.parameters())  # the zero gradients are dropped again
+
+
+def test_the_config_s_seed_banner_is_printed_once(tmp_path, capfd, caplog):
+    """tiny.yaml's seed_everything: 0 is applied at each build (fake, then real); Lightning's line shows once."""
+    with caplog.at_level("INFO", logger="lightning.fabric.utilities.seed"):
+        rc = plan_main(["--config", str(TINY), "--output-dir", str(tmp_path)])
+    out = capfd.readouterr()
+    assert rc == 0
+    printed = (out.out + out.err + caplog.text).count("Seed set to 0")
+    assert printed == 1, f"printed {printed} times"

@@ -190,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               " measuring with fake tensors (no memory allocated).", flush=True)
         fake = True
     if not fake:
-        built = build(args.config, fake=False, cli_args=args.cli_args)
+        built = build(args.config, fake=False, cli_args=args.cli_args, seed_banner=False)
     if args.offload is not None:
         built.offload = {"true": True, "false": False, "auto": "auto"}[args.offload]
     if built.offload == "auto" and args.device is None:

@@ -9,10 +9,11 @@ The command itself is :mod:`lightning_ckpt.commands.plan`; the predictions made 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -249,7 +250,22 @@ class Built:
         return self.fake_mode if self.fake_mode is not None else nullcontext()
 
 
-def build(config: Path, fake: bool, cli_args: Sequence[str] = ()) -> Built:
+@contextmanager
+def _seed_banner(shown: bool) -> Iterator[None]:
+    """Lightning's "Seed set to N" log line as is when ``shown``, else dropped (a config built again reseeds)."""
+    logger = logging.getLogger("lightning.fabric.utilities.seed")
+    def drop(record: logging.LogRecord) -> bool:
+        return False
+
+    if not shown:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: bool = True) -> Built:
     """Build the config's model (with ``configure_model`` run and the trainer's precision applied), data and
     checkpointing settings; under ``FakeTensorMode`` when ``fake`` (no memory is allocated for weights or
     activations). ``cli_args`` are LightningCLI overrides.
@@ -257,7 +273,8 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = ()) -> Built:
     The trainer is built for one device without a strategy (:data:`ONE_DEVICE`); the configured strategy, devices
     and num_nodes only say how static memory is sharded (``sharding``). When the configured accelerator is not
     available here, ``fake`` must be on: the trainer is then built with ``accelerator="cpu"`` too
-    (:data:`PLANNING_TRAINER`), its precision kept, and ``planned_for`` says so.
+    (:data:`PLANNING_TRAINER`), its precision kept, and ``planned_for`` says so. ``seed_banner=False`` drops
+    Lightning's "Seed set to N" line (the config's ``seed_everything``) for a build after the first.
     """
     target = configured_accelerator(config, cli_args)
     planned_for = None if accelerator_available(target) else target
@@ -269,7 +286,7 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = ()) -> Built:
     configured = ["--config", str(config), *cli_args]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
-        with context:
+        with context, _seed_banner(seed_banner):
             cli = run_cli([*configured, *(PLANNING_TRAINER if planned_for else ONE_DEVICE)], run=False,
                           save_config_callback=None)
     trainer_config = cli.parser.parse_args(configured).trainer
