@@ -463,7 +463,7 @@ def _plot_lengths(ax: Any, lengths: list[dict[str, Any]], formatter: Any) -> Non
     for name in names:
         points = [(at["length"], s["peak_bytes"]) for at in lengths for s in at["settings"] if s["name"] == name]
         ax.plot([x for x, _ in points], [y for _, y in points], "*--" if name == "plan" else "o-", label=name,
-                color="tab:red" if name == "plan" else None)
+                color="black" if name == "plan" else None)  # tab:red is every_layer's colour here
     ax.set_xscale("log", base=2)
     ax.set_xticks([at["length"] for at in lengths], [f"{at['batch_size']} x {at['length']}" for at in lengths])
     ax.yaxis.set_major_formatter(formatter(unit="B"))
