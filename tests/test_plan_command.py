@@ -633,3 +633,20 @@ def test_batch_of_length_cuts_and_tiles_every_tensor_of_the_token_length():
     assert shorter[2].tolist() == [[10, 11], [13, 14]]
     with pytest.raises(ValueError, match="needs token ids in the batch"):
         batch_of_length((torch.zeros(2, 3),), 4)
+
+
+def test_lengths_a_budget_in_bytes_met_at_one_length_and_not_at_another(tmp_path, capsys):
+    """600,000 B: met at 8 x 8 (no checkpointing peaks at 661,064 B there), not at 8 x 32 (every layer full peaks at
+    1,054,976 B); plan.json has the plan at one and null with the planner's reason at the other."""
+    rc, out = run_plan(["--config", str(TINY), "--fake", "--lengths", "8,32", "--memory-budget", "600000"], tmp_path,
+                       capsys)
+    assert rc == 1  # the loader's own length, 32, cannot be met either
+    data, report = json.loads((tmp_path / "plan.json").read_text()), (tmp_path / "plan.md").read_text()
+    short, long = data["lengths"]
+    assert short["plan"]["peak_bytes"] <= 600_000 < next(s["peak_bytes"] for s in short["settings"] if s["name"] == "none")
+    assert short["plan_error"] is None and [s["name"] for s in short["settings"]][-1] == "plan"
+    assert long["plan"] is None and "the least reachable is" in long["plan_error"]
+    assert "plan" not in [s["name"] for s in long["settings"]]
+    assert data["length_fit"] == "linear" and data["largest_length"] is None  # no --device-memory
+    assert "| 32 | 8 x 32 | 256 | no plan | - | - | - |\n\nNo plan at 8 x 32: `memory_budget=600000`" in report
+    assert "fitted over the 2 lengths as a line" in report

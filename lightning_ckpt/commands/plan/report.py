@@ -304,7 +304,8 @@ def _length_lines(result: PlanResult) -> list[str]:
         lines.append(f"| {at.length} | {shape} | {_b(at.batch_size * at.length)} | {len(modes)} of {len(at.plan.layers)}"
                      + (f" ({kinds})" if kinds else "") + f" | {_b(at.plan.peak_bytes)} | {format_bytes(at.plan.peak_bytes)}"
                      f" | {_b(at.plan.recompute_flops)}{step} |")
-    lines += [f"No plan at {at.batch_size} x {at.length}: {at.plan_error}" for at in result.lengths if at.plan is None]
+    missing = [f"No plan at {at.batch_size} x {at.length}: {at.plan_error}" for at in result.lengths if at.plan is None]
+    lines += ["", *missing] if missing else []  # a blank line first: a text line right after a table joins it
     lines += ["", *_length_peak_lines(result)]
     return lines
 
