@@ -17,6 +17,7 @@ from lightning_ckpt.commands.plan import main as plan_main
 from lightning_ckpt.commands.plan import measure as plan_measure
 from lightning_ckpt.commands.plan.measure import (
     Built,
+    batch_of_length,
     batch_of_size,
     build,
     measure,
@@ -504,3 +505,148 @@ def test_shard_grad_op_keeps_weights_whole_and_splits_gradients_and_optimizer_st
     assert static.unsharded == 104 + 28 + 80 + 168 == 380
     assert static.optimizer == "AdamW" and static.sharding == sharding
     assert all(p.grad is None for p in built.module.parameters())  # the zero gradients are dropped again
+
+
+def test_the_config_s_seed_banner_is_printed_once(tmp_path, capfd, caplog):
+    """tiny.yaml's seed_everything: 0 is applied at each build (fake, then real); Lightning's line shows once."""
+    with caplog.at_level("INFO", logger="lightning.fabric.utilities.seed"):
+        rc = plan_main(["--config", str(TINY), "--output-dir", str(tmp_path)])
+    out = capfd.readouterr()
+    assert rc == 0
+    printed = (out.out + out.err + caplog.text).count("Seed set to 0")
+    assert printed == 1, f"printed {printed} times"
+
+
+# ------------------------------------------------------------------------------------------------ --lengths
+
+LENGTHS = (8, 16, 32)
+
+
+@pytest.fixture(scope="module")
+def lengths_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan_lengths")
+    rc = plan_main([*ARGS, "--fake", "--lengths", ",".join(map(str, LENGTHS)), "--output-dir", str(out)])
+    return rc, out
+
+
+def test_lengths_plan_each_length_as_a_separate_measurement_does(lengths_dir):
+    """At each length, the plan's peak and every setting's peak are what make_plan and predict_peak give on a step
+    measured here at that length (the batch's token ids and labels cut or tiled to it)."""
+    from lightning_ckpt.core.planner import predict_peak
+
+    rc, out = lengths_dir
+    assert rc == 0
+    report, data = (out / "plan.md").read_text(), json.loads((out / "plan.json").read_text())
+    rows = table(report, "Plan across lengths")
+    assert [(r[0], r[1], r[2]) for r in rows[:3]] == [("8", "8 x 8", "64"), ("16", "8 x 16", "128"), ("32", "8 x 32", "256")]
+    by_setting = {r[0]: r for r in rows[5:]}  # the second table (after its header and rule): peaks by length
+    modes = {"none": {}, "every_4th": {LAYERS[0]: "full"}, "every_2nd": {LAYERS[0]: "full", LAYERS[2]: "full"},
+             "every_layer": dict.fromkeys(LAYERS, "full"), "selective": dict.fromkeys(LAYERS, "selective")}
+    assert list(by_setting) == list(modes)
+    built = build(TINY, fake=True)
+    for i, length in enumerate(LENGTHS):
+        m = measure(built, 8, length)
+        plan = make_plan(m.costs, m.outside_bytes, 0.5, head_bytes=m.head_bytes, head_peak_bytes=m.head_peak_bytes)
+        assert num(rows[i][4]) == pytest.approx(plan.peak_bytes, rel=0.05), length
+        assert num(rows[i][6]) == pytest.approx(plan.recompute_flops, rel=0.05), length
+        assert rows[i][3].startswith(f"{sum(v != 'none' for v in plan.layers.values())} of 4")
+        entry = data["lengths"][i]
+        assert (entry["length"], entry["batch_size"], entry["tokens"]) == (length, 8, 8 * length)
+        assert entry["plan"]["layers"] == plan.layers and entry["plan_error"] is None
+        peaks = {s["name"]: s["peak_bytes"] for s in entry["settings"]}
+        for name, layers in modes.items():
+            known = predict_peak(m.costs, m.outside_bytes, layers, False, head_bytes=m.head_bytes,
+                                 head_peak_bytes=m.head_peak_bytes)
+            assert peaks[name] == pytest.approx(known, rel=0.05), (length, name)
+            assert num(by_setting[name][1 + i]) == pytest.approx(known, rel=0.05), (length, name)
+    # Attention's T^2: the peak without checkpointing more than doubles from 16 to 32 tokens.
+    assert data["lengths"][2]["settings"][0]["peak_bytes"] > 2 * data["lengths"][1]["settings"][0]["peak_bytes"]
+    # 32 is the loader's own length: the tiled-and-cut path gives the plain measurement's peaks.
+    assert {s["name"]: s["peak_bytes"] for s in data["lengths"][2]["settings"]} == {
+        s["name"]: s["peak_bytes"] for s in data["settings"]}
+
+
+def test_lengths_largest_length_fits_a_quadratic_through_the_measured_peaks(lengths_dir):
+    """With --device-memory: the largest length per setting, static memory plus the quadratic through the three
+    measured peaks within device memory, found here by scanning lengths."""
+    import numpy as np
+
+    _, out = lengths_dir
+    report, data = (out / "plan.md").read_text(), json.loads((out / "plan.json").read_text())
+    assert data["length_fit"] == "quadratic" and "as a quadratic, c0 + c1 x T + c2 x T^2" in report
+    room = DEVICE_MEMORY - data["static_bytes_per_device"]
+    shown = {r[0]: r for r in table(report, "Plan across lengths")[5:]}
+    assert list(data["largest_length"]) == ["none", "every_4th", "every_2nd", "every_layer", "selective"]
+    for name, largest in data["largest_length"].items():
+        peaks = [next(s["peak_bytes"] for s in at["settings"] if s["name"] == name) for at in data["lengths"]]
+        c2, c1, c0 = np.polyfit(LENGTHS, peaks, 2)
+        known = max(t for t in range(1, 100_000) if c0 + c1 * t + c2 * t * t <= room)
+        assert largest == known, name
+        assert shown[name][-1] == str(known)
+        assert shown[name][-2] == str(next(s["largest_batch"] for s in data["settings"] if s["name"] == name))
+    assert data["largest_length"]["none"] < data["largest_length"]["every_layer"]
+
+
+def test_lengths_png_draws_a_line_per_setting_over_the_lengths(lengths_dir):
+    _, out = lengths_dir
+    fig = plot(json.loads((out / "plan.json").read_text()), out / "again.png")
+    _, ax = fig.axes
+    lines = {line.get_label(): line for line in ax.lines}
+    assert list(lines) == ["none", "every_4th", "every_2nd", "every_layer", "selective", "plan"]
+    assert lines["none"].get_xdata().tolist() == list(LENGTHS)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["8 x 8", "8 x 16", "8 x 32"]
+
+
+def test_without_lengths_plan_json_has_no_length_entries(real_dir):
+    _, out = real_dir
+    data = json.loads((out / "plan.json").read_text())
+    assert not {"lengths", "length_fit", "largest_length"} & set(data)
+    assert "## Plan across lengths" not in (out / "plan.md").read_text()
+
+
+def test_a_length_beyond_the_model_s_block_size_exits_2_naming_it(tmp_path, capsys):
+    rc, out = run_plan(["--config", str(TINY), "--fake", "--lengths", "16,64"], tmp_path, capsys)
+    assert rc == 2
+    assert "plan: --lengths: the model cannot take a length of 64 tokens: its block_size is 32" in out.err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_bad_lengths_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan_main(["--config", str(TINY), "--lengths", "512,lots"])
+    assert exit_info.value.code == 2
+    assert "--lengths: '512,lots': pass sequence lengths of 1 or more" in capsys.readouterr().err
+
+
+def test_batch_of_length_cuts_and_tiles_every_tensor_of_the_token_length():
+    ids = torch.arange(6).view(2, 3)
+    batch = {"input_ids": ids, "labels": ids + 10, "mask": torch.ones(2, 3, dtype=torch.bool),
+             "embeds": torch.zeros(2, 3, 4), "other": torch.zeros(2, 5), "ids_per_sample": torch.arange(2), "name": "x"}
+    longer = batch_of_length(batch, 7)
+    assert {k: tuple(v.shape) for k, v in longer.items() if k != "name"} == {
+        "input_ids": (2, 7), "labels": (2, 7), "mask": (2, 7), "embeds": (2, 7, 4), "other": (2, 5),
+        "ids_per_sample": (2,)}
+    assert longer["input_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 0], [3, 4, 5, 3, 4, 5, 3]]
+    assert longer["labels"][1].tolist() == [13, 14, 15, 13, 14, 15, 13] and longer["name"] == "x"
+    shorter = batch_of_length((ids.float(), ids, ids + 10), 2)  # the token ids: the first 2-D integer tensor
+    assert [tuple(t.shape) for t in shorter] == [(2, 2), (2, 2), (2, 2)]
+    assert shorter[2].tolist() == [[10, 11], [13, 14]]
+    with pytest.raises(ValueError, match="needs token ids in the batch"):
+        batch_of_length((torch.zeros(2, 3),), 4)
+
+
+def test_lengths_a_budget_in_bytes_met_at_one_length_and_not_at_another(tmp_path, capsys):
+    """600,000 B: met at 8 x 8 (no checkpointing peaks at 661,064 B there), not at 8 x 32 (every layer full peaks at
+    1,054,976 B); plan.json has the plan at one and null with the planner's reason at the other."""
+    rc, out = run_plan(["--config", str(TINY), "--fake", "--lengths", "8,32", "--memory-budget", "600000"], tmp_path,
+                       capsys)
+    assert rc == 1  # the loader's own length, 32, cannot be met either
+    data, report = json.loads((tmp_path / "plan.json").read_text()), (tmp_path / "plan.md").read_text()
+    short, long = data["lengths"]
+    assert short["plan"]["peak_bytes"] <= 600_000 < next(s["peak_bytes"] for s in short["settings"] if s["name"] == "none")
+    assert short["plan_error"] is None and [s["name"] for s in short["settings"]][-1] == "plan"
+    assert long["plan"] is None and "the least reachable is" in long["plan_error"]
+    assert "plan" not in [s["name"] for s in long["settings"]]
+    assert data["length_fit"] == "linear" and data["largest_length"] is None  # no --device-memory
+    assert "| 32 | 8 x 32 | 256 | no plan | - | - | - |\n\nNo plan at 8 x 32: `memory_budget=600000`" in report
+    assert "fitted over the 2 lengths as a line" in report

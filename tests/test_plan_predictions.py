@@ -8,6 +8,8 @@ import pytest
 from lightning_ckpt.commands.plan.measure import Measurement
 from lightning_ckpt.commands.plan.predictions import (
     fit_line,
+    fit_peak,
+    largest_length,
     largest_batch,
     planner_front,
     setting_choices,
@@ -92,3 +94,22 @@ def test_planner_front_keeps_equal_plans_once(lowest):
     pairs = [(p["activation_bytes"], p["recompute_flops"]) for p in front]
     assert len(pairs) == len(set(pairs))
     assert pairs[-1] == (500, 0)
+
+
+def test_fit_peak_through_three_lengths_is_the_quadratic_and_gives_the_largest_length():
+    # peak = 1e6 + 3000 T + 0.5 T^2 at 512, 2048 and 8192 tokens
+    lengths = [512, 2048, 8192]
+    peaks = [1_000_000 + 3000 * t + t * t // 2 for t in lengths]
+    assert fit_peak(lengths, peaks) == pytest.approx((1e6, 3000, 0.5), rel=1e-9)
+    # At 10,000 tokens the peak is 1e6 + 3e7 + 5e7 = 81,000,000 B.
+    assert largest_length(fit_peak(lengths, peaks), 81_000_000) == 10_000
+    assert largest_length(fit_peak(lengths, peaks), 80_999_999) == 9_999
+    assert largest_length(fit_peak(lengths, peaks), 999_999) == 0
+
+
+def test_fit_peak_through_two_lengths_is_a_line():
+    assert fit_peak([1024, 4096], [3_000_000, 9_000_000]) == pytest.approx((1e6, 1953.125, 0.0))
+    assert largest_length((1e6, 1953.125, 0.0), 1e6 + 1953.125 * 5000) == 5000
+    assert largest_length((1e6, 0.0, 0.0), 2e6) is None  # does not grow with the length
+    with pytest.raises(ValueError, match="2 or more distinct lengths"):
+        fit_peak([512, 512], [1, 2])

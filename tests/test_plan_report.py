@@ -6,7 +6,7 @@ import torch
 
 from lightning_ckpt.commands.plan.measure import Built, Measurement, Sharding, StaticMemory
 from lightning_ckpt.commands.plan.predictions import SettingRow
-from lightning_ckpt.commands.plan.report import render, sharding_lines
+from lightning_ckpt.commands.plan.report import PlanResult, render, sharding_lines
 from lightning_ckpt.core.planner import LayerCost
 
 
@@ -47,7 +47,7 @@ def test_static_plus_activations_is_one_device_s_share_plus_the_setting_s_activa
     main = Measurement(8, costs, 100)
     built = Built(torch.nn.Linear(2, 2), [], torch.device("cpu"), None, False, 0.5, None)
     rows = [SettingRow("none", 0, 500, 0), SettingRow("every_layer", 4, 140, 200)]
-    report = render("hand-made", built, main, None, "none asked", 0.5, rows, static_memory, None, [8])
+    report = render(PlanResult("hand-made", built, main, None, "none asked", 0.5, rows, static_memory, None, [8]))
     header = next(line for line in report.splitlines() if line.startswith("| setting |"))
     column = [c.strip() for c in header.strip("|").split("|")].index("static + activations")
     got = {name: row[column] for name, row in settings_table(report).items()}

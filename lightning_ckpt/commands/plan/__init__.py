@@ -15,6 +15,15 @@ With ``--device-memory`` the step is measured at two batch sizes, activations ar
 ``fixed + per_sample * batch``, and the largest batch size each setting fits is printed (static memory
 plus activations; the transient memory of the backward pass is not included).
 
+With ``--lengths 512,2048,8192`` the step is measured again at each sequence length, at the loader's batch size:
+the batch's token ids (its first 2-D integer tensor, batch x length) and every tensor with their length in dim 1
+(labels, masks) are cut or tiled along dim 1. A length beyond what the model takes (its ``block_size`` or
+``max_position_embeddings``) is a usage error. The report adds the plan for the budget at each length (its layers,
+peak, recompute FLOPs and, with ``--device``, step time) and each setting's peak at each length, every row naming
+the shape measured (batch x length). With ``--device-memory`` and 2 or more lengths, each setting's peak is fitted
+over the length (a quadratic through 3 or more lengths, for attention's ``T^2`` terms; a line through 2) and the
+largest length it fits is printed beside the largest batch (static memory plus the fitted peak).
+
 With ``--fake``, or by default when the static memory would not fit this machine, the model is built and
 the step run under ``torch._subclasses.FakeTensorMode``: shapes, dtypes and bytes without any storage, as
 torch's own AutoSAC estimator measures. A 7B-parameter config can be planned on a laptop. When the config's
@@ -79,6 +88,12 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
 - ``front``: the planner's plans for budgets from the least setting up to no checkpointing, each
   ``{budget_bytes, activation_bytes, peak_bytes, recompute_flops, predicted_step_seconds}`` (what ``plan.png`` draws
   as a line).
+- With ``--lengths`` only: ``lengths``, per length ``{length, batch_size, tokens, plan, plan_error, settings}``
+  (``plan`` as above or ``null`` with ``plan_error``; ``settings`` each ``{name, peak_bytes, activation_bytes,
+  recompute_flops, predicted_step_seconds}``); ``length_fit``: ``"quadratic"``, ``"linear"`` or ``null`` (one
+  length); ``largest_length``: setting -> the largest length that fits ``device_memory`` at ``batch_size``
+  (``null`` when unbounded; the whole entry ``null`` without ``--device-memory``). ``plan.png`` then has a second
+  panel: each setting's peak against the length.
 """
 
 from __future__ import annotations
@@ -87,6 +102,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -99,8 +115,11 @@ from lightning_ckpt.commands.arguments import (
     parse_bytes_arg,
 )
 from lightning_ckpt.commands.plan.measure import (
+    Built,
+    Measurement,
     accelerator_available,
     build,
+    check_length,
     configured_accelerator,
     device_profile,
     loader_batch_size,
@@ -109,10 +128,18 @@ from lightning_ckpt.commands.plan.measure import (
 )
 # Aliased: bound here as `measure`, the function would hide the submodule `lightning_ckpt.commands.plan.measure`.
 from lightning_ckpt.commands.plan.measure import measure as measure_at
-from lightning_ckpt.commands.plan.predictions import planner_front, setting_choices, setting_rows
-from lightning_ckpt.commands.plan.report import plot, render, report_data
-from lightning_ckpt.core.device_profile import PRESET_NAMES
-from lightning_ckpt.core.planner import make_plan
+from lightning_ckpt.commands.plan.predictions import (
+    SettingRow,
+    fit_peak,
+    largest_length,
+    plan_for,
+    planner_front,
+    setting_choices,
+    setting_rows,
+)
+from lightning_ckpt.commands.plan.report import LengthResult, PlanResult, plot, render, report_data
+from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
+from lightning_ckpt.core.planner import CheckpointPlan, Offload
 
 __all__ = ["main"]
 
@@ -122,6 +149,24 @@ _CLI_PREFIXES = ("--trainer.", "--model", "--data", "--seed_everything", "--opti
 
 
 # ------------------------------------------------------------------------------------------------ arguments
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    """``--lengths`` text as sorted distinct lengths.
+
+    Example::
+
+        >>> _lengths("2048,512, 8192,512")
+        (512, 2048, 8192)
+    """
+    try:
+        lengths = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        lengths = []
+    if not lengths or lengths[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass sequence lengths of 1 or more, comma-separated, such as"
+                                         " 512,2048,8192")
+    return tuple(lengths)
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -143,6 +188,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                         help="plan with offload: 'true' (every checkpointed layer's inputs in host memory), 'false', or"
                              " 'auto' (the plan chooses per layer; needs --device); default: the config's"
                              " GradientCheckpointing offload")
+    parser.add_argument("--lengths", type=_lengths, default=(),
+                        help="sequence lengths to plan at too (512,2048,8192): the step measured at each, the batch's"
+                             " token ids and every tensor of their length cut or tiled; with --device-memory also the"
+                             " largest length each setting fits")
     parser.add_argument("--fake", action="store_true",
                         help="measure under FakeTensorMode: no memory allocated (default when the model would not fit"
                              " this machine)")
@@ -175,8 +224,33 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``lightning-ckpt plan --config X.yaml [--memory-budget 0.3] [--device-memory 80GiB] [--fake]``; the exit status."""
+    """``lightning-ckpt plan --config X.yaml [--memory-budget 0.3] [--device-memory 80GiB] [--lengths 512,2048]
+    [--fake]``; the exit status."""
     args = _parse(sys.argv[1:] if argv is None else argv)
+    built = _build(args)
+    if built.offload == "auto" and args.device is None:
+        print("plan: offload 'auto' prices offload against recompute in time on a device: pass --device NAME (a preset"
+              f" such as {PRESET_NAMES[0]}) or --device auto, or --offload true/false.", file=sys.stderr)
+        return 2
+    try:
+        for length in args.lengths:
+            check_length(built, length)
+        measured = _run(args, built)
+        profile = device_profile(args.device, built)
+    except ValueError as err:
+        print(f"plan: {str(err).removeprefix('plan: ')}", file=sys.stderr)
+        return 2
+    result = _compute(args, built, measured, profile)
+    _write(result, (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve())
+    if result.plan is None:
+        print(f"plan: memory_budget={result.budget!r} cannot be met; see 'No plan' above.", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _build(args: argparse.Namespace) -> Built:
+    """The config built for measuring: under fake tensors when asked, when the configured accelerator is missing
+    here or when the static memory would not fit this machine (each said on stdout); ``--offload`` applied."""
     fake = args.fake
     target = configured_accelerator(args.config, args.cli_args)
     if not accelerator_available(target):
@@ -190,53 +264,84 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               " measuring with fake tensors (no memory allocated).", flush=True)
         fake = True
     if not fake:
-        built = build(args.config, fake=False, cli_args=args.cli_args)
+        built = build(args.config, fake=False, cli_args=args.cli_args, seed_banner=False)
     if args.offload is not None:
         built.offload = {"true": True, "false": False, "auto": "auto"}[args.offload]
-    if built.offload == "auto" and args.device is None:
-        print("plan: offload 'auto' prices offload against recompute in time on a device: pass --device NAME (a preset"
-              f" such as {PRESET_NAMES[0]}) or --device auto, or --offload true/false.", file=sys.stderr)
-        return 2
+    return built
+
+
+@dataclass
+class _Measured:
+    """The steps measured: at the loader's batch, at a second batch size (``--device-memory``) and at each of
+    ``--lengths``."""
+
+    main: Measurement
+    other: Optional[Measurement] = None
+    at_lengths: list[Measurement] = field(default_factory=list)
+
+
+def _run(args: argparse.Namespace, built: Built) -> _Measured:
+    """Measure the step at the loader's batch size, at half of it with ``--device-memory``, and at each length."""
+    size = loader_batch_size(built.loader)
+    measured = _Measured(measure_at(built, size))
+    if args.device_memory is not None:
+        measured.other = measure_at(built, size // 2 if size >= 2 else 2)
+    measured.at_lengths = [measure_at(built, size, length) for length in args.lengths]
+    return measured
+
+
+def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profile: Optional[DeviceProfile]) -> PlanResult:
+    """The plan for the budget, every setting's predictions, the planner's front and, with ``--lengths``, the same
+    at each length with the largest length each setting fits."""
     config_budget = built.memory_budget if built.memory_budget not in (None, "auto") else None
     budget = args.memory_budget if args.memory_budget is not None else config_budget or DEFAULT_BUDGET
-
-    size = loader_batch_size(built.loader)
-    main_m = measure_at(built, size)
-    other = None
-    if args.device_memory is not None:
-        other = measure_at(built, size // 2 if size >= 2 else 2)
-    try:
-        profile = device_profile(args.device, built)
-    except ValueError as err:
-        print(f"plan: {err}", file=sys.stderr)
-        return 2
-    plan, plan_error = None, None
-    try:
-        plan = make_plan(main_m.costs, main_m.outside_bytes, budget, offload=built.offload, device=profile,
-                         outside_ops=main_m.outside_ops, head_bytes=main_m.head_bytes,
-                         head_peak_bytes=main_m.head_peak_bytes)
-    except ValueError as err:
-        plan_error = str(err)
+    main_m, other = measured.main, measured.other
+    plan, plan_error = plan_for(main_m, budget, built.offload, profile)
     static = static_memory(built)
     room = None if args.device_memory is None else args.device_memory - static.total
-    names = [c.name for c in main_m.costs]
-    rows = setting_rows(main_m, setting_choices(names, plan), built.offload, other, room,
-                        plan.kept_ops if plan is not None else {}, profile, plan.offloaded if plan is not None else ())
-    batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
-    report = render(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
-                    batch_sizes)
+    rows = _rows(main_m, plan, built.offload, profile, other, room)
     front = planner_front(main_m, built.offload, min(r.peak_bytes for r in rows),
                           include=[plan.budget_bytes] if plan is not None else [], device=profile)
-    data = report_data(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
-                       batch_sizes, front, profile)
-    out_dir = (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve()
+    batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
+    result = PlanResult(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
+                        batch_sizes, front, profile)
+    if measured.at_lengths:
+        _across_lengths(result, measured.at_lengths, room)
+    return result
+
+
+def _rows(measured: Measurement, plan: Optional[CheckpointPlan], offload: Offload, profile: Optional[DeviceProfile],
+          other: Optional[Measurement] = None, room: Optional[int] = None) -> list[SettingRow]:
+    """Every standard setting's predictions on ``measured``, and the plan's when there is one."""
+    names = [c.name for c in measured.costs]
+    return setting_rows(measured, setting_choices(names, plan), offload, other, room,
+                        plan.kept_ops if plan is not None else {}, profile, plan.offloaded if plan is not None else ())
+
+
+def _across_lengths(result: PlanResult, at_lengths: Sequence[Measurement], room: Optional[int]) -> None:
+    """Fill ``result``'s plan and settings at each length and, with 2 or more lengths, the fit of each standard
+    setting's peak over the length and (with ``room``) the largest length it fits."""
+    offload, profile = result.built.offload, result.profile
+    for m in at_lengths:
+        plan, error = plan_for(m, result.budget, offload, profile)
+        assert m.length is not None  # measured at a length: the batch has token ids
+        result.lengths.append(LengthResult(m.length, m.batch_size, plan, error, _rows(m, plan, offload, profile)))
+    if len(at_lengths) < 2:
+        return
+    result.length_fit = "quadratic" if len(at_lengths) >= 3 else "linear"
+    for name in (r.name for r in result.rows if r.name != "plan"):
+        peaks = [next(r.peak_bytes for r in at.rows if r.name == name) for at in result.lengths]
+        fit = fit_peak([at.length for at in result.lengths], peaks)
+        result.largest_length[name] = None if room is None else largest_length(fit, room)
+
+
+def _write(result: PlanResult, out_dir: Path) -> None:
+    """Print the report and write it to ``plan.md``, with ``plan.json`` and ``plan.png``, in ``out_dir``."""
+    report = render(result)
+    data = report_data(result)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan.md").write_text(report)
     (out_dir / "plan.json").write_text(json.dumps(data, indent=1) + "\n")
     drawn = plot(data, out_dir / "plan.png") is not None
     print(report)
     print(f"plan: wrote {out_dir / 'plan.md'}, plan.json" + (" and plan.png" if drawn else ""), flush=True)
-    if plan is None:
-        print(f"plan: memory_budget={budget!r} cannot be met; see 'No plan' above.", file=sys.stderr)
-        return 1
-    return 0

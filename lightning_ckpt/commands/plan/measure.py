@@ -9,10 +9,11 @@ The command itself is :mod:`lightning_ckpt.commands.plan`; the predictions made 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -249,7 +250,22 @@ class Built:
         return self.fake_mode if self.fake_mode is not None else nullcontext()
 
 
-def build(config: Path, fake: bool, cli_args: Sequence[str] = ()) -> Built:
+@contextmanager
+def _seed_banner(shown: bool) -> Iterator[None]:
+    """Lightning's "Seed set to N" log line as is when ``shown``, else dropped (a config built again reseeds)."""
+    logger = logging.getLogger("lightning.fabric.utilities.seed")
+    def drop(record: logging.LogRecord) -> bool:
+        return False
+
+    if not shown:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: bool = True) -> Built:
     """Build the config's model (with ``configure_model`` run and the trainer's precision applied), data and
     checkpointing settings; under ``FakeTensorMode`` when ``fake`` (no memory is allocated for weights or
     activations). ``cli_args`` are LightningCLI overrides.
@@ -257,7 +273,8 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = ()) -> Built:
     The trainer is built for one device without a strategy (:data:`ONE_DEVICE`); the configured strategy, devices
     and num_nodes only say how static memory is sharded (``sharding``). When the configured accelerator is not
     available here, ``fake`` must be on: the trainer is then built with ``accelerator="cpu"`` too
-    (:data:`PLANNING_TRAINER`), its precision kept, and ``planned_for`` says so.
+    (:data:`PLANNING_TRAINER`), its precision kept, and ``planned_for`` says so. ``seed_banner=False`` drops
+    Lightning's "Seed set to N" line (the config's ``seed_everything``) for a build after the first.
     """
     target = configured_accelerator(config, cli_args)
     planned_for = None if accelerator_available(target) else target
@@ -269,7 +286,7 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = ()) -> Built:
     configured = ["--config", str(config), *cli_args]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
-        with context:
+        with context, _seed_banner(seed_banner):
             cli = run_cli([*configured, *(PLANNING_TRAINER if planned_for else ONE_DEVICE)], run=False,
                           save_config_callback=None)
     trainer_config = cli.parser.parse_args(configured).trainer
@@ -350,6 +367,88 @@ def batch_of_size(loader: Any, size: int) -> Any:
     return tree_unflatten(leaves, spec)
 
 
+def _token_ids(leaves: Sequence[Any]) -> Optional[torch.Tensor]:
+    """The batch's token ids: its first 2-D integer tensor (batch x length), or ``None``."""
+    integer = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype in integer), None)
+
+
+def sequence_length_of(batch: Any) -> Optional[int]:
+    """The sequence length of ``batch``: dim 1 of its token ids (its first 2-D integer tensor); ``None`` without one.
+
+    Example::
+
+        >>> sequence_length_of({"mask": torch.ones(2, 5), "input_ids": torch.zeros(2, 7, dtype=torch.long)})
+        7
+    """
+    tokens = _token_ids(tree_flatten(batch)[0])
+    return None if tokens is None else tokens.shape[1]
+
+
+def batch_of_length(batch: Any, length: int) -> Any:
+    """``batch`` at sequence length ``length``: every tensor whose dim 1 is the token ids' length (the ids, labels,
+    masks) cut to ``length`` or tiled along dim 1 up to it; other leaves as they are.
+
+    Example::
+
+        >>> ids, y = torch.arange(6).view(2, 3), torch.ones(2, 3, 4)
+        >>> longer, y8 = batch_of_length((ids, y), 8)
+        >>> longer.tolist(), tuple(y8.shape), batch_of_length((ids, y), 2)[0].tolist()
+        ([[0, 1, 2, 0, 1, 2, 0, 1], [3, 4, 5, 3, 4, 5, 3, 4]], (2, 8, 4), [[0, 1], [3, 4]])
+    """
+    leaves, spec = tree_flatten(batch)
+    tokens = _token_ids(leaves)
+    if tokens is None:
+        raise ValueError("plan: --lengths needs token ids in the batch (a 2-D integer tensor, batch x length) to know"
+                         " the sequence length; the training batch has none.")
+    if length < 1:
+        raise ValueError(f"plan: --lengths: a length of {length} tokens; pass lengths of 1 or more")
+    have = tokens.shape[1]
+
+    def resize(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[1] != have:
+            return t
+        times = -(-length // have)
+        tiled = t.repeat(1, times, *[1] * (t.dim() - 2)) if times > 1 else t
+        return tiled[:, :length].clone()  # a copy: a slice would keep (and count) the whole storage
+
+    return tree_unflatten([resize(t) for t in leaves], spec)
+
+
+#: Hyperparameters and model-config attributes that bound the sequence length a model takes (position tables).
+_LENGTH_LIMITS = ("block_size", "max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def length_limit(module: torch.nn.Module) -> Optional[tuple[str, int]]:
+    """``(name, value)`` of what bounds the sequence length ``module`` takes: a hyperparameter (``block_size``, as
+    the demo GPT's position table) or a Hugging Face model's ``config`` attribute; ``None`` when nothing says.
+
+    Example::
+
+        >>> from lightning_ckpt.demos import GPT
+        >>> length_limit(GPT(block_size=32))
+        ('block_size', 32)
+    """
+    sources = [getattr(module, "hparams", {})]
+    sources += [vars(m.config) for m in module.modules() if hasattr(getattr(m, "config", None), "__dict__")]
+    for source in sources:
+        for name in _LENGTH_LIMITS:
+            value = source.get(name) if isinstance(source, Mapping) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return name, value
+    return None
+
+
+def check_length(built: Built, length: int) -> None:
+    """A ``ValueError`` naming ``length`` and why when the model cannot take sequences that long."""
+    limit = length_limit(built.module)
+    if limit is not None and length > limit[1]:
+        name, value = limit
+        raise ValueError(f"plan: --lengths: the model cannot take a length of {length} tokens: its {name} is {value}"
+                         f" (its position table ends there). Pass lengths up to {value}, or a larger {name} (such as"
+                         f" --model.init_args.{name}={length}).")
+
+
 def _cycle(loader: Any) -> Iterator[Any]:
     while True:
         empty = True
@@ -391,14 +490,21 @@ class Measurement:
     outside_ops: tuple[OpRecord, ...] = ()  # the step's ops outside the layers (for predicted step times)
     head_bytes: int = 0  # of outside_bytes, saved after the last layer (see LayerCostRecorder.head_bytes)
     head_peak_bytes: int = 0  # what the head's backward makes alive at once (LayerCostRecorder.head_peak_bytes)
+    length: Optional[int] = None  # the sequence length measured (dim 1 of the token ids); None without token ids
 
 
-def measure(built: Built, batch_size: Optional[int] = None) -> Measurement:
+def measure(built: Built, batch_size: Optional[int] = None, length: Optional[int] = None) -> Measurement:
     """One fully checkpointed training step at ``batch_size`` (default: the loader's; see
-    :func:`~lightning_ckpt.core.planner.measure_layer_costs`)."""
+    :func:`~lightning_ckpt.core.planner.measure_layer_costs`), with ``length`` its sequence length (default: the
+    loader's; another cut or tiled by :func:`batch_of_length`, within :func:`check_length`)."""
     if batch_size is None:
         batch_size = loader_batch_size(built.loader)
-    batch = _on_device(built, batch_of_size(built.loader, batch_size))
+    batch = batch_of_size(built.loader, batch_size)
+    if length is not None:
+        check_length(built, length)
+        batch = batch_of_length(batch, length)
+    measured_length = sequence_length_of(batch)
+    batch = _on_device(built, batch)
     with built.mode():
         batch = built.precision.convert_input(batch)
     module = built.module
@@ -412,9 +518,15 @@ def measure(built: Built, batch_size: Optional[int] = None) -> Measurement:
 
     with built.mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_LOG_WARNING)
-        measured = measure_step(module, step, built.layer_cls)
+        try:
+            measured = measure_step(module, step, built.layer_cls)
+        except (IndexError, RuntimeError) as err:
+            if length is None:
+                raise
+            raise ValueError(f"plan: --lengths: the step failed at a length of {length} tokens, which the model may"
+                             f" not take ({type(err).__name__}: {err})") from err
     return Measurement(batch_size, measured.costs, measured.outside_bytes, measured.outside_ops, measured.head_bytes,
-                       measured.head_peak_bytes)
+                       measured.head_peak_bytes, measured_length)
 
 
 @dataclass

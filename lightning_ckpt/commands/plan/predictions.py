@@ -1,6 +1,7 @@
 """What ``lightning-ckpt plan`` predicts from its measurements: the layer modes of each standard setting, each
 setting's activations, recompute FLOPs and step time, the fit of activations over the batch size, the largest
-batch that fits, and the planner's front over budgets. Arithmetic only, on
+batch that fits, the fit of the peak over the sequence length and the largest length that fits, and the planner's
+front over budgets. Arithmetic only, on
 :class:`~lightning_ckpt.commands.plan.measure.Measurement`: nothing here builds or runs a model.
 """
 
@@ -11,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
 
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.planner import CheckpointPlan, Offload, make_plan, predict, predict_peak, predict_seconds
@@ -85,6 +88,60 @@ def largest_batch(fixed: float, per_sample: float, room: float) -> Optional[int]
     if per_sample <= 0:
         return None if fixed <= room else 0
     return max(0, math.floor((room - fixed) / per_sample + 1e-9))
+
+
+def fit_peak(lengths: Sequence[int], peaks: Sequence[float]) -> tuple[float, float, float]:
+    """``(c0, c1, c2)`` of ``peak = c0 + c1 * T + c2 * T**2`` over the sequence lengths ``T``: a quadratic (least
+    squares) through 3 or more points, for attention's ``T**2`` terms; a line (``c2 = 0``) through 2.
+
+    Example::
+
+        >>> [round(c, 6) for c in fit_peak([1, 2, 3], [6, 17, 34])]  # 1 + 2 T + 3 T^2
+        [1.0, 2.0, 3.0]
+        >>> [round(c, 6) for c in fit_peak([4, 8], [140, 260])]
+        [20.0, 30.0, 0.0]
+    """
+    if len(lengths) != len(peaks) or len(set(lengths)) < 2:
+        raise ValueError(f"fit_peak: needs 2 or more distinct lengths with a peak each, got {list(lengths)}")
+    degree = 2 if len(set(lengths)) >= 3 else 1
+    scale = float(max(lengths))  # lengths in units of the longest: T**2 in the thousands squared is ill-conditioned
+    x = torch.tensor(lengths, dtype=torch.float64) / scale
+    powers = torch.stack([x**i for i in range(degree + 1)], dim=1)
+    solution = torch.linalg.lstsq(powers, torch.tensor(peaks, dtype=torch.float64).unsqueeze(1)).solution
+    coeffs = [float(c) / scale**i for i, c in enumerate(solution.squeeze(1))]
+    return coeffs[0], coeffs[1], coeffs[2] if degree == 2 else 0.0
+
+
+def largest_length(coeffs: tuple[float, float, float], room: float) -> Optional[int]:
+    """The largest length ``T >= 0`` with ``c0 + c1 * T + c2 * T**2 <= room`` (``coeffs`` from :func:`fit_peak`);
+    ``None`` when the peak does not grow with the length. A fit that bends down (``c2 < 0``, noise on a line) is
+    read as its line, which never promises more than the measurements.
+
+    Example::
+
+        >>> largest_length((1, 2, 3), 321), largest_length((1, 2, 3), 320), largest_length((20, 30, 0), 1000)
+        (10, 9, 32)
+    """
+    c0, c1, c2 = coeffs
+    c2 = max(c2, 0.0)
+    left = room - c0
+    if left < 0:
+        return 0
+    if c2 == 0 and c1 <= 0:
+        return None
+    # The positive root of c2 T^2 + c1 T - left, in the form that stays exact as c2 goes to 0.
+    return max(0, math.floor(2 * left / (c1 + math.sqrt(c1 * c1 + 4 * c2 * left)) + 1e-9))
+
+
+def plan_for(measured: Measurement, budget: object, offload: Offload,
+             device: Optional[DeviceProfile] = None) -> tuple[Optional[CheckpointPlan], Optional[str]]:
+    """``(plan, None)``: the planner's plan for ``budget`` on ``measured``; ``(None, why)`` when it cannot be met."""
+    try:
+        return make_plan(measured.costs, measured.outside_bytes, budget, offload=offload, device=device,
+                         outside_ops=measured.outside_ops, head_bytes=measured.head_bytes,
+                         head_peak_bytes=measured.head_peak_bytes), None
+    except ValueError as err:
+        return None, str(err)
 
 
 def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], offload: Offload,

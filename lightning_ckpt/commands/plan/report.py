@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -89,13 +90,66 @@ def sharding_lines(static: StaticMemory) -> list[str]:
             " one device's share, and the largest batch is per device." + (f" Note: {s.note}." if s.note else ""), ""]
 
 
-def render(title: str, built: Built, main: Measurement, plan: Optional[CheckpointPlan], plan_error: Optional[str],
-           budget: object, rows: Sequence[SettingRow], static: StaticMemory, device_memory: Optional[int],
-           batch_sizes: Sequence[int]) -> str:
-    """The report, as Markdown."""
+@dataclass
+class LengthResult:
+    """One length of ``--lengths``: the step measured at ``batch_size`` x ``length``, the plan for the budget there
+    (or why there is none) and every setting's predictions."""
+
+    length: int
+    batch_size: int
+    plan: Optional[CheckpointPlan]
+    plan_error: Optional[str]
+    rows: list[SettingRow]
+
+
+@dataclass
+class PlanResult:
+    """What ``lightning-ckpt plan`` found: everything :func:`render`, :func:`report_data` and :func:`plot` report.
+
+    ``rows`` are the settings at ``main``'s batch (with the fit over ``batch_sizes`` and the largest batch when
+    ``device_memory`` is given); ``lengths``, ``length_fit`` and ``largest_length`` are only filled with
+    ``--lengths``.
+    """
+
+    title: str
+    built: Built
+    main: Measurement
+    plan: Optional[CheckpointPlan]
+    plan_error: Optional[str]
+    budget: object
+    rows: list[SettingRow]
+    static: StaticMemory
+    device_memory: Optional[int] = None
+    batch_sizes: list[int] = field(default_factory=list)
+    front: list[dict[str, Any]] = field(default_factory=list)
+    profile: Optional[DeviceProfile] = None
+    lengths: list[LengthResult] = field(default_factory=list)
+    #: "quadratic" (3 or more lengths), "linear" (2), or None: how each setting's peak is fitted over the length.
+    length_fit: Optional[str] = None
+    #: setting -> the largest length that fits ``device_memory`` at ``main``'s batch (``None``: unbounded).
+    largest_length: dict[str, Optional[int]] = field(default_factory=dict)
+
+
+def render(result: PlanResult) -> str:
+    """The report, as Markdown: what was measured, the layers, the plan, the settings, static memory and (with
+    ``--lengths``) the plan across lengths.
+
+    Example::
+
+        report = render(PlanResult("tiny.yaml", built, measured, plan, None, 0.5, rows, static_memory(built)))
+        report.splitlines()[0]  # '# Checkpointing plan: tiny.yaml'
+    """
+    lines = [*_intro_lines(result), *_layer_lines(result), *_plan_lines(result), *_settings_lines(result),
+             *_static_lines(result), *_length_lines(result)]
+    return "\n".join(lines) + "\n"
+
+
+def _intro_lines(result: PlanResult) -> list[str]:
+    """The title and what was measured, how."""
+    built, main = result.built, result.main
     how = ("fake tensors (FakeTensorMode: no memory allocated)" if built.fake_mode is not None else "real tensors")
-    lines = [
-        f"# Checkpointing plan: {title}",
+    return [
+        f"# Checkpointing plan: {result.title}",
         "",
         f"One training step of {type(built.module).__name__} at batch size {main.batch_size}, measured on"
         f" {built.device} with {how}, every matched layer fully checkpointed. Bytes are activations held for"
@@ -107,6 +161,13 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
            if built.offload == "auto" else ""),
         "",
         *where_measured(built),
+    ]
+
+
+def _layer_lines(result: PlanResult) -> list[str]:
+    """The Layers table (each layer's bytes and FLOPs by mode, and the plan's choice) and the op-level choices."""
+    built, main, plan = result.built, result.main, result.plan
+    lines = [
         "## Layers",
         "",
         "| layer | class | none (B) | full (B) | selective (B) | recompute full (FLOP) | recompute selective (FLOP)"
@@ -131,25 +192,37 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
                   *[f"- {name}: {describe(c.ops, plan.kept_ops[name])}" for c in main.costs
                     for name in [c.name] if name in plan.kept_ops],
                   ""]
-    lines += [f"## Plan for memory_budget={budget!r}", ""]
-    if plan is not None:
-        n = sum(m != "none" for m in plan.layers.values())
-        lines.append(f"{n} of {len(plan.layers)} layers checkpointed"
-                     f" ({', '.join(f'{k}: {v}' for k, v in plan.layers.items() if v != 'none') or 'none needed'}):"
-                     f" activations {format_bytes(plan.planned_bytes)} ({100 * plan.planned_bytes / plan.baseline_bytes:.0f}%"
-                     f" of {format_bytes(plan.baseline_bytes)} without checkpointing), peak {format_bytes(plan.peak_bytes)}"
-                     f" (budget {format_bytes(plan.budget_bytes)}, {format_bytes(plan.baseline_peak_bytes)} without"
-                     " checkpointing);"
-                     f" recompute {_b(plan.recompute_flops)} FLOP per step"
-                     + (f"; {plan.step_time_text()}." if plan.predicted_step_seconds is not None else "."))
-    else:
-        lines.append(f"No plan: {plan_error}")
+    return lines
+
+
+def _plan_lines(result: PlanResult) -> list[str]:
+    """The plan for the budget in one paragraph, or why there is none."""
+    plan = result.plan
+    lines = [f"## Plan for memory_budget={result.budget!r}", ""]
+    if plan is None:
+        return [*lines, f"No plan: {result.plan_error}"]
+    n = sum(m != "none" for m in plan.layers.values())
+    lines.append(f"{n} of {len(plan.layers)} layers checkpointed"
+                 f" ({', '.join(f'{k}: {v}' for k, v in plan.layers.items() if v != 'none') or 'none needed'}):"
+                 f" activations {format_bytes(plan.planned_bytes)} ({100 * plan.planned_bytes / plan.baseline_bytes:.0f}%"
+                 f" of {format_bytes(plan.baseline_bytes)} without checkpointing), peak {format_bytes(plan.peak_bytes)}"
+                 f" (budget {format_bytes(plan.budget_bytes)}, {format_bytes(plan.baseline_peak_bytes)} without"
+                 " checkpointing);"
+                 f" recompute {_b(plan.recompute_flops)} FLOP per step"
+                 + (f"; {plan.step_time_text()}." if plan.predicted_step_seconds is not None else "."))
+    return lines
+
+
+def _settings_lines(result: PlanResult) -> list[str]:
+    """The Settings table (with the fit over the batch, the largest batch and step times when measured) and what
+    its columns mean."""
+    rows, plan, device_memory, batch_sizes = result.rows, result.plan, result.device_memory, result.batch_sizes
     memory_head = f" | largest batch in {format_bytes(device_memory)}" if device_memory is not None else ""
     timed = rows[0].predicted_step_seconds is not None
     time_head = f" | predicted step time on {plan.device if plan else 'the device'} | vs none" if timed else ""
     fit_head = " | fixed (B) | per sample (B)" if len(batch_sizes) > 1 else ""
     none_bytes = rows[0].activation_bytes
-    lines += [
+    lines = [
         "",
         "## Settings",
         "",
@@ -166,7 +239,7 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
                 if r.predicted_step_seconds is not None and rows[0].predicted_step_seconds else "")
         lines.append(f"| {r.name} | {r.layers} | {_b(r.activation_bytes)} | {format_bytes(r.activation_bytes)}"
                      f" | {100 * r.activation_bytes / none_bytes:.0f}% | {_b(r.recompute_flops)}"
-                     f" | {format_bytes(static.total + r.activation_bytes)}{fit}{fits}{step} | {_b(r.peak_bytes)} |")
+                     f" | {format_bytes(result.static.total + r.activation_bytes)}{fit}{fits}{step} | {_b(r.peak_bytes)} |")
     lines += ["", "Settings: " + "; ".join(f"{k}: {v}" for k, v in SETTINGS.items() if k in {r.name for r in rows}) + ".",
               "Activations: held for backward at the end of the forward; peak: the most alive at once over the step,"
               " forward and backward (each layer's recompute and gradients while the layers before it hold theirs),"
@@ -178,8 +251,14 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
         lines.append(f"Largest batch: static memory plus activations within {format_bytes(device_memory)}"
                      f" ({_b(device_memory)} B); the backward pass's transient memory (gradients being computed,"
                      " recomputed layers, allocator slack) needs some headroom on top.")
+    return lines
+
+
+def _static_lines(result: PlanResult) -> list[str]:
+    """The Static memory table, how it is sharded, and how much of the total activations are."""
+    static, none_bytes = result.static, result.rows[0].activation_bytes
     state = "unknown" if static.optimizer_state is None else _b(static.optimizer_state)
-    lines += [
+    return [
         "",
         "## Static memory (checkpointing does not change it)",
         "",
@@ -193,26 +272,106 @@ def render(title: str, built: Built, main: Measurement, plan: Optional[Checkpoin
         + (": checkpointing cannot save much here; shard the weights and optimizer state (FSDP) or train fewer"
            " parameters (PEFT)." if none_bytes < static.total else "."),
     ]
-    return "\n".join(lines) + "\n"
 
 
-def report_data(title: str, built: Built, main: Measurement, plan: Optional[CheckpointPlan], plan_error: Optional[str],
-                budget: object, rows: Sequence[SettingRow], static: StaticMemory, device_memory: Optional[int],
-                batch_sizes: Sequence[int], front: Sequence[Mapping[str, int]],
-                profile: Optional[DeviceProfile] = None) -> dict[str, Any]:
+def _length_lines(result: PlanResult) -> list[str]:
+    """With ``--lengths``: the plan for the budget at each length, each setting's peak at each length and (with
+    ``--device-memory``) the largest length each setting fits; nothing otherwise."""
+    if not result.lengths:
+        return []
+    timed = result.profile is not None
+    lines = [
+        "",
+        "## Plan across lengths",
+        "",
+        f"The step measured again at each length, at batch size {result.lengths[0].batch_size}: the batch's token ids"
+        " and every tensor of their length (labels, masks) cut or tiled along dim 1. The plan is made for"
+        f" memory_budget={result.budget!r} at each length.",
+        "",
+        "| length | shape (batch x length) | tokens | layers checkpointed | plan peak (B) | plan peak"
+        " | recompute (FLOP)" + (f" | predicted step time on {result.profile.name}" if result.profile else "") + " |",
+        "|---:|---|---:|---|---:|---:|---:" + "|---:" * timed + "|",
+    ]
+    for at in result.lengths:
+        shape = f"{at.batch_size} x {at.length}"
+        if at.plan is None:
+            lines.append(f"| {at.length} | {shape} | {_b(at.batch_size * at.length)} | no plan | - | - | -"
+                         + " | -" * timed + " |")
+            continue
+        modes = [m for m in at.plan.layers.values() if m != "none"]
+        kinds = ", ".join(f"{modes.count(m)} {m}" for m in dict.fromkeys(modes))
+        step = f" | {1000 * at.plan.predicted_step_seconds:.2f} ms" if at.plan.predicted_step_seconds is not None else ""
+        lines.append(f"| {at.length} | {shape} | {_b(at.batch_size * at.length)} | {len(modes)} of {len(at.plan.layers)}"
+                     + (f" ({kinds})" if kinds else "") + f" | {_b(at.plan.peak_bytes)} | {format_bytes(at.plan.peak_bytes)}"
+                     f" | {_b(at.plan.recompute_flops)}{step} |")
+    missing = [f"No plan at {at.batch_size} x {at.length}: {at.plan_error}" for at in result.lengths if at.plan is None]
+    lines += ["", *missing] if missing else []  # a blank line first: a text line right after a table joins it
+    lines += ["", *_length_peak_lines(result)]
+    return lines
+
+
+def _length_peak_lines(result: PlanResult) -> list[str]:
+    """Each standard setting's peak at each length and, with ``--device-memory``, the largest length it fits."""
+    names = [r.name for r in result.rows if r.name in SETTINGS and r.name != "plan"]
+    peaks = {at.length: {r.name: r.peak_bytes for r in at.rows} for at in result.lengths}
+    batch = result.main.batch_size
+    fits = result.device_memory is not None and result.length_fit is not None
+    memory_head = (f" | largest batch at {batch} x {result.main.length} | largest length at batch {batch}"
+                   if fits else "")
+    lines = [
+        "| setting | " + " | ".join(f"peak (B) at {at.batch_size} x {at.length}" for at in result.lengths)
+        + memory_head + " |",
+        "|---|" + "---:|" * (len(result.lengths) + 2 * fits),
+    ]
+    for row in (r for r in result.rows if r.name in names):
+        largest = ""
+        if fits:
+            length = result.largest_length.get(row.name)
+            largest = (f" | {'unbounded' if row.largest_batch is None else row.largest_batch}"
+                       f" | {'unbounded' if length is None else length}")
+        lines.append(f"| {row.name} | " + " | ".join(_b(peaks[at.length][row.name]) for at in result.lengths)
+                     + largest + " |")
+    if result.length_fit == "quadratic":
+        how = (f"fitted over the {len(result.lengths)} lengths as a quadratic, c0 + c1 x T + c2 x T^2 (attention's"
+               " T^2 terms)")
+    elif result.length_fit == "linear":
+        how = "fitted over the 2 lengths as a line, c0 + c1 x T (pass 3 or more lengths for attention's T^2 terms)"
+    else:
+        how = "not fitted (pass 2 or more lengths)"
+    lines += ["", f"Peak: the step's activation peak at each length; {how}."]
+    if fits:
+        lines.append(f"Largest length: static memory plus the setting's fitted peak within"
+                     f" {format_bytes(result.device_memory)} at batch size {batch}; largest batch (from the Settings"
+                     " table): static memory plus activations at the measured length.")
+    return lines
+
+
+def _plan_data(plan: Optional[CheckpointPlan]) -> Optional[dict[str, Any]]:
+    """A plan's figures for ``plan.json``; ``None`` for no plan."""
+    return None if plan is None else {
+        "layers": dict(plan.layers),
+        "offloaded": list(plan.offloaded),
+        "budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes, "peak_bytes": plan.peak_bytes,
+        "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops,
+        "kept_ops": plan.kept_ops, "predicted_step_seconds": plan.predicted_step_seconds,
+        "baseline_step_seconds": plan.baseline_step_seconds}
+
+
+def report_data(result: PlanResult) -> dict[str, Any]:
     """Every figure of the report as plain data (``plan.json``; the keys are listed in the docstring of
     :mod:`lightning_ckpt.commands.plan`)."""
+    built, main, static = result.built, result.main, result.static
     s = static.sharding
-    return {
-        "config": title,
+    data = {
+        "config": result.title,
         "model": type(built.module).__name__,
         "fake": built.fake_mode is not None,
         "planned_for": built.planned_for,
-        "batch_sizes": list(batch_sizes),
+        "batch_sizes": list(result.batch_sizes),
         "batch_size": main.batch_size,
-        "memory_budget": budget,
-        "device_memory": device_memory,
-        "device": profile.name if profile is not None else None,
+        "memory_budget": result.budget,
+        "device_memory": result.device_memory,
+        "device": result.profile.name if result.profile is not None else None,
         "outside_bytes": main.outside_bytes,
         "static_bytes_per_device": static.total,
         "static": {"weights_bytes": static.weights, "gradient_bytes": static.gradients,
@@ -227,24 +386,36 @@ def report_data(title: str, built: Built, main: Measurement, plan: Optional[Chec
                       "activation_bytes": r.activation_bytes, "peak_bytes": r.peak_bytes,
                       "recompute_flops": r.recompute_flops,
                       "predicted_step_seconds": r.predicted_step_seconds, "fixed_bytes": r.fixed_bytes,
-                      "per_sample_bytes": r.per_sample_bytes, "largest_batch": r.largest_batch} for r in rows],
-        "plan": None if plan is None else {
-            "layers": dict(plan.layers),
-            "offloaded": list(plan.offloaded),
-            "budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes, "peak_bytes": plan.peak_bytes,
-            "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops,
-            "kept_ops": plan.kept_ops, "predicted_step_seconds": plan.predicted_step_seconds,
-            "baseline_step_seconds": plan.baseline_step_seconds},
-        "plan_error": plan_error,
-        "front": [dict(p) for p in front],
+                      "per_sample_bytes": r.per_sample_bytes, "largest_batch": r.largest_batch} for r in result.rows],
+        "plan": _plan_data(result.plan),
+        "plan_error": result.plan_error,
+        "front": [dict(p) for p in result.front],
+    }
+    if result.lengths:
+        data.update(_length_data(result))
+    return data
+
+
+def _length_data(result: PlanResult) -> dict[str, Any]:
+    """``plan.json``'s ``lengths``, ``length_fit`` and ``largest_length`` (with ``--lengths`` only)."""
+    return {
+        "lengths": [{"length": at.length, "batch_size": at.batch_size, "tokens": at.batch_size * at.length,
+                     "plan": _plan_data(at.plan), "plan_error": at.plan_error,
+                     "settings": [{"name": r.name, "peak_bytes": r.peak_bytes, "activation_bytes": r.activation_bytes,
+                                   "recompute_flops": r.recompute_flops,
+                                   "predicted_step_seconds": r.predicted_step_seconds} for r in at.rows]}
+                    for at in result.lengths],
+        "length_fit": result.length_fit,
+        "largest_length": dict(result.largest_length) if result.device_memory is not None else None,
     }
 
 
 def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
     """Activations against recompute cost (predicted step time when every setting has one, else recompute FLOPs)
     of every setting in ``data`` (:func:`report_data`), the planner's front over budgets as a line and the chosen
-    plan as a star; saved as a PNG. Returns the figure (``None`` without matplotlib). Points are in bytes and FLOPs
-    (or seconds), the axes' labels formatted for people.
+    plan as a star; saved as a PNG. With ``--lengths`` (``data["lengths"]``) a second panel draws each setting's
+    peak against the sequence length, one line per setting. Returns the figure (``None`` without matplotlib). Points
+    are in bytes and FLOPs (or seconds), the axes' labels formatted for people.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -256,9 +427,10 @@ def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
     settings = data["settings"]
     timed = all(s["predicted_step_seconds"] is not None for s in settings)
     cost = "predicted_step_seconds" if timed else "recompute_flops"
-    fig = Figure(figsize=(6.5, 4.5), dpi=120)
+    lengths = data.get("lengths")
+    fig = Figure(figsize=(13, 4.5) if lengths else (6.5, 4.5), dpi=120)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(1, 2, 1) if lengths else fig.add_subplot()
     front = [p for p in data["front"] if p.get(cost) is not None]
     if front:
         front = sorted(front, key=lambda p: p[cost])
@@ -279,6 +451,25 @@ def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
     ax.legend(handles=ax.lines, loc="upper right", fontsize=8)
     ax.set_title(f"Checkpointing plan: activations vs recompute\n{data['config']}", fontsize=10)
     ax.grid(alpha=0.3)
+    if lengths:
+        _plot_lengths(fig.add_subplot(1, 2, 2), lengths, EngFormatter)
     fig.tight_layout()
     fig.savefig(path)
     return fig
+
+
+def _plot_lengths(ax: Any, lengths: list[dict[str, Any]], formatter: Any) -> None:
+    """Each setting's peak (the plan's too, where there is one) against the sequence length: one line per setting."""
+    names = list(dict.fromkeys(s["name"] for at in lengths for s in at["settings"]))
+    for name in names:
+        points = [(at["length"], s["peak_bytes"]) for at in lengths for s in at["settings"] if s["name"] == name]
+        ax.plot([x for x, _ in points], [y for _, y in points], "*--" if name == "plan" else "o-", label=name,
+                color="black" if name == "plan" else None)  # tab:red is every_layer's colour here
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([at["length"] for at in lengths], [f"{at['batch_size']} x {at['length']}" for at in lengths])
+    ax.yaxis.set_major_formatter(formatter(unit="B"))
+    ax.set_xlabel("batch x sequence length measured")
+    ax.set_ylabel("activation peak of the step, per device")
+    ax.set_title("Peak across lengths", fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
