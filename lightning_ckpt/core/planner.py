@@ -73,7 +73,7 @@ from lightning_ckpt.core.device_profile import DeviceProfile, resolve_device
 from lightning_ckpt.core.layer_state import buffers_restored
 from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
 from lightning_ckpt.core.op_curve import OpRecord, add_records, describe, op_curve, op_records, spread
-from lightning_ckpt.core.placement import _fsdp2
+from lightning_ckpt.core.placement import fsdp2
 from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS, keep_ops_context_fn
 from lightning_ckpt.core.profiling import (
     OpCostMode,
@@ -232,7 +232,7 @@ def _plain_forward(layer: nn.Module) -> Callable[..., Any]:
 
 def _own_parameters(layer: nn.Module) -> list[torch.Tensor]:
     """The layer's parameters, less those of FSDP units nested inside it (their own hooks gather those)."""
-    nested = [name for name, sub in layer.named_modules() if name and isinstance(sub, _fsdp2().FSDPModule)]
+    nested = [name for name, sub in layer.named_modules() if name and isinstance(sub, fsdp2().FSDPModule)]
     return [p for name, p in layer.named_parameters() if not any(is_inside(name, unit) for unit in nested)]
 
 
@@ -257,7 +257,7 @@ def _gathered(layer: nn.Module) -> Iterator[None]:
 
 def _class_name(layer: nn.Module) -> str:
     """The layer's own class name (``Block``, not the ``FSDPBlock`` that ``fully_shard`` makes of it)."""
-    fsdp_module = _fsdp2().FSDPModule
+    fsdp_module = fsdp2().FSDPModule
     return next(c for c in type(layer).__mro__ if not issubclass(c, fsdp_module)).__qualname__
 
 
@@ -302,7 +302,7 @@ class LayerCostRecorder:
         # The step's ops outside the layers, recorded while neither inside a layer nor re-running one.
         self._outside: Optional[OpRecordMode] = OpRecordMode() if outside_ops else None
         self._inside = 0
-        fsdp_module = _fsdp2().FSDPModule
+        fsdp_module = fsdp2().FSDPModule
         for name, layer in self.layers:
             if not isinstance(layer, fsdp_module) and any(hasattr(p, "to_local") for p in _own_parameters(layer)):
                 raise ValueError(
