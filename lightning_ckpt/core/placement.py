@@ -40,6 +40,10 @@ def fsdp2() -> Any:
     return fsdp
 
 
+#: The name :func:`fsdp2` had before it was shared (tests still import it).
+_fsdp2 = fsdp2
+
+
 def fsdp_units(module: nn.Module) -> list[str]:
     """Names of the FSDP units in ``module``: modules sharded with FSDP2's ``fully_shard`` or wrapped in FSDP1.
 
