@@ -136,7 +136,11 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
         outside_bytes: activation bytes held outside the layers (embeddings, head, loss).
         memory_budget: a fraction of the bytes held without checkpointing, or bytes: the bound on the step's
             activation peak (:attr:`CheckpointPlan.peak_bytes`).
-        modes, offload, device, host_memory: as :func:`plan_checkpointing` takes them.
+        modes: the checkpointing modes a layer may get, besides ``"none"`` (as :func:`plan_checkpointing`).
+        offload: ``False``, ``True`` or ``"auto"`` (as :func:`plan_checkpointing`; ``"auto"`` needs ``device``).
+        device: ``None``, a :class:`~lightning_ckpt.core.device_profile.DeviceProfile` or a preset name: plan for
+            the least predicted step time on it (as :func:`plan_checkpointing`).
+        host_memory: bytes of host memory offloaded tensors may take (``None``: half of the host memory free now).
         outside_ops: the ops of the step outside the layers (for the predicted step time).
         min_bytes: the offload engine's threshold (smaller tensors stay on the device).
         head_bytes: of ``outside_bytes``, what the step saves after the last layer (head, loss), which the backward
