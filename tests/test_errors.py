@@ -315,17 +315,17 @@ CASES: dict[str, Case] = {
         "pass `use_cache=False`", "reaches the checkpointed layer"),
     # --- plan_checkpointing and its plan
     "plan a non-module": Case(
-        "core.planner._check_module_and_step", lambda: plan_checkpointing("model", lambda: None, 0.5), TypeError,
+        "core.measure.check_module_and_step", lambda: plan_checkpointing("model", lambda: None, 0.5), TypeError,
         "got str", "takes an `nn.Module`", "`plan_checkpointing` takes an `nn.Module`"),
     "step not callable": Case(
-        "core.planner._check_module_and_step", lambda: plan_checkpointing(blocks(), None, 0.5), TypeError,
+        "core.measure.check_module_and_step", lambda: plan_checkpointing(blocks(), None, 0.5), TypeError,
         "got None", "a callable with no arguments that returns the loss", "`step` must be a callable"),
     "modes": Case(
-        "core.planner._validate_modes", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, modes=("fast",)),
+        "core.costs.validate_modes", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, modes=("fast",)),
         ValueError, "`modes=('fast',)`", "Pass a non-empty tuple of ('full', 'selective', 'ops')", "is not understood. Pass a"
         " non-empty tuple"),
     "plan offload not understood": Case(
-        "core.planner._validate_offload", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, offload="yes"),
+        "core.costs.validate_offload", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, offload="yes"),
         ValueError, "`offload='yes'`", "Pass False (nothing offloaded), True", "is not understood. Pass False"),
     "auto offload without a device profile": Case(
         "core.planner.make_plan",
@@ -348,15 +348,15 @@ CASES: dict[str, Case] = {
         "`memory_budget=0.01` asks for an activation peak of at most", "To fit: pass a budget of at least",
         "but the least reachable is"),
     "plan in eval mode": Case(
-        "core.planner._measure", lambda: plan_checkpointing(blocks().eval(), lambda: None, 0.5), ValueError,
+        "core.measure._measure", lambda: plan_checkpointing(blocks().eval(), lambda: None, 0.5), ValueError,
         "the module is in eval mode", "Call `module.train()` first", "measures a training step, but the module is in"
         " eval mode"),
     "plan, no layer matches": Case(
-        "core.planner._measure", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, layer_cls=nn.Conv2d),
+        "core.measure._measure", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, layer_cls=nn.Conv2d),
         ValueError, "`layer_cls=<class 'torch.nn.modules.conv.Conv2d'>`", "pass the class of the model's repeated"
         " block", "matches `layer_cls="),
     "step runs no layer": Case(
-        "core.planner._measure",
+        "core.measure._measure",
         lambda: plan_checkpointing(blocks(), lambda: torch.zeros((), requires_grad=True), 0.5), ValueError,
         "never called a matched layer (0, 1, ...)", "pass a step that runs the model's forward and returns the loss",
         "never called a matched layer"),
@@ -377,15 +377,15 @@ CASES: dict[str, Case] = {
         lambda: plan_checkpointing(blocks(), lambda: None, 0.5, device=3), TypeError,
         "got 3", "a preset name such as 'h100-sxm'", "`device` must be None, a DeviceProfile or a preset name"),
     "sharded, not per layer": Case(
-        "core.planner.LayerCostRecorder.__init__", sharded_at_the_root_only, ValueError,
+        "core.measure.LayerCostRecorder.__init__", sharded_at_the_root_only, ValueError,
         "`0` has sharded (DTensor) parameters", "Shard each layer as its own unit",
         "has sharded (DTensor) parameters but is not an FSDP unit"),
     "plan.apply options": Case(
-        "core.planner.CheckpointPlan.apply", lambda: a_plan().apply(blocks(), mode="full"), TypeError,
+        "core.plan.CheckpointPlan.apply", lambda: a_plan().apply(blocks(), mode="full"), TypeError,
         "got ['mode']", "`apply` takes use_reentrant, preserve_rng_state and checkpoint_kwargs",
         "`apply` takes use_reentrant"),
     "plan.apply elsewhere": Case(
-        "core.planner.CheckpointPlan.apply", lambda: a_plan().apply(nn.Linear(2, 2)), ValueError,
+        "core.plan.CheckpointPlan.apply", lambda: a_plan().apply(nn.Linear(2, 2)), ValueError,
         "names layer `0`, which Linear does not have", "apply a plan to the module it was made for",
         "does not have: apply a plan"),
     # --- MemoryMonitor
@@ -769,7 +769,7 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
            " (not installed)"),
     "commands.plan.measure.device_profile": (
         1, "`plan --device auto` for an accelerator missing here: printed with exit 2"),
-    "core.planner.solve": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
+    "core.solver.solve": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
     "callbacks.gradient_checkpointing.GradientCheckpointing._make_plan": (
         1, "make_plan's 'least reachable' message (case 'budget out of reach') with the batch size appended; the size"
            " is asserted in test_budget_cycle's out-of-reach test"),

@@ -23,7 +23,7 @@ import psutil
 
 from lightning_ckpt.core.budget import (
     AutoBudget,
-    Measurement,
+    RankMeasurement,
     combine_costs,
     host_memory_share,
     offload_min_bytes,
@@ -53,7 +53,7 @@ _SETTINGS = ("layer_cls", "every_n_layers", "offload", "mode", "memory_budget", 
 T = TypeVar("T")
 
 
-class _Option(Generic[T]):
+class _SettingAttribute(Generic[T]):
     """A constructor argument exposed as an attribute of the callback.
 
     Reading returns the value held in the callback's settings (a copy for lists and dicts, so that changing it
@@ -68,12 +68,12 @@ class _Option(Generic[T]):
         self.name = name
 
     @overload
-    def __get__(self, obj: None, owner: type) -> _Option[T]: ...
+    def __get__(self, obj: None, owner: type) -> _SettingAttribute[T]: ...
 
     @overload
     def __get__(self, obj: GradientCheckpointing, owner: type) -> T: ...
 
-    def __get__(self, obj: Optional[GradientCheckpointing], owner: type) -> Union[T, _Option[T]]:
+    def __get__(self, obj: Optional[GradientCheckpointing], owner: type) -> Union[T, _SettingAttribute[T]]:
         if obj is None:
             return self
         return copy.copy(obj._settings[self.name])
@@ -141,17 +141,17 @@ class GradientCheckpointing(Callback):
         trainer = Trainer(callbacks=[callback])
     """
 
-    layer_cls: _Option[Union[str, type, Sequence[Union[str, type]], None]] = _Option(
+    layer_cls: _SettingAttribute[Union[str, type, Sequence[Union[str, type]], None]] = _SettingAttribute(
         "The layer class(es) to checkpoint, as given (classes or dotted import paths); ``None``: detected.")
-    every_n_layers: _Option[int] = _Option("Checkpoint matched layers 0, n, 2n, ... in registration order.")
-    offload: _Option[Offload] = _Option("Keep the checkpointed layers' inputs in pinned host memory; ``'auto'``: the"
+    every_n_layers: _SettingAttribute[int] = _SettingAttribute("Checkpoint matched layers 0, n, 2n, ... in registration order.")
+    offload: _SettingAttribute[Offload] = _SettingAttribute("Keep the checkpointed layers' inputs in pinned host memory; ``'auto'``: the"
                                         " plan chooses per layer.")
-    mode: _Option[Mode] = _Option("``'full'`` or ``'selective'``.")
-    memory_budget: _Option[Union[float, int, str, None]] = _Option(
+    mode: _SettingAttribute[Mode] = _SettingAttribute("``'full'`` or ``'selective'``.")
+    memory_budget: _SettingAttribute[Union[float, int, str, None]] = _SettingAttribute(
         "A fraction (``0.5``), bytes (``'2GiB'``) or ``'auto'``: the callback plans what to checkpoint; ``None``: off.")
-    use_reentrant: _Option[bool] = _Option("Use torch's reentrant checkpoint.")
-    preserve_rng_state: _Option[bool] = _Option("Replay the RNG state in the recomputation.")
-    checkpoint_kwargs: _Option[Optional[dict[str, Any]]] = _Option(
+    use_reentrant: _SettingAttribute[bool] = _SettingAttribute("Use torch's reentrant checkpoint.")
+    preserve_rng_state: _SettingAttribute[bool] = _SettingAttribute("Replay the RNG state in the recomputation.")
+    checkpoint_kwargs: _SettingAttribute[Optional[dict[str, Any]]] = _SettingAttribute(
         "Extra ``torch.utils.checkpoint.checkpoint`` arguments, merged over the other options.")
 
     def __init__(
@@ -180,7 +180,7 @@ class GradientCheckpointing(Callback):
         self._module: Optional[pl.LightningModule] = None
         self._original_configure_model: Any = None
         self._recorder: Optional[LayerCostRecorder] = None
-        self._measured: Optional[Measurement] = None  # this rank's, until the plan is made
+        self._measured: Optional[RankMeasurement] = None  # this rank's, until the plan is made
         self._auto: Optional[AutoBudget] = None  # "auto": the figures of the first plan, whose budget every size keeps
         self._start_step = 0
         self._device: Optional[tuple[DeviceProfile, int]] = None  # profile and host memory, for "auto"
@@ -322,7 +322,7 @@ class GradientCheckpointing(Callback):
             recorder.measure_head(loss)
         recorder.__exit__(None, None, None)
         costs = recorder.costs()
-        measured = Measurement.from_held_bytes(costs, recorder.held_bytes, recorder.head_bytes, recorder.head_peak_bytes)
+        measured = RankMeasurement.from_held_bytes(costs, recorder.held_bytes, recorder.head_bytes, recorder.head_peak_bytes)
         if recorder.held_bytes < measured.layer_bytes:
             rank_zero_warn("GradientCheckpointing: the bytes held outside the checkpointed layers could not be measured"
                            " (other saved-tensor hooks were entered after this callback's); the plan counts them as 0."
@@ -509,7 +509,7 @@ _PLAN_SETTINGS = {"layer_cls", "memory_budget", "offload", "use_reentrant", "che
 # --------------------------------------------------------------------------------------------- budget: the calls
 
 
-def _combine_over_ranks(strategy: Strategy, measured: Measurement, figures: list[int]) -> tuple[Measurement, list[int]]:
+def _combine_over_ranks(strategy: Strategy, measured: RankMeasurement, figures: list[int]) -> tuple[RankMeasurement, list[int]]:
     """Every rank's costs and ``figures`` gathered and combined (:func:`~lightning_ckpt.core.budget.combine_costs`)."""
     row = pack_costs(measured, figures, offload_min_bytes(strategy.root_device))
     local = torch.tensor(row, dtype=torch.int64, device=strategy.root_device)

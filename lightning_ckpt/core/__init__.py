@@ -8,9 +8,14 @@
 - :mod:`~lightning_ckpt.core.profiling`: bytes held for backward and FLOPs;
 - :mod:`~lightning_ckpt.core.memory_stats`: what ``MemoryMonitor`` measures and computes (probes, reductions over
   ranks, the memory breakdown);
-- :mod:`~lightning_ckpt.core.op_curve`, :mod:`~lightning_ckpt.core.planner`,
-  :mod:`~lightning_ckpt.core.device_profile`: the memory-budget planner and its time model;
+- :mod:`~lightning_ckpt.core.planner`: the memory-budget planner's entry points (``plan_checkpointing``,
+  ``make_plan``, predictions), built on :mod:`~lightning_ckpt.core.costs` (what a layer holds and costs),
+  :mod:`~lightning_ckpt.core.measure` (measuring it), :mod:`~lightning_ckpt.core.op_curve` (op-level choices),
+  :mod:`~lightning_ckpt.core.solver` (the cheapest choices that fit), :mod:`~lightning_ckpt.core.timing` and
+  :mod:`~lightning_ckpt.core.device_profile` (the time model) and :mod:`~lightning_ckpt.core.plan` (the result);
 - :mod:`~lightning_ckpt.core.budget`: what ``GradientCheckpointing`` computes for a budget (``"auto"``, static
   memory, one plan for every rank);
 - :mod:`~lightning_ckpt.core.placement`: checkpointing inside FSDP units, never around them.
 """
+
+__all__: list[str] = []  # the submodules are the API; this package itself offers no names

@@ -1,6 +1,6 @@
 """The arithmetic behind ``GradientCheckpointing(memory_budget=...)``, as plain functions.
 
-- :class:`Measurement`: what the measuring step found on one rank;
+- :class:`RankMeasurement`: what the measuring step found on one rank;
 - :func:`pack_costs` and :func:`combine_costs`: one rank's measurement as a row of integers, and the rows gathered
   from every rank combined into the costs every rank plans with;
 - :class:`AutoBudget`, :func:`auto_memory_budget` and :func:`static_bytes`: what ``memory_budget="auto"`` leaves
@@ -23,6 +23,10 @@ from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES, engine_for
 from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, held_peak
 from lightning_ckpt.core.profiling import format_bytes, format_flops, optimizer_state_bytes, tensor_bytes
 
+__all__ = ["AUTO_MEMORY_FRACTION", "AutoBudget", "Measurement", "RankMeasurement", "auto_memory_budget",
+           "combine_costs", "host_memory_share", "offload_min_bytes", "pack_costs", "plan_summary", "plan_table",
+           "static_bytes"]
+
 AUTO_MEMORY_FRACTION = 0.9
 """``memory_budget="auto"`` plans for this fraction of the accelerator's memory; the rest is headroom
 (allocator fragmentation, the CUDA context, buffers this package cannot see)."""
@@ -35,13 +39,13 @@ _COST_FIELDS = [f.name for f in fields(LayerCost) if f.name not in ("name", "cls
 
 
 @dataclass(frozen=True)
-class Measurement:
+class RankMeasurement:
     """What the measuring step found on one rank: each checkpointed layer's costs and the bytes held outside them.
 
     Example::
 
         >>> costs = [LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)]
-        >>> measured = Measurement.from_held_bytes(costs, held_bytes=22)
+        >>> measured = RankMeasurement.from_held_bytes(costs, held_bytes=22)
         >>> measured.layer_bytes, measured.outside_bytes, measured.held_bytes  # 10 + 5 in the layers
         (15, 7, 22)
     """
@@ -53,7 +57,7 @@ class Measurement:
 
     @classmethod
     def from_held_bytes(cls, costs: Sequence[LayerCost], held_bytes: int, head_bytes: int = 0,
-                        head_peak_bytes: int = 0) -> Measurement:
+                        head_peak_bytes: int = 0) -> RankMeasurement:
         """From the bytes the whole (fully checkpointed) step held: what the layers do not hold is outside them
         (``head_bytes`` of it saved after the last layer; the head's backward makes ``head_peak_bytes``).
 
@@ -61,7 +65,7 @@ class Measurement:
 
         Example::
 
-            >>> Measurement.from_held_bytes([LayerCost("a", "B", 100, 10, 40, 0, 50, 5)], held_bytes=4).outside_bytes
+            >>> RankMeasurement.from_held_bytes([LayerCost("a", "B", 100, 10, 40, 0, 50, 5)], held_bytes=4).outside_bytes
             0
         """
         costs = list(costs)
@@ -86,7 +90,7 @@ class Measurement:
         Example::
 
             >>> costs = [LayerCost(f"l{i}", "B", 100, 10, 40, 0, 50, 5, transient_bytes=150) for i in range(3)]
-            >>> Measurement(costs, outside_bytes=30, head_bytes=20).peak_bytes  # 10 outside, 10 + 10 held, 150
+            >>> RankMeasurement(costs, outside_bytes=30, head_bytes=20).peak_bytes  # 10 outside, 10 + 10 held, 150
             180
         """
         transients = [c.backward_peak - self.head_bytes for c in self.costs]
@@ -96,7 +100,12 @@ class Measurement:
 # ------------------------------------------------------------------------------------------ combined over ranks
 
 
-def pack_costs(measured: Measurement, figures: Sequence[int] = (), min_bytes: int = DEFAULT_MIN_BYTES) -> list[int]:
+#: The name :class:`RankMeasurement` had before (``commands.plan.measure.Measurement`` and
+#: ``measure.StepCosts`` are other things); the same class.
+Measurement = RankMeasurement
+
+
+def pack_costs(measured: RankMeasurement, figures: Sequence[int] = (), min_bytes: int = DEFAULT_MIN_BYTES) -> list[int]:
     """``measured`` and ``figures`` as one row of integers, for gathering from every rank.
 
     Per layer its integer costs, then the bytes the offload engine would move of it un-checkpointed and checkpointed
@@ -105,7 +114,7 @@ def pack_costs(measured: Measurement, figures: Sequence[int] = (), min_bytes: in
 
     Example::
 
-        >>> measured = Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5)], outside_bytes=7)
+        >>> measured = RankMeasurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5)], outside_bytes=7)
         >>> pack_costs(measured, figures=[1000])  # a's 8 integers, moved 100 and 0; 7 outside, 0 after, 0; 1000
         [100, 10, 40, 0, 50, 5, 1, 0, 100, 0, 7, 0, 0, 1000]
     """
@@ -115,7 +124,7 @@ def pack_costs(measured: Measurement, figures: Sequence[int] = (), min_bytes: in
     return [*row, measured.outside_bytes, measured.head_bytes, measured.head_peak_bytes, *figures]
 
 
-def combine_costs(gathered: torch.Tensor, measured: Measurement) -> tuple[Measurement, list[int]]:
+def combine_costs(gathered: torch.Tensor, measured: RankMeasurement) -> tuple[RankMeasurement, list[int]]:
     """Every rank's :func:`pack_costs` row, ``gathered`` as ``[world_size, n]``, combined into one measurement.
 
     Every integer is combined with its maximum over ranks (the plan must fit every rank), except the first figure,
@@ -126,8 +135,8 @@ def combine_costs(gathered: torch.Tensor, measured: Measurement) -> tuple[Measur
 
     Example::
 
-        >>> mine = Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5)], outside_bytes=7)
-        >>> other = Measurement([LayerCost("a", "B", 120, 8, 45, 0, 40, 9)], outside_bytes=3)
+        >>> mine = RankMeasurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5)], outside_bytes=7)
+        >>> other = RankMeasurement([LayerCost("a", "B", 120, 8, 45, 0, 40, 9)], outside_bytes=3)
         >>> gathered = torch.tensor([pack_costs(mine, [1000]), pack_costs(other, [900])])
         >>> measured, figures = combine_costs(gathered, mine)
         >>> measured.costs[0].none_bytes, measured.costs[0].full_flops, measured.outside_bytes, figures
@@ -144,7 +153,7 @@ def combine_costs(gathered: torch.Tensor, measured: Measurement) -> tuple[Measur
         *ints, moved_none, moved_full = combined[i * width:(i + 1) * width]
         costs.append(LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, ints)), saved_sizes=(moved_none,),
                                input_sizes=(moved_full,)))
-    return Measurement(costs, *combined[n_costs - 3:n_costs]), combined[n_costs:]
+    return RankMeasurement(costs, *combined[n_costs - 3:n_costs]), combined[n_costs:]
 
 
 # ------------------------------------------------------------------------------------------ memory_budget="auto"

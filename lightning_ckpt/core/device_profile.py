@@ -36,6 +36,8 @@ import torch
 from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS
 
+__all__ = ["PRESET_NAMES", "DeviceProfile", "resolve_device"]
+
 _HEAVY = frozenset(str(op) for op in COMPUTE_HEAVY_OPS)
 
 # name -> (matmul FLOP/s: dense BF16 tensor cores; memory B/s; host link B/s, each direction; op overhead s)

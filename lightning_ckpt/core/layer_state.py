@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+__all__ = ["CallState", "LayerState", "Slot", "Snapshot", "buffer_slots", "buffers_restored"]
+
 Slot = tuple[nn.Module, str]  # (owner module, buffer name): survives `.to()`, which replaces the tensors
 
 

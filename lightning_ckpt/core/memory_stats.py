@@ -32,6 +32,13 @@ from lightning_ckpt.core.profiling import (
 )
 from lightning_ckpt.core.wrapping import in_recompute
 
+__all__ = ["ABOUT_EQUAL", "ACTIVATIONS", "ACTIVATIONS_OFFLOADED", "GIB", "HOST_RSS", "METRIC_KEYS", "PEAK_ALLOCATED",
+           "PEAK_RESERVED", "RECOMPUTE_FLOPS_SHARE", "REDUCTIONS", "SAMPLES_PER_SEC", "STEP_SEC", "SUMMARY_BYTE_KEYS",
+           "TOKENS_PER_SEC", "ActivationProbe", "FlopProbe", "RecomputeCostMode", "all_gather_released",
+           "device_peak_bytes", "device_total_bytes", "format_summary", "host_peak_rss_bytes", "host_rss_bytes",
+           "interval_metrics", "local_summary", "main_tensor", "metrics_vector", "reduce_metrics", "reduce_summary",
+           "reset_device_peaks", "synchronize", "tokens_in_batch", "weights_against_activations"]
+
 GIB = 2**30
 
 PEAK_ALLOCATED = "memory/peak_allocated_gib"

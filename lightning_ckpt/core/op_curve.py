@@ -46,6 +46,9 @@ from torch.utils._pytree import tree_leaves
 from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS
 from lightning_ckpt.core.profiling import OpRecordMode, OpRun, storage_key
 
+__all__ = ["CurvePoint", "OpKind", "OpRecord", "add_records", "describe", "op_curve", "op_records", "record_ops",
+           "spread"]
+
 OpKind = Literal["free", "random", "recompute", "after"]
 _HEAVY = frozenset(str(op) for op in COMPUTE_HEAVY_OPS)
 # A layer's curve is exact (every Pareto-optimal choice) up to this many points; beyond, thinned evenly in bytes.

@@ -27,10 +27,10 @@ from torch import nn
 from lightning_ckpt.core.selection import is_inside
 from lightning_ckpt.core.wrapping import checkpointed_names
 
-__all__ = ["check_checkpointing_placement", "fsdp_units"]
+__all__ = ["check_checkpointing_placement", "fsdp2", "fsdp_units"]
 
 
-def _fsdp2() -> Any:
+def fsdp2() -> Any:
     """torch's FSDP2 module (public since torch 2.6, under ``_composable`` before)."""
     try:
         from torch.distributed import fsdp
@@ -38,6 +38,10 @@ def _fsdp2() -> Any:
     except (ImportError, AttributeError):  # pragma: no cover - torch < 2.6
         from torch.distributed._composable import fsdp
     return fsdp
+
+
+#: The name :func:`fsdp2` had before it was shared (tests still import it).
+_fsdp2 = fsdp2
 
 
 def fsdp_units(module: nn.Module) -> list[str]:
@@ -50,7 +54,7 @@ def fsdp_units(module: nn.Module) -> list[str]:
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    fsdp_module = _fsdp2().FSDPModule
+    fsdp_module = fsdp2().FSDPModule
     return [name for name, sub in module.named_modules() if isinstance(sub, (fsdp_module, FullyShardedDataParallel))]
 
 

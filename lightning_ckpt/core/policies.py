@@ -25,6 +25,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from lightning_ckpt.core.profiling import report_held
 
+__all__ = ["COMPUTE_HEAVY_OPS", "keep_ops_context_fn", "save_compute_heavy", "selective_context_fn"]
+
 _aten = torch.ops.aten
 
 

@@ -31,6 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+__all__ = ["SAC_HOOKS_WARNING", "HeldKind", "LiveBytes", "OpCostMode", "OpRecordMode", "OpRun", "SavedTensorCounter",
+           "count_cost", "count_flops", "format_bytes", "format_flops", "hidden_from_counters", "local_shard",
+           "op_cost", "optimizer_state_bytes", "report_held", "storage_key", "tensor_bytes"]
+
 HeldKind = Literal["offloaded", "kept"]
 _aten = torch.ops.aten
 _held_observers: list[Callable[[torch.Tensor, HeldKind], None]] = []

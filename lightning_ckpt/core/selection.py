@@ -20,6 +20,9 @@ from typing import Union
 
 from torch import nn
 
+__all__ = ["LayerClass", "LayerClassArg", "class_path", "detect_block_class", "import_class", "is_inside",
+           "layer_classes", "parse_memory_budget", "resolve_layer_classes", "select_layers", "validate_every_n_layers"]
+
 log = logging.getLogger(__name__)
 
 LayerClass = Union[str, type[nn.Module]]

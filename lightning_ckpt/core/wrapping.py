@@ -43,6 +43,10 @@ from lightning_ckpt.core.selection import (
     validate_every_n_layers,
 )
 
+__all__ = ["MODES", "CheckpointOptions", "CheckpointedForward", "Mode", "apply_checkpointing", "check_no_nesting",
+           "checkpointed_elsewhere", "checkpointed_names", "in_recompute", "is_checkpointed", "remove_checkpointing",
+           "restore_caches", "turn_off_caches"]
+
 log = logging.getLogger(__name__)
 
 Mode = Literal["full", "selective", "none"]

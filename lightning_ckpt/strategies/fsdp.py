@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lightning_ckpt.callbacks.gradient_checkpointing import find_checkpointing_callback
-from lightning_ckpt.core.placement import _fsdp2, check_checkpointing_placement, fsdp_units
+from lightning_ckpt.core.placement import check_checkpointing_placement, fsdp2, fsdp_units
 from lightning_ckpt.core.selection import layer_classes, select_layers
 from lightning_ckpt.strategies.common import (
     _apply_callback,
@@ -66,7 +66,7 @@ def shard_for_checkpointing(
         mesh = init_device_mesh("cpu", (world_size,))
         shard_for_checkpointing(gpt, mesh, layer_cls=Block)  # ['model.blocks.0', ..., 'model']
     """
-    fsdp = _fsdp2()
+    fsdp = fsdp2()
     own = [name for name, _ in module.named_parameters(recurse=False)]
     if own:
         raise ValueError(
@@ -106,7 +106,7 @@ def _block_classes(
 
 
 def _has_unsharded_parameters(module: nn.Module) -> bool:
-    fsdp_module = _fsdp2().FSDPModule
+    fsdp_module = fsdp2().FSDPModule
     covered = {id(p) for sub in module.modules() if isinstance(sub, fsdp_module) for p in sub.parameters()}
     return any(id(p) not in covered for p in module.parameters())
 
@@ -131,7 +131,7 @@ def mixed_precision_policy(precision_plugin: Precision) -> Any:
             " across FSDP ranks). Pass `precision='bf16-mixed'`, or `'16-true'`/`'bf16-true'`."
         )
     if isinstance(precision_plugin, MixedPrecision) and precision == "bf16-mixed":
-        return _fsdp2().MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return fsdp2().MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return None
 
 

@@ -1,0 +1,116 @@
+"""What one matched layer holds for backward and costs to recompute (:class:`LayerCost`), and the choices a plan
+may give it: the checkpointing modes (:data:`PLAN_MODES`) and what ``offload`` takes (:data:`Offload`).
+
+The vocabulary the planner's parts share: :mod:`lightning_ckpt.core.measure` makes :class:`LayerCost` records,
+:mod:`lightning_ckpt.core.solver` and :mod:`lightning_ckpt.core.timing` read them. Plain PyTorch.
+
+Example::
+
+    >>> cost = LayerCost("a", "Block", 100, 10, 40, 0, 50, 5)
+    >>> cost.device_bytes("full"), cost.flops("full"), cost.flops("selective")
+    (10, 50, 5)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
+from lightning_ckpt.core.op_curve import OpRecord
+
+__all__ = ["PLAN_MODES", "Choice", "LayerCost", "Offload", "validate_modes", "validate_offload"]
+
+Choice = Literal["none", "full", "selective", "ops"]
+#: What a layer may get besides "none": full or selective checkpointing, or an op-level choice of what to keep.
+PLAN_MODES = ("full", "selective", "ops")
+
+#: What ``offload`` takes: never, every checkpointed layer's inputs, or the planner's choice per layer.
+Offload = Union[bool, Literal["auto"]]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one matched layer holds for backward and costs to recompute, summed over its calls in a step."""
+
+    name: str
+    cls: str
+    none_bytes: int  # held un-checkpointed
+    full_bytes: int  # held fully checkpointed: the layer's tensor inputs
+    #: Held selectively checkpointed: inputs and kept matmul/attention outputs. Measured only where ``"selective"``
+    #: is among the modes measured for (``LayerCostRecorder(selective=True)``); else it is ``none_bytes`` (not
+    #: measured: the selective mode was not asked for).
+    selective_bytes: int
+    offloadable_bytes: int  # the part of the inputs on an accelerator: what offload moves to host memory
+    full_flops: int  # recomputed in backward, fully checkpointed
+    selective_flops: int  # recomputed in backward, selectively checkpointed (the cheap ops only)
+    calls: int = 1
+    ops: tuple[OpRecord, ...] = ()  # its forward op by op, for op-level choices (empty: none possible)
+    input_sizes: tuple[int, ...] = ()  # bytes of each storage in its held inputs (empty: not recorded)
+    saved_sizes: tuple[int, ...] = ()  # bytes of each storage it saves un-checkpointed (empty: not recorded)
+    #: The most bytes its backward has alive at once, recompute or not: its inputs, what it saves, the gradients it
+    #: makes (the largest over its calls; 0: not measured, taken as ``none_bytes``). See :meth:`backward_peak`.
+    transient_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ops, tuple) or any(isinstance(r, Mapping) for r in self.ops):  # from a state_dict
+            object.__setattr__(self, "ops", tuple(OpRecord(**r) if isinstance(r, Mapping) else r for r in self.ops))
+        for name in ("input_sizes", "saved_sizes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def movable_bytes(self, choice: Choice, min_bytes: int = DEFAULT_MIN_BYTES) -> int:
+        """Bytes the offload engine would move to host memory for ``choice``: for ``"none"`` what the layer saves,
+        else its inputs; storages under ``min_bytes`` stay on the device (without recorded sizes: all of it).
+
+        Example::
+
+            >>> cost = LayerCost("a", "Block", 3000, 1000, 2000, 1000, 10, 1, input_sizes=(1000,),
+            ...                  saved_sizes=(1000, 1500, 500))
+            >>> cost.movable_bytes("none", min_bytes=1000), cost.movable_bytes("full", min_bytes=1000)
+            (2500, 1000)
+        """
+        if choice == "none":
+            sizes, whole = self.saved_sizes, self.none_bytes
+        else:
+            sizes, whole = self.input_sizes, self.offloadable_bytes
+        moved = sum(s for s in sizes if s >= min_bytes) if sizes else whole
+        return moved if choice == "none" else min(moved, self.offloadable_bytes)
+
+    def device_bytes(self, choice: Choice, offload: bool = False, keep: Sequence[int] = ()) -> int:
+        """Bytes held on the device for ``choice`` (``"ops"``: keeping the op outputs at positions ``keep``);
+        with ``offload`` the checkpointed inputs live on the host."""
+        if choice == "none":
+            return self.none_bytes
+        held = {"full": self.full_bytes, "selective": self.selective_bytes}.get(choice)
+        if held is None:
+            held = self.full_bytes + sum(self.ops[i].bytes for i in keep)
+        return held - self.offloadable_bytes if offload else held
+
+    @property
+    def backward_peak(self) -> int:
+        """The most bytes the layer has alive at once in backward, whatever its choice: a checkpointed layer
+        recomputes what an un-checkpointed one kept, so both reach their inputs, what they save and the gradients
+        their backward makes (``transient_bytes``; ``none_bytes`` where that was not measured)."""
+        return max(self.transient_bytes, self.none_bytes)
+
+    def flops(self, choice: Choice, keep: Sequence[int] = ()) -> int:
+        if choice == "ops":
+            return self.full_flops - sum(self.ops[i].flops for i in keep)
+        return {"none": 0, "full": self.full_flops, "selective": self.selective_flops}[choice]
+
+
+def validate_modes(modes: Sequence[str]) -> tuple[str, ...]:
+    """``modes`` without repeats, or ``ValueError`` when it is not a non-empty sequence of :data:`PLAN_MODES`."""
+    if isinstance(modes, str) or not modes or any(m not in PLAN_MODES for m in modes):
+        raise ValueError(f"`modes={modes!r}` is not understood. Pass a non-empty tuple of {PLAN_MODES}, such as"
+                         " ('full',).")
+    return tuple(dict.fromkeys(modes))
+
+
+def validate_offload(offload: object) -> None:
+    """``ValueError`` unless ``offload`` is ``False``, ``True`` or ``"auto"``."""
+    if not (offload is True or offload is False or offload == "auto"):
+        raise ValueError(f"`offload={offload!r}` is not understood. Pass False (nothing offloaded), True (every"
+                         " checkpointed layer's inputs in host memory) or 'auto' (the planner chooses per layer; needs"
+                         " a device profile).")

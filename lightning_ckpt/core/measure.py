@@ -1,0 +1,477 @@
+"""Measuring what each matched layer holds for backward and costs to recompute, in one fully checkpointed step.
+
+:class:`LayerCostRecorder` re-runs each layer right after its own checkpointed forward and backpropagates it to its
+inputs, its result dropped at once, so measuring never holds more activations than full checkpointing plus one
+layer's forward and backward. :func:`measure_step` and :func:`measure_layer_costs` run a step under it and return
+the :class:`~lightning_ckpt.core.costs.LayerCost` records the solver plans from (:class:`StepCosts`). The module,
+its buffers and the RNG are left as they were. Plain PyTorch.
+
+Example::
+
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    >>> measured = measure_step(model, lambda: model(torch.randn(2, 4)).sum(), layer_cls=nn.Tanh)
+    >>> [(c.name, c.full_bytes) for c in measured.costs], measured.outside_bytes
+    ([('1', 64)], 96)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_ckpt.core.costs import PLAN_MODES, LayerCost, validate_modes
+from lightning_ckpt.core.layer_state import buffers_restored
+from lightning_ckpt.core.op_curve import OpRecord, add_records, op_records
+from lightning_ckpt.core.placement import fsdp2
+from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS
+from lightning_ckpt.core.profiling import (
+    LiveBytes,
+    OpCostMode,
+    OpRecordMode,
+    SavedTensorCounter,
+    hidden_from_counters,
+    local_shard,
+    report_held,
+    storage_key,
+    tensor_bytes,
+)
+from lightning_ckpt.core.selection import LayerClassArg, is_inside, layer_classes, select_layers
+from lightning_ckpt.core.wrapping import (
+    apply_checkpointing,
+    check_no_nesting,
+    is_checkpointed,
+    remove_checkpointing,
+    restore_caches,
+    turn_off_caches,
+)
+
+__all__ = ["LayerCostRecorder", "StepCosts", "check_module_and_step", "cuda_devices", "measure_layer_costs",
+           "measure_step"]
+
+class _StepCounter(SavedTensorCounter):
+    """A saved-tensor counter that reports what it sees to counters outside it.
+
+    Saved-tensor hooks do not stack (the innermost pair wins), so like offload's hooks these report every
+    tensor through :func:`report_held`: an outer counter still sees what the planner holds.
+
+    ``resident``, when set, gives the parameters as they are now: FSDP2 gathers a unit's parameters into new
+    storages at each forward, so the storages to leave out are looked up again before counting a new one.
+    """
+
+    resident: Optional[Callable[[], Iterable[torch.Tensor]]] = None
+
+    def _count(self, tensor: torch.Tensor, seen: set[tuple[Any, int]]) -> int:
+        key = storage_key(tensor)
+        if self.resident is not None and key not in self._excluded and key not in seen:
+            # Replaced, not extended: a freed gathered storage's address may now hold an activation.
+            self._excluded = {storage_key(t) for t in self.resident()}
+        return super()._count(tensor, seen)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes += self._count(tensor, self._seen)
+        # A detached alias: returning a saved *output* itself would tie it to its own grad_fn, a reference
+        # cycle that outlives the graph (the activations would never be freed).
+        held = tensor.detach()
+        report_held(held, "kept")
+        return held
+
+
+class _LayerRunCounter(_StepCounter):
+    """Counts one isolated layer run, and where in its op log the last tensor was saved."""
+
+    def __init__(self, cost: OpCostMode, exclude: Sequence[torch.Tensor]) -> None:
+        super().__init__(exclude=exclude)
+        self.cost = cost
+        self.last_save = 0
+        self.sizes: list[int] = []  # bytes of each new storage saved, in order
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # A pack hook runs after the op that saves has been dispatched, so the log ends with that op.
+        self.last_save = len(self.cost.log)
+        before = self.bytes
+        held = super()._pack(tensor)
+        if self.bytes > before:
+            self.sizes.append(self.bytes - before)
+        return held
+
+
+def _plain_forward(layer: nn.Module) -> Callable[..., Any]:
+    """The layer's forward without our checkpoint around it."""
+    forward = layer.forward
+    if is_checkpointed(layer):
+        forward = forward.original if forward.original is not None else type(layer).forward.__get__(layer)
+    return forward
+
+
+def _own_parameters(layer: nn.Module) -> list[torch.Tensor]:
+    """The layer's parameters, less those of FSDP units nested inside it (their own hooks gather those)."""
+    nested = [name for name, sub in layer.named_modules() if name and isinstance(sub, fsdp2().FSDPModule)]
+    return [p for name, p in layer.named_parameters() if not any(is_inside(name, unit) for unit in nested)]
+
+
+@contextmanager
+def _gathered(layer: nn.Module) -> Iterator[None]:
+    """The layer's FSDP2-sharded parameters gathered for a re-run of its forward, sharded again after.
+
+    FSDP2's post-forward hook, which runs before the recorder's, has resharded them already. Only the
+    measured step pays for this all-gather. A layer whose parameters are gathered (no FSDP, or
+    ``reshard_after_forward=False``) is left as it is.
+    """
+    sharded = any(hasattr(p, "to_local") for p in _own_parameters(layer))
+    if not sharded:
+        yield
+        return
+    layer.unshard()  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        layer.reshard()  # type: ignore[operator]
+
+
+def _class_name(layer: nn.Module) -> str:
+    """The layer's own class name (``Block``, not the ``FSDPBlock`` that ``fully_shard`` makes of it)."""
+    fsdp_module = fsdp2().FSDPModule
+    return next(c for c in type(layer).__mro__ if not issubclass(c, fsdp_module)).__qualname__
+
+
+def _fork_rng(tensors: Sequence[torch.Tensor]) -> Any:
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    return torch.random.fork_rng(devices=devices)
+
+
+@dataclass
+class _LayerTotals:
+    """One layer's figures summed over its calls as the recorder measures them: :class:`LayerCost`'s number fields,
+    under their names (``transient_bytes``: the largest over the calls)."""
+
+    none_bytes: int = 0
+    full_bytes: int = 0
+    selective_bytes: int = 0
+    offloadable_bytes: int = 0
+    full_flops: int = 0
+    selective_flops: int = 0
+    calls: int = 0
+    transient_bytes: int = 0
+
+
+class LayerCostRecorder:
+    """Measure each layer's :class:`LayerCost` during a step in which every layer is fully checkpointed.
+
+    After each layer's (checkpointed) forward, a hook runs the same layer again, plainly, with the same inputs,
+    under a saved-tensor counter and :class:`~lightning_ckpt.core.profiling.OpRecordMode`, with the RNG forked and the
+    layer's buffers restored; its result is dropped at once. The op records give the selective point (inputs and
+    the outputs of matmul/attention/convolution ops; with ``selective=False`` it is the un-checkpointed one) and
+    the layer's op-level curve (:mod:`lightning_ckpt.core.op_curve`); with ``outside_ops=True`` the step's ops outside
+    the layers are recorded too (:attr:`outside_ops`, for a predicted step time). ``held_bytes`` is what the fully
+    checkpointed step itself held for backward. The re-runs are hidden from counters outside (:func:`~lightning_ckpt.core.profiling.hidden_from_counters`): a monitor counting the step
+    sees the step's bytes only.
+
+    Under FSDP2 each layer must be its own unit (as ``fully_shard`` per layer, or the ``fsdp_ckpt`` strategy,
+    shards it): the re-run gathers the layer's parameters again (``unshard``) and reshards them after. Each
+    rank measures its own batch; parameters count as the storages they have on this rank.
+
+    Example::
+
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> with LayerCostRecorder(model, [("0", model[0])]) as recorder:
+        ...     _ = model(x)
+        >>> cost = recorder.costs()[0]
+        >>> cost.full_bytes, cost.none_bytes  # the input x: 2 * 4 float32 (the weights do not count)
+        (32, 32)
+    """
+
+    def __init__(self, module: nn.Module, layers: Sequence[tuple[str, nn.Module]], selective: bool = False,
+                 outside_ops: bool = False) -> None:
+        self.module = module
+        self.layers = list(layers)
+        self.selective = selective
+        # The step's ops outside the layers, recorded while neither inside a layer nor re-running one.
+        self._outside: Optional[OpRecordMode] = OpRecordMode() if outside_ops else None
+        self._inside = 0
+        self._outside_mark = 0  # where in the outside records the layer being run began
+        fsdp_module = fsdp2().FSDPModule
+        for name, layer in self.layers:
+            if not isinstance(layer, fsdp_module) and any(hasattr(p, "to_local") for p in _own_parameters(layer)):
+                raise ValueError(
+                    f"`{name}` has sharded (DTensor) parameters but is not an FSDP unit itself, so its forward cannot"
+                    " be re-run to measure it. Shard each layer as its own unit (`strategy='fsdp_ckpt'` does, or call"
+                    " `fully_shard` on every layer before the rest of the model), or pass `every_n_layers` instead."
+                )
+        self._params = list(module.parameters())
+        self._sharded = any(hasattr(p, "to_local") for p in self._params)
+        self._step = _StepCounter(exclude=self._resident())
+        if self._sharded:
+            self._step.resident = self._resident
+        self._totals = {name: _LayerTotals() for name, _ in self.layers}
+        self._ops: dict[str, Optional[tuple[OpRecord, ...]]] = {}
+        self._sizes: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name, _ in self.layers}
+        self._handles: list[Any] = []
+        self._after_layers = 0
+        self._last_output: Any = None
+        #: The most bytes the backward of the head and loss makes alive at once (the logits' gradient), set by
+        #: :meth:`measure_head`; 0 when not measured.
+        self.head_peak_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self._step.bytes
+
+    @property
+    def head_bytes(self) -> int:
+        """Of :attr:`held_bytes`, what the step saved after the last layer (head, loss): the backward frees it
+        before it reaches the layers."""
+        return self._step.bytes - self._after_layers
+
+    def measure_head(self, loss: torch.Tensor) -> None:
+        """Measure :attr:`head_peak_bytes` from the step's ``loss``: the gradients from it down to the last layer's
+        output, through :func:`torch.autograd.grad` (the graph is kept, no ``.grad`` is touched).
+
+        Not under FSDP2, whose hooks expect one backward per forward: there it stays 0.
+        """
+        outputs = [t for t in tree_leaves(self._last_output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        self._last_output = None
+        if self._sharded or not outputs or not loss.requires_grad:
+            return
+        mark = len(self._outside.runs) if self._outside is not None else 0
+        with hidden_from_counters(), LiveBytes() as live:
+            torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)
+        if self._outside is not None:
+            del self._outside.runs[mark:]  # a backward, not the step's forward
+        self.head_peak_bytes = live.peak()
+
+    def _resident(self) -> list[torch.Tensor]:
+        """The parameters' storages on this rank now: shards, and whatever FSDP2 has gathered at the moment."""
+        if not self._sharded:
+            return self._params
+        return [local_shard(p) for p in self.module.parameters()]
+
+    @property
+    def outside_ops(self) -> tuple[OpRecord, ...]:
+        """The ops the step ran outside the layers (recorded when asked for with ``outside_ops=True``)."""
+        if self._outside is None:
+            return ()
+        return op_records(self._outside.runs, len(self._outside.log), ())
+
+    def __enter__(self) -> LayerCostRecorder:
+        for name, layer in self.layers:
+            hook = self._hook(name, layer)
+            self._handles.append(layer.register_forward_pre_hook(self._enter_layer))
+            self._handles.append(layer.register_forward_hook(hook, with_kwargs=True, always_call=False))
+        self._step.__enter__()
+        if self._outside is not None:
+            self._outside.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._last_output = None
+        if self._outside is not None:
+            self._outside.__exit__(*exc)
+        self._step.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, name: str, layer: nn.Module) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            self._leave_layer()
+            if module.training and torch.is_grad_enabled():
+                self._last_output = output
+                self._measure(name, layer, args, kwargs)
+        return hook
+
+    def _enter_layer(self, module: nn.Module, args: Any) -> None:
+        self._inside += 1
+        if self._outside is not None and self._inside == 1:
+            self._outside_mark = len(self._outside.runs)
+
+    def _leave_layer(self) -> None:
+        self._inside -= 1
+        if self._inside == 0:
+            self._after_layers = self._step.bytes
+        if self._outside is not None and self._inside == 0:
+            del self._outside.runs[self._outside_mark:]  # the layer's own ops: in its records
+
+    def _measure(self, name: str, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        totals = self._totals[name]
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        excluded = {storage_key(p) for p in self._resident()}
+        inputs_held = [t for t in inputs if storage_key(local_shard(t)) not in excluded]
+        full = tensor_bytes(inputs_held)
+        input_sizes, saved_sizes = self._sizes[name]
+        input_sizes += [tensor_bytes([t]) for t in {storage_key(t): t for t in inputs_held}.values()]
+        totals.full_bytes += full
+        totals.offloadable_bytes += tensor_bytes(t for t in inputs_held if t.device.type != "cpu")
+        totals.calls += 1
+        forward = _plain_forward(layer)
+        # What the re-run saves is not the step's: outer counters (a MemoryMonitor's) must not hear of it.
+        mark = len(self._outside.runs) if self._outside is not None else 0
+        with _gathered(layer), hidden_from_counters(), LiveBytes() as live:
+            with OpRecordMode() as cost:
+                saved, out = self._run(layer, inputs, cost, lambda: forward(*args, **kwargs))
+            outputs = [storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            totals.transient_bytes = max(totals.transient_bytes,
+                                         full + _backward_bytes(layer, inputs, out, saved, live))
+            del out  # and with it everything it saved
+        if self._outside is not None:
+            del self._outside.runs[mark:]  # the re-run is not the step's
+        totals.none_bytes += saved.bytes
+        saved_sizes += saved.sizes
+        log = cost.log[:saved.last_save]  # recompute stops after the last saved tensor (early stop)
+        totals.full_flops += sum(flops for flops, _ in log)
+        totals.selective_flops += sum(flops for flops, op in log if op not in COMPUTE_HEAVY_OPS)
+        records = op_records(cost.runs, saved.last_save, outputs)
+        totals.selective_bytes += full + sum(r.bytes for r in records if r.heavy)
+        self._ops[name] = records if totals.calls == 1 else add_records(self._ops[name], records)
+
+    def _run(self, layer: nn.Module, inputs: list[torch.Tensor], cost: OpCostMode,
+             fn: Callable[[], Any]) -> tuple[_LayerRunCounter, Any]:
+        """The counter of one re-run, and its output."""
+        with _fork_rng(inputs), buffers_restored(layer), torch.enable_grad():
+            with _LayerRunCounter(cost, self._resident()) as saved:
+                return saved, fn()
+
+    def costs(self) -> list[LayerCost]:
+        """One :class:`LayerCost` per layer, in order (a layer not called in the step holds and costs nothing)."""
+        out = []
+        for name, layer in self.layers:
+            totals = self._totals[name]
+            if not self.selective:  # not measured: the selective point is taken as the un-checkpointed one
+                totals = replace(totals, selective_bytes=totals.none_bytes)
+            input_sizes, saved_sizes = self._sizes[name]
+            out.append(LayerCost(name, _class_name(layer), **asdict(totals), ops=self._ops.get(name) or (),
+                                 input_sizes=tuple(input_sizes), saved_sizes=tuple(saved_sizes)))
+        return out
+
+
+def _backward_bytes(layer: nn.Module, inputs: Sequence[torch.Tensor], out: Any, saved: _LayerRunCounter,
+                    live: LiveBytes) -> int:
+    """The most activation bytes alive during the backward of one plain re-run of ``layer`` (``out`` from ``inputs``),
+    beyond its inputs: what the re-run saved, the gradient of its output, and the gradients its backward makes.
+
+    The gradients go to the inputs (to the layer's own parameters where no input needs one) through
+    :func:`torch.autograd.grad`, so no ``.grad`` is touched; the weights' own gradients do not count. Outputs the
+    layer does not save itself do not count either: in the step they are the next layer's inputs, freed before this
+    backward. 0 when nothing needs a gradient.
+    """
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = [t for t in inputs if t.requires_grad]
+    if not wrt:  # frozen inputs (PEFT): the backward still runs for the layer's own trainable weights
+        wrt = [p for p in _own_parameters(layer) if p.requires_grad and not hasattr(p, "to_local")]
+    if not outs or not wrt:
+        return 0
+    live.mark()
+    grads = torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+    unsaved = [t for t in outs if storage_key(t) not in saved._seen]
+    weights = [g for g, t in zip(grads, wrt) if g is not None and isinstance(t, nn.Parameter)]
+    return live.peak(exclude=[*unsaved, *weights])
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What :func:`measure_step` measured in one step: per-layer costs, the bytes held outside the layers, and the
+    ops run outside them (for a predicted step time). ``planner.StepMeasurement`` names the same class."""
+
+    costs: list[LayerCost]
+    outside_bytes: int
+    outside_ops: tuple[OpRecord, ...] = ()
+    head_bytes: int = 0  # of outside_bytes, what is saved after the last layer (see LayerCostRecorder.head_bytes)
+    head_peak_bytes: int = 0  # what the head's backward makes alive at once (LayerCostRecorder.head_peak_bytes)
+
+
+def measure_step(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
+                 modes: Sequence[str] = PLAN_MODES) -> StepCosts:
+    """:func:`measure_layer_costs`, with the ops the step ran outside the layers recorded too."""
+    return _measure(module, step, layer_cls, modes, outside_ops=True)
+
+
+def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
+                        modes: Sequence[str] = PLAN_MODES) -> tuple[list[LayerCost], int]:
+    """Measure ``(costs, outside_bytes)`` in one fully checkpointed step: what :func:`plan_checkpointing` solves from.
+
+    ``costs`` has one :class:`LayerCost` per matched layer, in order; ``outside_bytes`` is what everything
+    outside the matched layers holds for backward. Works on real and on fake tensors
+    (``torch._subclasses.FakeTensorMode``: build the module and run ``step`` under it) alike. The module,
+    its buffers and the RNG are left as they were.
+
+    Example::
+
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        >>> x = torch.randn(2, 4)
+        >>> costs, outside = measure_layer_costs(model, lambda: model(x).sum(), layer_cls=nn.Tanh)
+        >>> [(c.name, c.full_bytes, c.none_bytes, c.full_flops) for c in costs]  # its input; its output; 2 * 8 tanh
+        [('1', 64, 64, 16)]
+        >>> outside  # the inputs of the two Linears, 2 * 4 and 2 * 8 float32
+        96
+    """
+    measured = _measure(module, step, layer_cls, modes, outside_ops=False)
+    return measured.costs, measured.outside_bytes
+
+
+def _measure(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg, modes: Sequence[str],
+             outside_ops: bool) -> StepCosts:
+    check_module_and_step(module, step)
+    modes = validate_modes(modes)
+    if not module.training:
+        raise ValueError("`plan_checkpointing` measures a training step, but the module is in eval mode, where"
+                         " nothing is saved for backward. Call `module.train()` first.")
+    selected = select_layers(module, layer_classes(module, layer_cls))
+    if not selected:
+        raise ValueError(f"No submodule of {type(module).__name__} matches `layer_cls={layer_cls!r}`:"
+                         " pass the class of the model's repeated block.")
+    check_no_nesting(module, [name for name, _ in selected])
+
+    with _fully_checkpointed(module, selected), torch.random.fork_rng(devices=cuda_devices(module)), buffers_restored(module):
+        with LayerCostRecorder(module, selected, selective="selective" in modes, outside_ops=outside_ops) as recorder:
+            loss = step()
+            recorder.measure_head(loss)
+            del loss  # frees the step's graph
+    costs = recorder.costs()
+    if not any(c.calls for c in costs):
+        raise ValueError(f"`step()` never called a matched layer ({', '.join(n for n, _ in selected[:3])}, ...) in"
+                         " training mode with grad enabled: pass a step that runs the model's forward and returns the loss.")
+    outside = max(0, recorder.held_bytes - sum(c.full_bytes for c in costs))
+    return StepCosts(costs, outside, recorder.outside_ops, min(outside, recorder.head_bytes),
+                           recorder.head_peak_bytes)
+
+
+def check_module_and_step(module: object, step: object) -> None:
+    """``TypeError`` unless ``module`` is an ``nn.Module`` and ``step`` a callable."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`plan_checkpointing` takes an `nn.Module`, got {type(module).__name__}.")
+    if not callable(step):
+        raise TypeError(f"`step` must be a callable with no arguments that returns the loss, got {step!r}.")
+
+
+def cuda_devices(module: nn.Module) -> list[int]:
+    """The indices of the CUDA devices ``module``'s parameters are on, sorted."""
+    return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+
+
+@contextmanager
+def _fully_checkpointed(module: nn.Module, selected: Sequence[tuple[str, nn.Module]]) -> Iterator[None]:
+    """Every selected layer fully checkpointed (no offload), model caches off, inside the block; each forward and
+    cache as it was after."""
+    before = [(layer, layer.__dict__.get("forward")) for _, layer in selected]
+    caches: list[nn.Module] = []
+    try:
+        for _, layer in selected:
+            remove_checkpointing(layer)
+            apply_checkpointing(layer, layer_cls=type(layer))
+        caches = turn_off_caches(module, [name for name, _ in selected])
+        yield
+    finally:
+        restore_caches(caches)
+        for layer, forward in before:
+            remove_checkpointing(layer)
+            if forward is not None:
+                layer.forward = forward
