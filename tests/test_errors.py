@@ -614,11 +614,11 @@ USAGE_ERRORS: dict[str, Usage] = {
         "expected a LightningCLI config (a mapping of trainer, model, data)", "expected a LightningCLI config",
         config_text="- trainer\n- model\n"),
     "compare, planned without a budget": Usage(
-        ["compare", "--config", str(TINY), "--variants", "planned"], "commands.compare._parse",
+        ["compare", "--config", str(TINY), "--variants", "planned"], "commands.compare._variants",
         "the 'planned' variant needs a memory_budget", "(e.g. `memory_budget: 0.5`); choose from none, every_layer",
         "variant needs a memory_budget"),
     "compare, unknown variant": Usage(
-        ["compare", "--config", str(TINY), "--variants", "none,every_3rd"], "commands.compare._parse",
+        ["compare", "--config", str(TINY), "--variants", "none,every_3rd"], "commands.compare._variants",
         "unknown variant(s) every_3rd", "choose from none, every_layer", "unknown variant(s)"),
 }
 
@@ -760,6 +760,15 @@ def test_auto_budget_message_gives_each_part_and_refuses_exactly_when_nothing_is
 
 #: Raise sites no user meets as such: how many in each function, and why.
 NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
+    # plan --lengths: plan's main prints these with exit status 2 (not raised to the user's code)
+    "commands.plan._lengths": (1, "argparse's type check of --lengths; asserted in test_plan_command ('512,lots')"),
+    "commands.plan.measure.check_length": (
+        1, "printed by plan's main with exit status 2; asserted in test_plan_command (a length of 64, block_size 32)"),
+    "commands.plan.measure.batch_of_length": (
+        2, "a batch without token ids, or a length under 1 (which --lengths' parsing refuses first); the first is"
+           " asserted in test_plan_command"),
+    "commands.plan.measure.measure": (1, "a step that fails at one of --lengths, re-raised with the length named"),
+    "commands.plan.predictions.fit_peak": (1, "a misuse by its caller (fewer than two lengths), not a user setting"),
     "core.fake_streams.FakeStreams._queue": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
     "core.fake_streams.FakeStreams._perform": (
         2, "the offload tests' fake streams report a bug of the offload engine itself"),

@@ -235,11 +235,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         for length in args.lengths:
             check_length(built, length)
-        measured = _run(args, built)
         profile = device_profile(args.device, built)
     except ValueError as err:
         print(f"plan: {str(err).removeprefix('plan: ')}", file=sys.stderr)
         return 2
+    measured = _run(args, built)
     result = _compute(args, built, measured, profile)
     _write(result, (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve())
     if result.plan is None:
