@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 
 from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES, engine_for
-from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, held_peak
+from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, held_peak, layer_transients
 from lightning_ckpt.core.profiling import format_bytes, format_flops, optimizer_state_bytes, tensor_bytes
 
 __all__ = ["AUTO_MEMORY_FRACTION", "AutoBudget", "Measurement", "RankMeasurement", "auto_memory_budget",
@@ -93,7 +93,7 @@ class RankMeasurement:
             >>> RankMeasurement(costs, outside_bytes=30, head_bytes=20).peak_bytes  # 10 outside, 10 + 10 held, 150
             180
         """
-        transients = [c.backward_peak - self.head_bytes for c in self.costs]
+        transients = layer_transients(self.costs, self.head_bytes)
         return self.outside_bytes + held_peak([c.full_bytes for c in self.costs], transients, head=self.head_peak_bytes)
 
 

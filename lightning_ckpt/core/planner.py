@@ -99,6 +99,7 @@ from lightning_ckpt.core.solver import (
     held_peak,
     kept_on_device,
     layer_options,
+    layer_transients,
     make_option,
     solve,
 )
@@ -114,9 +115,9 @@ from lightning_ckpt.core.timing import (
 __all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Choice", "LayerCost", "LayerCostRecorder",
            "LayerOption", "Offload", "OpCostMode", "Option", "StepCosts", "StepMeasurement", "cheapest_choices",
            "choose", "count_cost", "exposed_transfer_seconds", "extra_seconds", "forward_seconds", "held_peak",
-           "kept_on_device", "layer_options", "layer_seconds", "make_option", "make_plan", "measure_layer_costs",
-           "measure_step", "plan_checkpointing", "predict", "predict_peak", "predict_seconds", "solve",
-           "transfer_windows"]
+           "kept_on_device", "layer_options", "layer_seconds", "layer_transients", "make_option", "make_plan",
+           "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_peak", "predict_seconds",
+           "solve", "transfer_windows"]
 
 #: The name :class:`~lightning_ckpt.core.solver.LayerOption` had here before the split; the same class.
 Option = LayerOption
@@ -178,7 +179,7 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
     if offload and host_memory is None:
         host_memory = psutil.virtual_memory().available // 2
     # While the layers' backward runs, the head's and the loss's saved tensors are gone already.
-    transients = [c.backward_peak - head_bytes for c in costs]
+    transients = layer_transients(costs, head_bytes)
     baseline = outside_bytes + sum(c.none_bytes for c in costs)
     baseline_peak = outside_bytes + held_peak([c.none_bytes for c in costs], transients, head=head_peak_bytes)
     budget_bytes = int(budget * baseline_peak) if isinstance(budget, float) else budget
@@ -317,7 +318,7 @@ def predict_peak(costs: Sequence[LayerCost], outside_bytes: int, choices: Mappin
         320
     """
     chosen = _predicted_options(costs, choices, offload, kept_ops, min_bytes)
-    return outside_bytes + held_peak([o.device_bytes for o in chosen], [c.backward_peak - head_bytes for c in costs],
+    return outside_bytes + held_peak([o.device_bytes for o in chosen], layer_transients(costs, head_bytes),
                                      [o.host_bytes for o in chosen], head_peak_bytes)
 
 
@@ -361,7 +362,7 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
                         memory_budget: object, modes: Sequence[str], offload: Offload,
                         host_memory: Optional[int] = None, min_bytes: int = DEFAULT_MIN_BYTES,
                         head_bytes: int = 0, head_peak_bytes: int = 0) -> str:
-    transients = [c.backward_peak - head_bytes for c in costs]
+    transients = layer_transients(costs, head_bytes)
 
     def smallest(value: Offload) -> list[LayerOption]:
         # What an offloaded layer moves comes back to the device for its backward: count it too.

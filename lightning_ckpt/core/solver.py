@@ -26,7 +26,7 @@ from lightning_ckpt.core.op_curve import op_curve, spread
 from lightning_ckpt.core.timing import exposed_transfer_seconds, extra_seconds
 
 __all__ = ["CURVE_POINTS", "LayerOption", "cheapest_choices", "choose", "held_peak", "kept_on_device", "layer_options",
-           "make_option", "solve"]
+           "layer_transients", "make_option", "solve"]
 
 # Where the bytes' common divisor would make too many quanta, bytes are counted in quanta of the shortfall (the bytes
 # to free): max(8192, 256 * layers) of them, fewer when the layers have many points (the work is layers x points x
@@ -194,6 +194,19 @@ def _backward_floors(base: Sequence[LayerOption], need_bytes: int, transients: S
         return [0] * len(base)
     after = list(itertools.accumulate((o.device_bytes for o in reversed(base)), initial=0))[::-1]
     return [need_bytes - after[i] + t for i, t in enumerate(transients)]
+
+
+def layer_transients(costs: Sequence[LayerCost], head_bytes: int = 0) -> list[int]:
+    """What each layer's backward has alive at once (:attr:`LayerCost.backward_peak`), less the ``head_bytes`` the
+    step saved after the last layer: the backward frees those before it reaches the layers. The ``transients`` of
+    :func:`held_peak` and :func:`solve`.
+
+    Example::
+
+        >>> layer_transients([LayerCost("a", "B", 100, 10, 40, 0, 50, 5, transient_bytes=150)], head_bytes=20)
+        [130]
+    """
+    return [c.backward_peak - head_bytes for c in costs]
 
 
 def held_peak(held: Sequence[int], transients: Sequence[int], host: Sequence[int] = (), head: int = 0) -> int:
