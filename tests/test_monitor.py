@@ -351,8 +351,8 @@ def test_gather_returns_only_after_the_process_group_let_go_of_its_tensors(monke
 
         def worker():
             time.sleep(0.3)
+            released.set()  # before letting go: the caller may return the moment the references are gone
             held.clear()
-            released.set()
 
         threading.Thread(target=worker, daemon=True).start()
 
