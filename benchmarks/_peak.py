@@ -46,6 +46,10 @@ class LiveStorages(TorchDispatchMode):
                     self.events.append((key, nbytes))
         return out
 
+    def alive(self) -> int:
+        """Bytes of the storages made inside the mode that are still alive now."""
+        return sum(nbytes for ref, nbytes in self._live.values() if not torch.UntypedStorage._expired(ref))
+
     def peak(self, exclude: set[int] = frozenset()) -> int:
         """The most bytes alive after any op, leaving out the storages still alive at the end whose data pointer is in
         ``exclude`` (an earlier storage at the same address, freed before, still counts)."""

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 import lightning_ckpt.core.offload as offload
 import lightning_ckpt.core.wrapping as wrapping
-from helpers import BATCH, SEQ, VOCAB, WIDTH, loss_and_grads, tiny_transformer, tokens
+from helpers import BATCH, SEQ, VOCAB, WIDTH, LiveStorages, loss_and_grads, tiny_transformer, tokens
 from lightning_ckpt import apply_checkpointing
 from lightning_ckpt.core.fake_streams import FakeStreamError, FakeStreams
 from lightning_ckpt.core.offload import OffloadEngine, OffloadToHost, pinned_size, use_engine
@@ -812,3 +812,22 @@ def test_mode_none_needs_offload():
     with pytest.raises(ValueError, match="offload=True"):
         apply_checkpointing(model, layer_cls=Block, mode="none")
     assert not any("forward" in m.__dict__ for m in model.modules())  # nothing was changed
+
+
+def test_an_offloaded_input_is_freed_on_its_device_once_its_copy_is_done():
+    """Storages alive after the forward, counted without the package's counters: once the engine has let go of the
+    device tensors (their copies done), only the host copies remain. The checkpointed forward's own closure once held
+    every input until backward, so offload freed nothing on the device."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(WIDTH, 4) for _ in range(4)])
+    apply_checkpointing(model, layer_cls=Block, offload=True)
+    base = torch.randn(BATCH, SEQ, WIDTH, requires_grad=True)
+    with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) as engine, LiveStorages() as live:
+        x = base * 1.0
+        y = model(x)
+        del x
+        engine.release()  # every copy done; the pool's idle buffers freed
+        torch.zeros(1)  # one more op: the count notes the storages that died
+        alive = live.alive() - y.untyped_storage().nbytes()
+    assert engine.stats.offloaded_bytes == 4 * BATCH * SEQ * WIDTH * 4
+    assert alive == engine.stats.offloaded_bytes  # the host copies, nothing on the "device"

@@ -179,9 +179,12 @@ def _tensors_as_args(
     and dicts, such as Transformers' ``position_embeddings``), so that checkpoint saves and offloads them like the
     others."""
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    # Without the tensors: checkpoint keeps `run` until backward, and a reference here would keep each input alive
+    # on the device whatever offload or compression does with the copy checkpoint saves.
+    template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
 
     def run(*tensors: Any) -> Any:
-        filled = list(leaves)
+        filled = list(template)
         for i, tensor in zip(positions, tensors):
             filled[i] = tensor
         call_args, call_kwargs = tree_unflatten(filled, spec)
