@@ -61,28 +61,30 @@ def test_measurement_from_the_bytes_the_step_held():
 
 def test_a_rank_packs_each_layer_then_the_outside_bytes_then_the_figures():
     cost = LayerCost("a", "B", 3000, 1000, 2000, 1000, 10, 1, calls=2, input_sizes=(1000,), saved_sizes=(1000, 1500, 500),
-                     transient_bytes=4000)
+                     transient_bytes=4000, bf16_bytes=500, fp8_bytes=260)
     measured = Measurement([cost], outside_bytes=7, head_bytes=5, head_peak_bytes=9)
-    assert pack_costs(measured, [80, 30, 2], min_bytes=1000) == [3000, 1000, 2000, 1000, 10, 1, 2, 4000, 2500, 1000, 7,
-                                                                 5, 9, 80, 30, 2]
+    assert pack_costs(measured, [80, 30, 2], min_bytes=1000) == [3000, 1000, 2000, 1000, 10, 1, 2, 4000, 500, 260, 2500,
+                                                                 1000, 7, 5, 9, 80, 30, 2]
     # the engine's threshold decides what is moved: at 1200 only the 1500 B storage of what the layer saves
-    assert pack_costs(measured, min_bytes=1200)[8:] == [1500, 0, 7, 5, 9]
+    assert pack_costs(measured, min_bytes=1200)[10:] == [1500, 0, 7, 5, 9]
 
 
 def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device():
     mine = Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)], 7)
-    # the other rank: per layer its 8 integers, then the bytes offload would move un-checkpointed and checkpointed;
+    # the other rank: per layer its 10 integers, then the bytes offload would move un-checkpointed and checkpointed;
     # then 13 outside, 4 of them after the layers, 60 made by their backward
-    other_row = [120, 8, 45, 0, 40, 9, 1, 300, 130, 0, 150, 12, 20, 0, 70, 1, 1, 0, 180, 0, 13, 4, 60] + [900, 50, 9]
+    other_row = ([120, 8, 45, 0, 40, 9, 1, 300, 4, 2, 130, 0] + [150, 12, 20, 0, 70, 1, 1, 0, 6, 3, 180, 0] + [13, 4, 60]
+                 + [900, 50, 9])
     gathered = torch.tensor([pack_costs(mine, [1000, 40, 11], min_bytes=DEFAULT_MIN_BYTES), other_row])
     measured, figures = combine_costs(gathered, mine)
     assert [(c.name, c.none_bytes, c.full_bytes, c.selective_bytes, c.full_flops, c.selective_flops)
             for c in measured.costs] == [("a", 120, 10, 45, 50, 9), ("b", 200, 12, 30, 70, 6)]
+    assert [(c.bf16_bytes, c.fp8_bytes) for c in measured.costs] == [(4, 2), (6, 3)]
     assert [c.transient_bytes for c in measured.costs] == [300, 0] and (measured.head_bytes, measured.head_peak_bytes) == (4, 60)
     assert [c.movable_bytes("none", min_bytes=0) for c in measured.costs] == [130, 200]  # what this rank would move of b: 200
     assert measured.outside_bytes == 13 and figures == [900, 50, 11]
     # and the other way round: this rank's larger outside bytes are kept
-    other_row[20] = 3  # the outside bytes
+    other_row[24] = 3  # the outside bytes
     gathered = torch.tensor([pack_costs(mine, [1000, 40, 11], min_bytes=DEFAULT_MIN_BYTES), other_row])
     assert combine_costs(gathered, mine)[0].outside_bytes == 7
 

@@ -16,6 +16,7 @@ CONFIGS = Path(__file__).parents[1] / "configs"
 EXPECTED = {
     "no_checkpointing.yaml": None,
     "every_layer.yaml": [f"model.blocks.{i}" for i in range(8)],
+    "every_layer_fp8.yaml": [f"model.blocks.{i}" for i in range(8)],
     "every_4th_offload.yaml": ["model.blocks.0", "model.blocks.4"],
     "configure_model.yaml": ["model.blocks.0", "model.blocks.2", "model.blocks.4", "model.blocks.6"],
     "tiny.yaml": ["model.blocks.0", "model.blocks.2"],
@@ -39,6 +40,7 @@ def test_config_parses_and_trains_two_steps(name, tmp_path):
         assert callbacks == []
     else:
         assert [c.checkpointed_layers for c in callbacks] == [EXPECTED[name]]
+        assert callbacks[0].compress == ("fp8" if name.endswith("_fp8.yaml") else None)
 
 
 def test_example_loss_falls_quickly():

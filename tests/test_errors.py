@@ -68,6 +68,16 @@ class Case:
     readme: str
 
 
+def _fp8_on_mps() -> None:
+    """``compress='fp8'`` with the model bound for an accelerator without float8 (MPS; this machine has no MPS, so
+    making a tensor there fails as float8 would)."""
+    from unittest import mock
+
+    with mock.patch.object(torch.accelerator, "is_available", lambda: True), \
+            mock.patch.object(torch.accelerator, "current_accelerator", lambda: torch.device("mps")):
+        apply_checkpointing(blocks(), compress="fp8")
+
+
 def blocks(n: int = 2) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[Block(8, 2) for _ in range(n)])
@@ -234,6 +244,17 @@ CASES: dict[str, Case] = {
         lambda: GradientCheckpointing(mode="selective", use_reentrant=True),
         ValueError, "`mode='selective'`", "Pass `use_reentrant=False` (the default) or `mode='full'`",
         "Reentrant checkpointing cannot run a `context_fn`"),
+    "compress value": Case(
+        "core.compress.validate_compress", lambda: GradientCheckpointing(compress="int4"), ValueError,
+        "`compress='int4'`", "Pass None (exact inputs, the default), 'bf16'", "is not understood. Pass None (exact"),
+    "compress with mode none": Case(
+        "core.wrapping.CheckpointOptions.__post_init__",
+        lambda: GradientCheckpointing(mode="none", offload=True, compress="bf16"), ValueError,
+        "`compress='bf16'`", "Pass mode='full' or 'selective' to compress, or compress=None",
+        "holds a checkpointed layer's inputs compressed until its recompute, but `mode='none'`"),
+    "fp8 without float8 support": Case(
+        "core.compress.check_compress", lambda: _fp8_on_mps(), ValueError,
+        "on mps", "Pass compress='bf16'", "`compress='fp8'` needs float8_e4m3fn support"),
     "budget auto outside the callback": Case(
         "core.selection.parse_memory_budget", lambda: plan_checkpointing(blocks(), lambda: None, "auto"), ValueError,
         "`memory_budget='auto'`", "Pass None, a fraction", "is only understood by the GradientCheckpointing callback"),

@@ -242,7 +242,7 @@ def test_each_hooks_object_files_what_it_saves_under_its_own_group():
 
 
 def test_round_trip_through_the_hooks_copies_and_restores_the_values():
-    """The real `_pack`/`_unpack`, with the copy path forced: what comes back is a new tensor with the same values."""
+    """The real `pack_saved`/`unpack_saved`, with the copy path forced: what comes back is a new tensor with the same values."""
     tensor = torch.randn(BATCH, SEQ, WIDTH)
     hooks = OffloadToHost()
     with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) as engine:
@@ -256,11 +256,11 @@ def test_round_trip_through_the_hooks_copies_and_restores_the_values():
 
 
 def test_an_unpack_that_loses_the_values_fails_the_gradient_check(monkeypatch):
-    """Guards the guard: an `_unpack` that returns zeros (as one once did) must not pass the bit-equality test."""
+    """Guards the guard: an `unpack_saved` that returns zeros (as one once did) must not pass the bit-equality test."""
     idx = tokens()
     want = reference(idx)
-    real_unpack = offload._unpack
-    monkeypatch.setattr(offload, "_unpack", lambda packed: torch.zeros_like(real_unpack(packed)))
+    real_unpack = offload.unpack_saved
+    monkeypatch.setattr(offload, "unpack_saved", lambda packed: torch.zeros_like(real_unpack(packed)))
     with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)):
         loss, grads = loss_and_grads(offloaded_model(), idx)
     assert not grads_equal(grads, want[1])

@@ -39,6 +39,7 @@ from lightning_ckpt.core.offload import release_all
 from lightning_ckpt.core.placement import check_checkpointing_placement
 from lightning_ckpt.core.planner import CheckpointPlan, LayerCostRecorder, Offload, make_plan
 from lightning_ckpt.core.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
+from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.wrapping import (
     CheckpointOptions,
     Mode,
@@ -48,7 +49,7 @@ from lightning_ckpt.core.wrapping import (
 )
 
 _SETTINGS = ("layer_cls", "every_n_layers", "offload", "mode", "memory_budget", "use_reentrant",
-             "preserve_rng_state", "checkpoint_kwargs")
+             "preserve_rng_state", "checkpoint_kwargs", "compress")
 
 T = TypeVar("T")
 
@@ -111,6 +112,11 @@ class GradientCheckpointing(Callback):
         length_fn: with ``memory_budget``, the tokens in a batch (for example
             ``lambda batch: int(batch["attention_mask"].sum())``); default: ``batch * seq`` of a 2-D integer main
             tensor (token ids), else the batch's samples. Plans are kept per size (see below).
+        compress: ``None`` (exact), ``"bf16"`` or ``"fp8"``: hold the checkpointed layers' inputs compressed until
+            their recompute, for about half or a quarter of their fp32 bytes (on the device, or with ``offload``,
+            in host memory and in transfer). The forward runs on the exact inputs; the backward starts from the
+            decompressed copy, so gradients are close, not equal. With ``memory_budget`` the plan counts the
+            compressed bytes. See the guide "Compressed checkpoints".
 
     Layers are checkpointed in ``setup`` and, for models built in ``configure_model``, right after it,
     before any strategy wraps the model. Everything is undone in ``teardown`` (or on an exception).
@@ -153,6 +159,8 @@ class GradientCheckpointing(Callback):
     preserve_rng_state: _SettingAttribute[bool] = _SettingAttribute("Replay the RNG state in the recomputation.")
     checkpoint_kwargs: _SettingAttribute[Optional[dict[str, Any]]] = _SettingAttribute(
         "Extra ``torch.utils.checkpoint.checkpoint`` arguments, merged over the other options.")
+    compress: _SettingAttribute[Optional[Compress]] = _SettingAttribute(
+        "``None``, ``'bf16'`` or ``'fp8'``: how checkpointed layers hold their inputs until the recompute.")
 
     def __init__(
         self,
@@ -165,12 +173,13 @@ class GradientCheckpointing(Callback):
         preserve_rng_state: bool = True,
         checkpoint_kwargs: Optional[dict[str, Any]] = None,
         length_fn: Optional[Callable[[Any], int]] = None,
+        compress: Optional[Compress] = None,
     ) -> None:
         if length_fn is not None and not callable(length_fn):
             raise TypeError(f"`length_fn` must be a function of the batch returning its tokens, got {length_fn!r}.")
         settings = dict(layer_cls=layer_cls, every_n_layers=every_n_layers, offload=offload, mode=mode,
                         memory_budget=memory_budget, use_reentrant=use_reentrant,
-                        preserve_rng_state=preserve_rng_state, checkpoint_kwargs=checkpoint_kwargs)
+                        preserve_rng_state=preserve_rng_state, checkpoint_kwargs=checkpoint_kwargs, compress=compress)
         settings = {name: copy.copy(value) for name, value in settings.items()}
         _validate(settings)
         self._settings: dict[str, Any] = settings  # the one place the options live; attributes read from it
@@ -214,9 +223,10 @@ class GradientCheckpointing(Callback):
         elif self.plan is not None:
             options.pop("layer_cls")
             options.pop("offload")  # the plan's own, which it was solved for
+            options.pop("compress")
             names = self.plan.apply(pl_module, **options)
-        else:
-            names = apply_checkpointing(pl_module, **{**options, "offload": False})  # measuring: every layer, full
+        else:  # measuring: every layer, full, exact (the step's held bytes are counted at full width)
+            names = apply_checkpointing(pl_module, **{**options, "offload": False, "compress": None})
         if names != self.checkpointed_layers:
             self.checkpointed_layers = names
             shown = ", ".join(names) if len(names) <= 8 else ", ".join(names[:8]) + ", ..."
@@ -358,7 +368,8 @@ class GradientCheckpointing(Callback):
             # An impossible budget raises here; the step's own full checkpointing is undone by `on_exception`.
             plan = make_plan(measured.costs, measured.outside_bytes, budget, modes, self._settings["offload"], profile,
                              host_memory=host_memory, min_bytes=offload_min_bytes(trainer.strategy.root_device),
-                             head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes)
+                             head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes,
+                             compress=self._settings["compress"])
         except ValueError as err:
             raise ValueError(f"{err} This was for a batch of {size} (the largest over ranks).") from None
         self._cycle.planned(plan)
@@ -489,7 +500,7 @@ def _validate(settings: Mapping[str, Any]) -> None:
     resolve_layer_classes(settings["layer_cls"])
     auto_offload = settings["offload"] == "auto"
     CheckpointOptions(False if auto_offload else settings["offload"], settings["mode"], settings["use_reentrant"],
-                      settings["preserve_rng_state"], settings["checkpoint_kwargs"] or {})
+                      settings["preserve_rng_state"], settings["checkpoint_kwargs"] or {}, settings["compress"])
     budget = parse_memory_budget(settings["memory_budget"], allow_auto=True)
     if auto_offload and budget is None:
         raise ValueError("`offload='auto'` lets the memory-budget plan choose which layers offload, but"
@@ -503,7 +514,7 @@ def _validate(settings: Mapping[str, Any]) -> None:
         )
 
 
-_PLAN_SETTINGS = {"layer_cls", "memory_budget", "offload", "use_reentrant", "checkpoint_kwargs"}
+_PLAN_SETTINGS = {"layer_cls", "memory_budget", "offload", "use_reentrant", "checkpoint_kwargs", "compress"}
 
 
 # --------------------------------------------------------------------------------------------- budget: the calls

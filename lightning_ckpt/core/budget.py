@@ -115,8 +115,8 @@ def pack_costs(measured: RankMeasurement, figures: Sequence[int] = (), min_bytes
     Example::
 
         >>> measured = RankMeasurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5)], outside_bytes=7)
-        >>> pack_costs(measured, figures=[1000])  # a's 8 integers, moved 100 and 0; 7 outside, 0 after, 0; 1000
-        [100, 10, 40, 0, 50, 5, 1, 0, 100, 0, 7, 0, 0, 1000]
+        >>> pack_costs(measured, figures=[1000])  # a's 10 integers, moved 100 and 0; 7 outside, 0 after, 0; 1000
+        [100, 10, 40, 0, 50, 5, 1, 0, 0, 0, 100, 0, 7, 0, 0, 1000]
     """
     row = [v for c in measured.costs
            for v in [*(getattr(c, f) for f in _COST_FIELDS), c.movable_bytes("none", min_bytes),

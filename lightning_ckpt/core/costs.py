@@ -14,9 +14,10 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal, Union
+from dataclasses import dataclass, replace
+from typing import Literal, Optional, Union
 
+from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
 from lightning_ckpt.core.op_curve import OpRecord
 
@@ -52,6 +53,10 @@ class LayerCost:
     #: The most bytes its backward has alive at once, recompute or not: its inputs, what it saves, the gradients it
     #: makes (the largest over its calls; 0: not measured, taken as ``none_bytes``). See :meth:`backward_peak`.
     transient_bytes: int = 0
+    #: ``full_bytes`` under ``compress="bf16"`` and ``"fp8"`` (:func:`~lightning_ckpt.core.compress.held_bytes`;
+    #: 0: not measured, taken as ``full_bytes``).
+    bf16_bytes: int = 0
+    fp8_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.ops, tuple) or any(isinstance(r, Mapping) for r in self.ops):  # from a state_dict
@@ -93,6 +98,29 @@ class LayerCost:
         recomputes what an un-checkpointed one kept, so both reach their inputs, what they save and the gradients
         their backward makes (``transient_bytes``; ``none_bytes`` where that was not measured)."""
         return max(self.transient_bytes, self.none_bytes)
+
+    def compressed(self, compress: Optional[Compress]) -> LayerCost:
+        """The costs with the inputs held under ``compress``: what a checkpointed choice (full, selective, ops)
+        holds, and offload moves, shrinks by what compressing the inputs saves; ``"none"`` is unchanged. The backward
+        peak grows by the compressed copy, alive next to the decompressed inputs until the layer's backward ends
+        (counted whatever the choice: the bound stays safe).
+
+        Example::
+
+            >>> cost = LayerCost("a", "Block", 3000, 1000, 2000, 1000, 10, 1, bf16_bytes=500, fp8_bytes=258)
+            >>> half = cost.compressed("bf16")
+            >>> half.full_bytes, half.selective_bytes, half.offloadable_bytes, half.backward_peak
+            (500, 1500, 500, 3500)
+        """
+        if compress is None:
+            return self
+        held = (self.bf16_bytes if compress == "bf16" else self.fp8_bytes) or self.full_bytes
+        saved = self.full_bytes - held
+        ratio = held / self.full_bytes if self.full_bytes else 1.0
+        return replace(self, full_bytes=held, selective_bytes=self.selective_bytes - saved,
+                       offloadable_bytes=round(self.offloadable_bytes * ratio),
+                       input_sizes=tuple(round(size * ratio) for size in self.input_sizes),
+                       transient_bytes=self.backward_peak + held, bf16_bytes=0, fp8_bytes=0)
 
     def flops(self, choice: Choice, keep: Sequence[int] = ()) -> int:
         if choice == "ops":

@@ -31,6 +31,7 @@ from lightning_ckpt.core.layer_state import buffers_restored
 from lightning_ckpt.core.op_curve import OpRecord, add_records, op_records
 from lightning_ckpt.core.placement import fsdp2
 from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS
+from lightning_ckpt.core.compress import held_bytes
 from lightning_ckpt.core.profiling import (
     LiveBytes,
     OpCostMode,
@@ -159,6 +160,8 @@ class _LayerTotals:
     selective_flops: int = 0
     calls: int = 0
     transient_bytes: int = 0
+    bf16_bytes: int = 0
+    fp8_bytes: int = 0
 
 
 class LayerCostRecorder:
@@ -310,6 +313,8 @@ class LayerCostRecorder:
         input_sizes += [tensor_bytes([t]) for t in {storage_key(t): t for t in inputs_held}.values()]
         totals.full_bytes += full
         totals.offloadable_bytes += tensor_bytes(t for t in inputs_held if t.device.type != "cpu")
+        totals.bf16_bytes += held_bytes(inputs_held, "bf16")
+        totals.fp8_bytes += held_bytes(inputs_held, "fp8")
         totals.calls += 1
         forward = _plain_forward(layer)
         # What the re-run saves is not the step's: outer counters (a MemoryMonitor's) must not hear of it.

@@ -61,7 +61,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_ckpt.core.profiling import report_held
 
 __all__ = ["DEFAULT_LAG", "DEFAULT_MIN_BYTES", "DeviceStreams", "HostPool", "OffloadEngine", "OffloadStats",
-           "OffloadToHost", "Streams", "default_engine", "engine_for", "pinned_size", "release_all", "use_engine"]
+           "OffloadToHost", "Streams", "default_engine", "engine_for", "is_parameter", "next_group", "pack_saved",
+           "pinned_size", "release_all", "unpack_saved", "use_engine", "view_key"]
 
 DEFAULT_MIN_BYTES = 1 << 20
 """Tensors smaller than this stay on the device: copying them costs more than it saves."""
@@ -340,7 +341,7 @@ class _Handle:
             pass
 
 
-def _is_parameter(tensor: torch.Tensor) -> bool:
+def is_parameter(tensor: torch.Tensor) -> bool:
     """A parameter, or a view of one (``weight.t()``, which a linear layer saves for backward): it stays put."""
     return isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
 
@@ -371,7 +372,7 @@ class OffloadEngine:
       dict is empty once no graph holds a handle.
     - ``_previous``: group -> the latest earlier group whose inputs lie behind its own in the autograd graph, i.e. the
       layer backward reaches next in the same graph; set at pack, it goes with the group's ``_groups`` entry.
-    - ``_shared``: view key (:func:`_view_key`) -> (storage weak reference, the tensor's version at pack, weak
+    - ``_shared``: view key (:func:`view_key`) -> (storage weak reference, the tensor's version at pack, weak
       reference to its handle), so that a later save of the same view, still alive and unchanged, shares that handle's
       host copy. An entry goes when its handle dies, or is replaced by a later pack of the same view; one whose storage
       died or changed meanwhile is ignored. Empty once no graph holds a handle.
@@ -419,25 +420,23 @@ class OffloadEngine:
         self._shared: dict[tuple[Any, ...], tuple[StorageWeakRef, int, weakref.ref[_Handle]]] = {}
         self._newest = -1
 
-    def pack(self, tensor: torch.Tensor, group: int) -> Union[torch.Tensor, _Handle]:
-        """Start copying ``tensor`` to host memory and return a handle, or return ``tensor`` if it stays put."""
+    def pack(self, tensor: torch.Tensor, group: int, origin: Optional[torch.Tensor] = None) -> Union[torch.Tensor, _Handle]:
+        """Start copying ``tensor`` to host memory and return a handle, or return ``tensor`` if it stays put.
+
+        ``origin``: the tensor the layer saved, when ``tensor`` is made from it (a compressed copy, which has no place
+        in the autograd graph): its graph tells which layer's inputs to bring back next."""
         nbytes = tensor.numel() * tensor.element_size()
-        if (_is_parameter(tensor) or type(tensor) is not torch.Tensor or tensor.layout != torch.strided
+        if (is_parameter(tensor) or type(tensor) is not torch.Tensor or tensor.layout != torch.strided
                 or nbytes < max(self.min_bytes, 1) or not self.streams.offloadable(tensor)):
             report_held(tensor, "kept")  # still held where it is; these hooks hide it from outer counters
             self.stats.kept_bytes += nbytes
             return tensor
         report_held(tensor, "offloaded")
         with self._lock:
-            self._link(tensor, group)
+            self._link(tensor if origin is None else origin, group)
             shared = self._shared_handle(tensor)
             if shared is not None:
-                shared.users += 1
-                if group not in shared.groups:
-                    shared.groups.append(group)
-                    self._groups.setdefault(group, []).append(weakref.ref(shared))
-                self.stats.shared += 1
-                self.stats.shared_bytes += nbytes
+                self._share(shared, group)
                 return shared
             self._retire(force_before=group - self.lag)
             buffer = self.pool.take(nbytes)
@@ -454,11 +453,24 @@ class OffloadEngine:
             # holding it makes the lifetime explicit, bounded by `lag`, and checkable on the fake backend.
             self._in_flight.append(flight)
             self._groups.setdefault(group, []).append(weakref.ref(handle))
-            handle.key = _view_key(tensor)
+            handle.key = view_key(tensor)
             self._shared[handle.key] = (StorageWeakRef(tensor.untyped_storage()), tensor._version, weakref.ref(handle))
             self.stats.offloaded_bytes += nbytes
             self.stats.to_host_copies += 1
         return handle
+
+    def share(self, handle: _Handle, group: int) -> None:
+        """Let the layer call ``group`` use ``handle`` too: its tensor is the one another layer saved."""
+        with self._lock:
+            self._share(handle, group)
+
+    def _share(self, handle: _Handle, group: int) -> None:
+        handle.users += 1
+        if group not in handle.groups:
+            handle.groups.append(group)
+            self._groups.setdefault(group, []).append(weakref.ref(handle))
+        self.stats.shared += 1
+        self.stats.shared_bytes += handle.host.numel() * handle.host.element_size()
 
     def unpack(self, handle: _Handle) -> torch.Tensor:
         """The device tensor for ``handle``; starts bringing back the inputs of the layer backward needs next."""
@@ -531,7 +543,7 @@ class OffloadEngine:
         node.metadata[_GROUP_TAG] = group
 
     def _shared_handle(self, tensor: torch.Tensor) -> Optional[_Handle]:
-        entry = self._shared.get(_view_key(tensor))
+        entry = self._shared.get(view_key(tensor))
         if entry is None:
             return None
         storage, version, ref = entry
@@ -588,7 +600,7 @@ class OffloadEngine:
             self.pool.give(handle.buffer)
 
 
-def _view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+def view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     """What identifies the view ``tensor`` is of its storage: the same elements in the same layout. Unlike
     :func:`~lightning_ckpt.core.profiling.storage_key`, which all views of a storage share, two views with other
     offsets, shapes, strides or dtypes get two keys: each is copied on its own.
@@ -596,7 +608,7 @@ def _view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     Example::
 
         >>> x = torch.zeros(4, 4)
-        >>> _view_key(x) == _view_key(x.view(4, 4)) != _view_key(x[1:])
+        >>> view_key(x) == view_key(x.view(4, 4)) != view_key(x[1:])
         True
     """
     return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
@@ -679,17 +691,25 @@ def release_all() -> None:
         engine.release()
 
 
-def _pack(tensor: torch.Tensor, group: int) -> Any:
+def next_group() -> int:
+    """A new layer call's group: larger than every group drawn before (see :class:`OffloadToHost`)."""
+    return next(_group_ids)
+
+
+def pack_saved(tensor: torch.Tensor, group: int, origin: Optional[torch.Tensor] = None) -> Any:
+    """What offload's pack hook holds for ``tensor``, saved by the layer call ``group`` (see
+    :meth:`OffloadEngine.pack` for ``origin``); :func:`unpack_saved` turns it back into the tensor."""
     engine = getattr(_this_thread, "engine", None)
     if engine is None:
         if tensor.device.type == "cpu" or isinstance(tensor, torch.nn.Parameter):
             report_held(tensor, "kept")  # still held where it is; these hooks hide it from outer counters
             return tensor
         engine = default_engine(tensor.device)
-    return engine.pack(tensor, group)
+    return engine.pack(tensor, group, origin)
 
 
-def _unpack(packed: Any) -> torch.Tensor:
+def unpack_saved(packed: Any) -> torch.Tensor:
+    """The tensor that :func:`pack_saved` returned ``packed`` for."""
     if isinstance(packed, torch.Tensor):
         return packed
     return packed.engine.unpack(packed)
@@ -712,5 +732,5 @@ class OffloadToHost(saved_tensors_hooks):
     """
 
     def __init__(self) -> None:
-        self.group = next(_group_ids)
-        super().__init__(functools.partial(_pack, group=self.group), _unpack)
+        self.group = next_group()
+        super().__init__(functools.partial(pack_saved, group=self.group), unpack_saved)

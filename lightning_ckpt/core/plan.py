@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.costs import LayerCost, Offload
 from lightning_ckpt.core.op_curve import describe
 from lightning_ckpt.core.policies import keep_ops_context_fn
@@ -46,6 +47,9 @@ class CheckpointPlan:
     ``offloaded`` lists the layers whose held tensors live in host memory (a checkpointed layer's inputs, or all
     an un-checkpointed layer saves); ``host_bytes`` is what they hold there.
 
+    ``compress`` (``None``, ``"bf16"``, ``"fp8"``) is how the checkpointed layers hold their inputs; ``costs``, and
+    every figure, count the inputs at that width.
+
     ``planned_bytes`` is what the forward leaves held; ``peak_bytes`` the step's activation peak, which the budget
     bounds: the end of the forward, or a layer's backward, when it recomputes what it did not keep and makes its
     gradients while the layers before it still hold theirs (:func:`~lightning_ckpt.core.solver.held_peak`).
@@ -67,6 +71,7 @@ class CheckpointPlan:
     offloaded: list[str] = field(default_factory=list)
     peak_bytes: int = 0  # the step's predicted activation peak (0 in a plan saved before it was predicted)
     baseline_peak_bytes: int = 0  # the same without checkpointing: what a fraction budget is a fraction of
+    compress: Optional[Compress] = None  # how checkpointed layers hold their inputs (``costs`` count it)
 
     def __post_init__(self) -> None:
         self.peak_bytes = self.peak_bytes or self.planned_bytes
@@ -83,7 +88,8 @@ class CheckpointPlan:
         """Checkpoint ``module``'s layers as planned (layers planned ``"none"`` are left or made plain).
 
         ``checkpoint_options`` (``use_reentrant``, ``preserve_rng_state``, ``checkpoint_kwargs``) go to
-        :func:`~lightning_ckpt.core.wrapping.apply_checkpointing`. Returns the checkpointed names, in order.
+        :func:`~lightning_ckpt.core.wrapping.apply_checkpointing`; layer selection, mode, offload and ``compress``
+        come from the plan. Returns the checkpointed names, in order.
         Everything is checked before anything changes.
         """
         unknown = set(checkpoint_options) - {"use_reentrant", "preserve_rng_state", "checkpoint_kwargs"}
@@ -113,6 +119,7 @@ class CheckpointPlan:
     def _mode_options(self, name: str, mode: str, options: Mapping[str, Any]) -> dict[str, Any]:
         """``apply_checkpointing`` options for one layer: an ``"ops"`` layer is checkpointed with the policy that
         keeps its planned ops (a ``context_fn``, over one the caller may pass)."""
+        options = {**options, "compress": self.compress if mode != "none" else None}
         if mode != "ops":
             return {**options, "mode": mode}
         ops = [r.op for r in next(c for c in self.costs if c.name == name).ops]
@@ -150,6 +157,7 @@ class CheckpointPlan:
             f" {format_flops(self.recompute_flops)} per step"
             + (f"; {format_bytes(self.planned_host_bytes)} offloaded to host ({len(self.offloaded)} layers)"
                if self.offload else "")
+            + (f"; inputs held as {self.compress}" if self.compress else "")
             + (f"; {self.step_time_text()}" if self.predicted_step_seconds is not None else ""),
         ]
         return "\n".join(lines)

@@ -76,6 +76,7 @@ import psutil
 import torch
 from torch import nn
 
+from lightning_ckpt.core.compress import COMPRESS, Compress, validate_compress
 from lightning_ckpt.core.costs import PLAN_MODES, Choice, LayerCost, Offload, validate_modes, validate_offload
 from lightning_ckpt.core.device_profile import DeviceProfile, resolve_device
 from lightning_ckpt.core.measure import (
@@ -129,7 +130,7 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
               modes: Sequence[str] = PLAN_MODES, offload: Offload = False,
               device: Union[None, str, DeviceProfile] = None, outside_ops: Sequence[OpRecord] = (),
               host_memory: Optional[int] = None, min_bytes: int = DEFAULT_MIN_BYTES,
-              head_bytes: int = 0, head_peak_bytes: int = 0) -> CheckpointPlan:
+              head_bytes: int = 0, head_peak_bytes: int = 0, compress: Optional[Compress] = None) -> CheckpointPlan:
     """Solve for the cheapest plan from measured costs (what :func:`plan_checkpointing` does after measuring).
 
     Args:
@@ -148,6 +149,8 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
             frees before it reaches the layers; 0 counts all of ``outside_bytes`` as held through the layers' backward.
         head_peak_bytes: what the backward of the head and loss makes alive at once (the logits' gradient) while
             everything the forward holds is still there.
+        compress: ``None``, ``"bf16"`` or ``"fp8"``: checkpointed layers hold their inputs compressed
+            (:meth:`LayerCost.compressed`); the plan applies it.
 
     Raises ``ValueError`` if the budget cannot be met.
 
@@ -163,6 +166,7 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
     """
     modes = validate_modes(modes)
     validate_offload(offload)
+    compress = validate_compress(compress)
     profile = resolve_device(device)
     budget = parse_memory_budget(memory_budget)
     if budget is None:
@@ -176,6 +180,7 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
                          f" {host_memory!r}.")
     if profile is not None:  # measured on the CPU or on fake tensors, planned for the profile's device
         costs = [replace(c, offloadable_bytes=c.full_bytes) for c in costs]
+    exact, costs = costs, [c.compressed(compress) for c in costs]
     if offload and host_memory is None:
         host_memory = psutil.virtual_memory().available // 2
     # While the layers' backward runs, the head's and the loss's saved tensors are gone already.
@@ -198,7 +203,9 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
     found = [chosen for chosen in tried if chosen is not None]
     if not found:
         raise ValueError(_impossible_message(costs, outside_bytes, baseline_peak, budget_bytes, memory_budget, modes, offload,
-                                             host_memory, min_bytes, head_bytes, head_peak_bytes))
+                                             host_memory, min_bytes, head_bytes, head_peak_bytes)
+                         + _compress_hint(exact, compress, outside_bytes, budget_bytes, modes, offload, min_bytes,
+                                          head_bytes, head_peak_bytes))
     chosen = min(found, key=lambda c: sum(o.cost(timed) for o in c))  # the first of equals: "auto"'s own
     newest = kept_on_device(chosen)
     return CheckpointPlan(
@@ -216,6 +223,7 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
         costs=list(costs),
         kept_ops={c.name: list(o.keep) for c, o in zip(costs, chosen) if o.choice == "ops"},
         offloaded=[c.name for c, o in zip(costs, chosen) if o.host_bytes or (offload is True and o.choice != "none")],
+        compress=compress,
         **_step_seconds(costs, outside_ops, chosen, profile),
     )
 
@@ -238,6 +246,7 @@ def plan_checkpointing(
     offload: Offload = False,
     device: Union[None, str, DeviceProfile] = None,
     host_memory: Optional[int] = None,
+    compress: Optional[Compress] = None,
 ) -> CheckpointPlan:
     """Measure one step and return the cheapest :class:`CheckpointPlan` whose activations fit ``memory_budget``.
 
@@ -257,6 +266,8 @@ def plan_checkpointing(
         device: ``None``, a :class:`~lightning_ckpt.core.device_profile.DeviceProfile` or a preset name
             (``"h100-sxm"``): plan for the least predicted step time on that device rather than the fewest FLOPs.
         host_memory: bytes of host memory offloaded tensors may take (default: half of the host memory free now).
+        compress: ``None``, ``"bf16"`` or ``"fp8"``: checkpointed layers hold their inputs compressed (and offload
+            moves the compressed bytes); the plan counts those bytes and applies the compression.
 
     Without ``device`` the plan has the fewest recompute FLOPs among those whose predicted bytes fit: layers
     (and op outputs) that free most bytes per recomputed FLOP go first, whatever their position; FLOPs are exact
@@ -273,6 +284,7 @@ def plan_checkpointing(
     check_module_and_step(module, step)
     modes = validate_modes(modes)
     validate_offload(offload)
+    validate_compress(compress)
     if parse_memory_budget(memory_budget) is None:
         raise ValueError("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as '2GiB'.")
     profile = resolve_device(device)
@@ -281,7 +293,8 @@ def plan_checkpointing(
         profile = DeviceProfile.measure(torch.device("cuda", cuda[0]))
     measured = measure_step(module, step, layer_cls, modes)
     return make_plan(measured.costs, measured.outside_bytes, memory_budget, modes, offload, profile, measured.outside_ops,
-                     host_memory, head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes)
+                     host_memory, head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes,
+                     compress=compress)
 
 
 def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str, str],
@@ -362,17 +375,8 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
                         memory_budget: object, modes: Sequence[str], offload: Offload,
                         host_memory: Optional[int] = None, min_bytes: int = DEFAULT_MIN_BYTES,
                         head_bytes: int = 0, head_peak_bytes: int = 0) -> str:
-    transients = layer_transients(costs, head_bytes)
-
-    def smallest(value: Offload) -> list[LayerOption]:
-        # What an offloaded layer moves comes back to the device for its backward: count it too.
-        return [min(layer_options(c, modes, value, min_bytes=min_bytes),
-                    key=lambda o: (o.device_bytes + o.host_bytes, o.device_bytes)) for c in costs]
-
     def least(value: Offload) -> int:
-        chosen = smallest(value)
-        return outside + held_peak([o.device_bytes for o in chosen], transients, [o.host_bytes for o in chosen],
-                                   head_peak_bytes)
+        return _least_peak(costs, outside, modes, value, min_bytes, head_bytes, head_peak_bytes)
 
     minimum = least(offload)
     text = (f"`memory_budget={memory_budget!r}` asks for an activation peak of at most {format_bytes(budget_bytes)}"
@@ -380,7 +384,7 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
             f" reachable is {format_bytes(minimum)} ({_pct(minimum, baseline)}), with every matched layer checkpointed"
             + (" or offloaded" if offload == "auto" else "")
             + f"; {format_bytes(outside)} of it is outside the matched layers (embeddings, head, loss)"
-            + _floor_text(costs, [o.device_bytes for o in smallest(offload)], outside - head_bytes,
+            + _floor_text(costs, [o.device_bytes for o in _smallest(costs, modes, offload, min_bytes)], outside - head_bytes,
                           outside + head_peak_bytes)
             + ". Nothing was applied.")
     host_short = bool(offload) and minimum <= budget_bytes  # the device could hold it: host memory is what is short
@@ -406,6 +410,46 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
              f" {math.ceil(100 * budget_bytes / minimum)}% of the current size would fit); or checkpoint more of the"
              " model by adding the classes outside the layers to `layer_cls`.")
     return text
+
+
+def _smallest(costs: Sequence[LayerCost], modes: Sequence[str], offload: Offload, min_bytes: int) -> list[LayerOption]:
+    """Each layer's option that holds the least; what an offloaded layer moves comes back to the device for its
+    backward, so it counts too."""
+    return [min(layer_options(c, modes, offload, min_bytes=min_bytes),
+                key=lambda o: (o.device_bytes + o.host_bytes, o.device_bytes)) for c in costs]
+
+
+def _least_peak(costs: Sequence[LayerCost], outside: int, modes: Sequence[str], offload: Offload, min_bytes: int,
+                head_bytes: int, head_peak_bytes: int) -> int:
+    """The least activation peak any plan reaches: every layer at its :func:`_smallest` option."""
+    chosen = _smallest(costs, modes, offload, min_bytes)
+    return outside + held_peak([o.device_bytes for o in chosen], layer_transients(costs, head_bytes),
+                               [o.host_bytes for o in chosen], head_peak_bytes)
+
+
+def _compress_hint(exact: Sequence[LayerCost], compress: Optional[Compress], outside: int, budget_bytes: int,
+                   modes: Sequence[str], offload: Offload, min_bytes: int, head_bytes: int, head_peak_bytes: int) -> str:
+    """For a budget the device cannot reach: the widest compression of the layer inputs that reaches it, or what the
+    narrowest reaches; nothing where compressing would not lower the floor (or where host memory is what is short)."""
+
+    def least(kind: Optional[Compress]) -> int:
+        return _least_peak([c.compressed(kind) for c in exact], outside, modes, offload, min_bytes, head_bytes,
+                           head_peak_bytes)
+
+    now = least(compress)
+    narrower = [k for k in COMPRESS[COMPRESS.index(compress) + 1 if compress else 0:] if least(k) < now]
+    if now <= budget_bytes or not narrower:
+        return ""
+    for kind in narrower:
+        if least(kind) <= budget_bytes:
+            return (f" Or compress='{kind}' (the checkpointed layers' inputs held as {_WIDTH_TEXT[kind]}; gradients"
+                    f" close, not equal), which reaches {format_bytes(least(kind))}.")
+    kind = narrower[-1]
+    return (f" compress='{kind}' (the checkpointed layers' inputs held as {_WIDTH_TEXT[kind]}) would reach"
+            f" {format_bytes(least(kind))}: not enough either.")
+
+
+_WIDTH_TEXT = {"bf16": "bfloat16, 2 bytes a value", "fp8": "float8 with a scale per 128 values, about 1 byte a value"}
 
 
 def _floor_text(costs: Sequence[LayerCost], held: Sequence[int], outside_during: int, at_start: int) -> str:

@@ -21,15 +21,16 @@ import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ckpt.core.compress import Compress, CompressSaved, check_compress, validate_compress
 from lightning_ckpt.core.layer_state import CallState, LayerState
 from lightning_ckpt.core.offload import OffloadToHost, engine_for
 from lightning_ckpt.core.policies import selective_context_fn
@@ -62,8 +63,14 @@ class CheckpointOptions:
     use_reentrant: bool = False
     preserve_rng_state: bool = True
     checkpoint_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    compress: Optional[Compress] = None
 
     def __post_init__(self) -> None:
+        validate_compress(self.compress)
+        if self.compress is not None and self.mode == "none":
+            raise ValueError(f"`compress={self.compress!r}` holds a checkpointed layer's inputs compressed until its"
+                             " recompute, but `mode='none'` recomputes nothing (it offloads every tensor the layer"
+                             " saves, exactly). Pass mode='full' or 'selective' to compress, or compress=None.")
         if self.mode not in (*MODES, "none"):
             raise ValueError(f"`mode={self.mode!r}` is not understood. Pass 'full' (recompute the whole layer),"
                              " 'selective' (keep matmul/attention outputs, recompute the cheap ops) or, with"
@@ -84,6 +91,12 @@ class CheckpointOptions:
         if merged["use_reentrant"] and "context_fn" in merged:
             raise ValueError("Reentrant checkpointing cannot run a `context_fn`, which `mode='selective'` uses."
                              " Pass `use_reentrant=False` (the default) or `mode='full'`.")
+
+    def saved_inputs_hooks(self) -> AbstractContextManager[Any]:
+        """The saved-tensor hooks put around the checkpoint call: where and how the layer's inputs are held."""
+        if self.compress is not None:
+            return CompressSaved(self.compress, offload_to_host=self.offload)
+        return OffloadToHost() if self.offload else nullcontext()
 
     def torch_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.utils.checkpoint.checkpoint``: defaults, then ``checkpoint_kwargs`` over them."""
@@ -128,7 +141,7 @@ class CheckpointedForward:
             return checkpoint(run, *flat, **torch_kwargs)
         _refuse_caches(module, leaves)
         call = self.state.begin()
-        with OffloadToHost() if self.options.offload else nullcontext():
+        with self.options.saved_inputs_hooks():
             out = checkpoint(_recomputing(run, call if call.needs_replay else None), *flat, **torch_kwargs)
         self.state.end(call)
         return out
@@ -247,6 +260,7 @@ def apply_checkpointing(
     use_reentrant: bool = False,
     preserve_rng_state: bool = True,
     checkpoint_kwargs: Mapping[str, Any] | None = None,
+    compress: Compress | None = None,
 ) -> list[str]:
     """Checkpoint the selected layers of ``module`` in place and return their qualified names.
 
@@ -261,6 +275,9 @@ def apply_checkpointing(
         use_reentrant: torch's reentrant implementation; non-reentrant (the default) is recommended.
         preserve_rng_state: replay the RNG in recompute so dropout masks match.
         checkpoint_kwargs: extra ``torch.utils.checkpoint.checkpoint`` arguments, merged over the above.
+        compress: ``None`` (exact), ``"bf16"`` or ``"fp8"``: hold the checkpointed layers' inputs compressed until
+            their recompute (the forward runs on the exact inputs; the backward starts from the decompressed copy,
+            so gradients are close, not equal). See :mod:`~lightning_ckpt.core.compress`.
 
     Applying again with the same selection changes nothing (a layer is never checkpointed twice);
     options given again replace the old ones. Everything is validated before anything changes.
@@ -274,12 +291,13 @@ def apply_checkpointing(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"`apply_checkpointing` takes an `nn.Module`, got {type(module).__name__}.")
-    options = CheckpointOptions(offload, mode, use_reentrant, preserve_rng_state, checkpoint_kwargs or {})
+    options = CheckpointOptions(offload, mode, use_reentrant, preserve_rng_state, checkpoint_kwargs or {}, compress)
     every_n_layers = validate_every_n_layers(every_n_layers)
     classes = layer_classes(module, layer_cls)
     selected = select_layers(module, classes, every_n_layers)
     if not selected:
         raise ValueError(_no_match_message(module, classes))
+    check_compress(compress, {p.device for _, layer in selected for p in layer.parameters()})
     selected = _without_layers_checkpointed_elsewhere(module, selected)
     check_no_nesting(module, [name for name, _ in selected])
     for _, layer in selected:
