@@ -31,7 +31,8 @@ AUTO_MEMORY_FRACTION = 0.9
 """``memory_budget="auto"`` plans for this fraction of the accelerator's memory; the rest is headroom
 (allocator fragmentation, the CUDA context, buffers this package cannot see)."""
 
-_COST_FIELDS = [f.name for f in fields(LayerCost) if f.name not in ("name", "cls", "ops", "input_sizes", "saved_sizes")]
+_COST_FIELDS = [f.name for f in fields(LayerCost)
+                if f.name not in ("name", "cls", "ops", "input_sizes", "saved_sizes", "codec_bytes")]
 """The integer fields of :class:`~lightning_ckpt.core.planner.LayerCost`, in the order :func:`pack_costs` writes them."""
 
 

@@ -57,6 +57,10 @@ class LayerCost:
     #: 0: not measured, taken as ``full_bytes``).
     bf16_bytes: int = 0
     fp8_bytes: int = 0
+    #: Bytes the compression passes read and write per step when the layer is checkpointed (0: exact inputs), set by
+    #: :meth:`compressed`: compressing reads the inputs and writes the copy, the recompute reads it back and writes
+    #: the inputs again.
+    codec_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.ops, tuple) or any(isinstance(r, Mapping) for r in self.ops):  # from a state_dict
@@ -109,8 +113,8 @@ class LayerCost:
 
             >>> cost = LayerCost("a", "Block", 3000, 1000, 2000, 1000, 10, 1, bf16_bytes=500, fp8_bytes=258)
             >>> half = cost.compressed("bf16")
-            >>> half.full_bytes, half.selective_bytes, half.offloadable_bytes, half.backward_peak
-            (500, 1500, 500, 3500)
+            >>> half.full_bytes, half.selective_bytes, half.offloadable_bytes, half.backward_peak, half.codec_bytes
+            (500, 1500, 500, 3500, 3000)
         """
         if compress is None:
             return self
@@ -120,7 +124,8 @@ class LayerCost:
         return replace(self, full_bytes=held, selective_bytes=self.selective_bytes - saved,
                        offloadable_bytes=round(self.offloadable_bytes * ratio),
                        input_sizes=tuple(round(size * ratio) for size in self.input_sizes),
-                       transient_bytes=self.backward_peak + held, bf16_bytes=0, fp8_bytes=0)
+                       transient_bytes=self.backward_peak + held, bf16_bytes=0, fp8_bytes=0,
+                       codec_bytes=2 * (self.full_bytes + held))
 
     def flops(self, choice: Choice, keep: Sequence[int] = ()) -> int:
         if choice == "ops":

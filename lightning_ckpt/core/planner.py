@@ -338,9 +338,10 @@ def predict_peak(costs: Sequence[LayerCost], outside_bytes: int, choices: Mappin
 def predict_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord], choices: Mapping[str, str],
                     device: Union[str, DeviceProfile], offload: Union[bool, Collection[str]] = False,
                     kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({}), min_bytes: int = DEFAULT_MIN_BYTES,
-                    ) -> tuple[float, float]:
+                    compress: Optional[Compress] = None) -> tuple[float, float]:
     """``(step seconds, step seconds without checkpointing)`` predicted on ``device`` for the layer modes ``choices``
-    (as :func:`predict` takes them); measured tensors count as living on ``device``.
+    (as :func:`predict` takes them), the checkpointed layers' inputs held under ``compress``; measured tensors count
+    as living on ``device``.
 
     Example::
 
@@ -353,7 +354,7 @@ def predict_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord],
     """
     profile = resolve_device(device)
     assert profile is not None
-    costs = [replace(c, offloadable_bytes=c.full_bytes) for c in costs]
+    costs = [replace(c, offloadable_bytes=c.full_bytes).compressed(compress) for c in costs]
     baseline = STEP_FORWARDS * forward_seconds(costs, outside_ops, profile)
     chosen = _predicted_options(costs, choices, offload, kept_ops, min_bytes, profile)
     return baseline + sum(o.seconds for o in chosen), baseline

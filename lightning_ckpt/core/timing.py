@@ -30,8 +30,8 @@ def extra_seconds(cost: LayerCost, choice: Choice, keep: Sequence[int], device: 
 
     Recomputed ops at their predicted time plus ``op_overhead`` each; under a policy (``"selective"``, ``"ops"``)
     every op of the forward and of the recompute also pays ``policy_overhead`` (torch dispatches each through
-    Python). A layer without op records is priced by its FLOPs at ``matmul_flops``. Offload's copies are priced
-    apart (:func:`exposed_transfer_seconds`).
+    Python). A layer without op records is priced by its FLOPs at ``matmul_flops``. Compressed inputs add their
+    passes' ``codec_bytes`` at ``memory_bandwidth``. Offload's copies are priced apart (:func:`exposed_transfer_seconds`).
 
     Example::
 
@@ -44,15 +44,16 @@ def extra_seconds(cost: LayerCost, choice: Choice, keep: Sequence[int], device: 
     """
     if choice == "none":
         return 0.0
+    codec = cost.codec_bytes / device.memory_bandwidth
     if not cost.ops:
-        return cost.flops(choice, keep) / device.matmul_flops
+        return cost.flops(choice, keep) / device.matmul_flops + codec
     kept = {"ops": set(keep), "selective": {i for i, r in enumerate(cost.ops) if r.heavy}}.get(choice, set())
     recomputed = [r for i, r in enumerate(cost.ops) if r.recomputed_if_dropped and i not in kept]
     seconds = sum(device.record_seconds(r, cost.calls) for r in recomputed)
     if choice != "full":
         replayed = sum(r.recomputed_if_dropped for r in cost.ops)
         seconds += (len(cost.ops) + replayed) * cost.calls * device.per_op_under_policy
-    return seconds
+    return seconds + codec
 
 
 def forward_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord], device: DeviceProfile) -> float:

@@ -89,7 +89,16 @@ from lightning_ckpt.commands.compare.stats import (
     predict_variants,
     spread,
 )
-from lightning_ckpt.commands.compare.variants import BASELINE, DESCRIPTIONS, PLANNED, VARIANTS, available_variants
+from lightning_ckpt.commands.compare.variants import (
+    BASELINE,
+    DESCRIPTIONS,
+    MIN_COSINE,
+    PLANNED,
+    VARIANTS,
+    available_variants,
+    compress_of,
+    planned_settings,
+)
 from lightning_ckpt.core.memory_stats import ACTIVATIONS, STEP_SEC
 
 __all__ = ["main"]
@@ -228,9 +237,16 @@ def _run_all(args: argparse.Namespace) -> Optional[Runs]:
                 return None
             continue
         runs.outputs[name].append(got)
-        mismatch = _check_first_step(runs, name, run_dir / "first_step.pt", args.rtol, args.atol) if r == 0 else None
+        mismatch = (_check_first_step(runs, name, run_dir / "first_step.pt", args.rtol, args.atol,
+                                      _min_cosine(args.base, name)) if r == 0 else None)
         _print_done(got, seconds, args.warmup, mismatch)
     return runs
+
+
+def _min_cosine(base: Any, name: str) -> Optional[float]:
+    """The gradient check of a variant that holds compressed inputs (:data:`MIN_COSINE`); ``None`` for exact ones."""
+    compress = compress_of(VARIANTS[name] if name in VARIANTS else planned_settings(base))
+    return MIN_COSINE.get(compress) if compress else None
 
 
 def _run_one(args: argparse.Namespace, r: int, name: str, run_dir: Path) -> tuple[Optional[Output], float]:
@@ -253,15 +269,17 @@ def _failure(got: Optional[Output], seconds: float, run_dir: Path, out_dir: Path
     return "trained no step"
 
 
-def _check_first_step(runs: Runs, name: str, path: Path, rtol: float, atol: float) -> Optional[str]:
+def _check_first_step(runs: Runs, name: str, path: Path, rtol: float, atol: float,
+                      min_cosine: Optional[float] = None) -> Optional[str]:
     """Load round 1's first step of ``name`` from ``path`` and compare it with the baseline's (the baseline runs
-    first); returns what is beyond tolerance, if anything."""
+    first); returns what is beyond tolerance, if anything (``min_cosine``: a compressed variant's gradient check,
+    see :func:`~lightning_ckpt.commands.compare.stats.first_step_difference`)."""
     first = torch.load(path, weights_only=True)
     path.unlink()  # as large as the model; the differences are what is kept
     if name == BASELINE:
         runs.baseline_first = first
         return None
-    runs.checks[name] = first_step_difference(runs.baseline_first, first, rtol, atol)
+    runs.checks[name] = first_step_difference(runs.baseline_first, first, rtol, atol, min_cosine)
     return runs.checks[name][2]
 
 

@@ -19,7 +19,7 @@ from lightning_ckpt.commands.compare.stats import (
     signed_percent,
     time_difference,
 )
-from lightning_ckpt.commands.compare.variants import BASELINE, DESCRIPTIONS, PLANNED
+from lightning_ckpt.commands.compare.variants import BASELINE, DESCRIPTIONS, MIN_COSINE, PLANNED
 from lightning_ckpt.core.memory_stats import GIB
 from lightning_ckpt.core.profiling import format_bytes
 
@@ -150,7 +150,11 @@ def _method(c: Comparison) -> str:
         f" the ratio of medians to `{BASELINE}` with a {100 * CONFIDENCE:.0f}% bootstrap interval (rounds, then"
         f" steps, resampled); a difference whose interval contains 0% is within noise, and with fewer than"
         f" {MIN_TIMED_STEPS} timed steps there is no verdict. Loss and gradients after step 1 are compared with"
-        f" `{BASELINE}` (tolerance: |diff| <= {c.atol:g} + {c.rtol:g} x the largest |value| of each gradient).")
+        f" `{BASELINE}` (tolerance: |diff| <= {c.atol:g} + {c.rtol:g} x the largest |value| of each gradient)"
+        + (f"; a variant that holds its layers' inputs compressed runs the exact forward but backpropagates from the"
+           f" rounded inputs, so its loss has that tolerance and each gradient must keep a cosine similarity of at"
+           f" least {MIN_COSINE['fp8']:g} (fp8) or {MIN_COSINE['bf16']:g} (bf16) to the baseline's."
+           if any(r.compress for r in c.results) else "."))
 
 
 def _offload_note(c: Comparison) -> str:
@@ -173,6 +177,8 @@ def _row(r: VariantResult, base: VariantResult) -> str:
         predicted = "n/a" if r.predicted_ratio is None else signed_percent(r.predicted_ratio - 1)
         loss, grad = format_number(r.loss_diff, 2), format_number(r.grad_diff, 2)
         check = f"**MISMATCH: {r.mismatch}**" if r.mismatch else "ok"
+        if r.compress and not r.mismatch:
+            check = f"ok (cosine ≥ {MIN_COSINE[r.compress]:g})"
     step, gib = r.step, format_gib
     return (f"| {r.name} | {len(r.checkpointed_layers)} | {gib(r.peak_allocated_gib)} | {gib(r.host_rss_gib)}"
             f" | {gib(r.activations_gib)} | {gib(r.offloaded_gib)} | {step.n} | {format_ms(step.median)}"

@@ -193,7 +193,7 @@ def run_worker(variant_dir: Path) -> None:
               "world_size": trainer.world_size, "steps": trainer.global_step, "summary": monitor.summary}
     if plans:  # the memory_budget plan, for the predicted slowdown of `planned`
         result["plan"] = {"layers": dict(plans[0].layers), "kept_ops": dict(plans[0].kept_ops),
-                          "offloaded": list(plans[0].offloaded)}
+                          "offloaded": list(plans[0].offloaded), "compress": plans[0].compress}
     (variant_dir / "result.json").write_text(json.dumps(result, indent=2))
 
 

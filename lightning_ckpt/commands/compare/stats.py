@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
-from lightning_ckpt.commands.compare.variants import PLANNED, VARIANTS
+from lightning_ckpt.commands.compare.variants import PLANNED, VARIANTS, compress_of
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.memory_stats import (
     ACTIVATIONS,
@@ -199,6 +199,7 @@ class VariantResult:
     layer_modes: dict[str, str] = field(default_factory=dict)
     kept_ops: dict[str, list[int]] = field(default_factory=dict)
     offload: Union[bool, list[str]] = False  # True: every checkpointed layer's inputs; a plan: the layers it offloads
+    compress: Optional[str] = None  # how the checkpointed layers held their inputs ("bf16", "fp8"; None: exact)
     #: The time model's step time and its ratio to the baseline's (:func:`predict_variants`); None: no prediction.
     predicted_step_seconds: Optional[float] = None
     predicted_ratio: Optional[float] = None
@@ -268,9 +269,10 @@ def measurements(name: str, runs: Sequence[tuple[Sequence[Mapping[str, float]], 
     if name == PLANNED and plan:
         modes = {n: m for n, m in plan["layers"].items() if m != "none"}
         kept, offload = {n: list(k) for n, k in plan.get("kept_ops", {}).items()}, list(plan.get("offloaded", []))
+        compress = plan.get("compress")
     else:
         modes = dict.fromkeys(layers, settings["mode"] if settings else "full")
-        kept, offload = {}, bool(settings and settings["offload"])
+        kept, offload, compress = {}, bool(settings and settings["offload"]), compress_of(settings)
 
     return VariantResult(
         name=name,
@@ -288,15 +290,18 @@ def measurements(name: str, runs: Sequence[tuple[Sequence[Mapping[str, float]], 
         layer_modes=modes,
         kept_ops=kept,
         offload=offload,
+        compress=compress,
     )
 
 
 def first_step_difference(baseline: Mapping[str, Any], other: Mapping[str, Any], rtol: float,
-                          atol: float) -> tuple[float, float, Optional[str]]:
+                          atol: float, min_cosine: Optional[float] = None) -> tuple[float, float, Optional[str]]:
     """``(|loss difference|, largest |gradient difference|, what is beyond tolerance or None)``.
 
     A gradient is beyond tolerance when ``max|g - g_ref| > atol + rtol * max|g_ref|`` for that parameter, so a
-    wrong small gradient is not hidden by a large one elsewhere.
+    wrong small gradient is not hidden by a large one elsewhere. With ``min_cosine`` (a compressed variant, whose
+    backward starts from rounded inputs) a gradient is beyond it when its cosine similarity to ``g_ref`` is lower;
+    the loss is held to the tolerance either way (the forward is exact).
 
     Example::
 
@@ -304,6 +309,9 @@ def first_step_difference(baseline: Mapping[str, Any], other: Mapping[str, Any],
         >>> ref = {"loss": 1.0, "grads": {"w": torch.tensor([1.0, -2.0])}}
         >>> first_step_difference(ref, {"loss": 1.0, "grads": {"w": torch.tensor([1.0, -1.0])}}, 1e-3, 1e-6)
         (0.0, 1.0, 'gradient of w')
+        >>> [first_step_difference(ref, {"loss": 1.0, "grads": {"w": torch.tensor([1.0, g])}}, 1e-3, 1e-6, 0.999)[2]
+        ...  for g in (-2.01, -1.0)]  # cosine 0.999999 and 0.949 to [1, -2]
+        [None, 'gradient of w (cosine below 0.999)']
     """
     loss_diff = abs(other["loss"] - baseline["loss"])
     ref, got = baseline["grads"], other["grads"]
@@ -315,11 +323,21 @@ def first_step_difference(baseline: Mapping[str, Any], other: Mapping[str, Any],
         diff = float((got[name] - g_ref).abs().max()) if g_ref.numel() else 0.0
         grad_diff = max(grad_diff, diff)
         scale = float(g_ref.abs().max()) if g_ref.numel() else 0.0
-        if problem is None and not diff <= atol + rtol * scale:
-            problem = f"gradient of {name}"
+        if min_cosine is not None:
+            close = diff <= atol or _cosine(got[name], g_ref) >= min_cosine
+        else:
+            close = diff <= atol + rtol * scale
+        if problem is None and not close:
+            problem = f"gradient of {name}" + (f" (cosine below {min_cosine:g})" if min_cosine is not None else "")
     if problem is None and not loss_diff <= atol + rtol * abs(baseline["loss"]):
         problem = "loss"
     return loss_diff, grad_diff, problem
+
+
+def _cosine(a: Any, b: Any) -> float:
+    a, b = a.flatten().double(), b.flatten().double()
+    norms = float(a.norm() * b.norm())
+    return float(a @ b) / norms if norms else 1.0
 
 
 @dataclass(frozen=True)
@@ -372,6 +390,7 @@ def predict_variants(results: Sequence[VariantResult], model: TimeModel) -> list
             problems.append(f"`{r.name}` checkpointed {', '.join(missing[:3])}, which the measured step does not have")
             continue
         seconds, baseline = predict_seconds(costs, outside, r.layer_modes, model.profile,
-                                            offload=r.offload if model.offload_moves else False, kept_ops=r.kept_ops)
+                                            offload=r.offload if model.offload_moves else False, kept_ops=r.kept_ops,
+                                            compress=r.compress)
         r.predicted_step_seconds, r.predicted_ratio = seconds, seconds / baseline
     return problems

@@ -15,6 +15,7 @@ VARIANTS: dict[str, Optional[dict[str, Any]]] = {
     "every_2nd": {"every_n_layers": 2, "mode": "full", "offload": False},
     "every_4th": {"every_n_layers": 4, "mode": "full", "offload": False},
     "offload": {"every_n_layers": 1, "mode": "full", "offload": True},
+    "every_layer_fp8": {"every_n_layers": 1, "mode": "full", "offload": False, "compress": "fp8"},
 }
 #: The config's own ``GradientCheckpointing``, run as written, when it has a ``memory_budget``.
 PLANNED = "planned"
@@ -25,9 +26,25 @@ DESCRIPTIONS = {
     "every_2nd": "every 2nd layer",
     "every_4th": "every 4th layer",
     "offload": "every layer, inputs offloaded to host",
+    "every_layer_fp8": "every layer, inputs held as fp8",
     PLANNED: "the config's memory_budget plan",
 }
 BASELINE = "none"
+
+#: The least cosine similarity a compressed variant's step-1 gradients must keep to the baseline's, per parameter:
+#: its forward is exact (the loss is checked as tightly as any variant's), its backward starts from rounded inputs.
+MIN_COSINE = {"bf16": 0.99999, "fp8": 0.999}
+
+
+def compress_of(settings: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """The ``compress`` setting of a variant's (or a config's) ``GradientCheckpointing`` settings, if any.
+
+    Example::
+
+        >>> compress_of(VARIANTS["every_layer_fp8"]), compress_of(VARIANTS["none"])
+        ('fp8', None)
+    """
+    return (settings or {}).get("compress")
 
 
 def is_callback(entry: Any, name: str) -> bool:
@@ -68,6 +85,6 @@ def available_variants(base: Mapping[str, Any]) -> list[str]:
     Example::
 
         >>> available_variants({})
-        ['none', 'every_layer', 'selective', 'every_2nd', 'every_4th', 'offload']
+        ['none', 'every_layer', 'selective', 'every_2nd', 'every_4th', 'offload', 'every_layer_fp8']
     """
     return list(VARIANTS) + ([PLANNED] if planned_settings(base) is not None else [])
