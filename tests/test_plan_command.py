@@ -650,3 +650,24 @@ def test_lengths_a_budget_in_bytes_met_at_one_length_and_not_at_another(tmp_path
     assert data["length_fit"] == "linear" and data["largest_length"] is None  # no --device-memory
     assert "| 32 | 8 x 32 | 256 | no plan | - | - | - |\n\nNo plan at 8 x 32: `memory_budget=600000`" in report
     assert "fitted over the 2 lengths as a line" in report
+
+
+def test_compress_counts_every_settings_layer_inputs_compressed_and_the_plan_applies_it(real_dir, tmp_path, capsys):
+    """--compress fp8: each layer's full-checkpointing bytes are its inputs as fp8 (a byte a value and a 4-byte scale
+    per 128: 0.258 of their fp32 bytes here), every setting that checkpoints holds that much less, the plan records
+    the width it was solved for; the un-checkpointed figures are unchanged."""
+    _, exact_dir = real_dir
+    exact = json.loads((exact_dir / "plan.json").read_text())
+    rc, out = run_plan([*ARGS, "--compress", "fp8"], tmp_path, capsys)
+    assert rc == 0 and "Compress is 'fp8'" in out.out
+    got = json.loads((tmp_path / "plan.json").read_text())
+    assert got["plan"]["compress"] == "fp8" and exact["plan"]["compress"] is None
+    for mine, theirs in zip(got["layers"], exact["layers"]):
+        assert mine["none_bytes"] == theirs["none_bytes"]
+        values = theirs["full_bytes"] // 4  # the block input, float32
+        assert mine["full_bytes"] == values + 4 * -(-values // 128)
+    saved = sum(t["full_bytes"] - m["full_bytes"] for m, t in zip(got["layers"], exact["layers"]))
+    settings = {s["name"]: s for s in got["settings"]}
+    exact_settings = {s["name"]: s for s in exact["settings"]}
+    assert settings["every_layer"]["activation_bytes"] == exact_settings["every_layer"]["activation_bytes"] - saved
+    assert settings["none"]["activation_bytes"] == exact_settings["none"]["activation_bytes"]

@@ -107,7 +107,8 @@ class LayerCost:
         """The costs with the inputs held under ``compress``: what a checkpointed choice (full, selective, ops)
         holds, and offload moves, shrinks by what compressing the inputs saves; ``"none"`` is unchanged. The backward
         peak grows by the compressed copy, alive next to the decompressed inputs until the layer's backward ends
-        (counted whatever the choice: the bound stays safe).
+        (counted whatever the choice: the bound stays safe). Costs already compressed (``codec_bytes`` set) come
+        back as they are.
 
         Example::
 
@@ -116,7 +117,7 @@ class LayerCost:
             >>> half.full_bytes, half.selective_bytes, half.offloadable_bytes, half.backward_peak, half.codec_bytes
             (500, 1500, 500, 3500, 3000)
         """
-        if compress is None:
+        if compress is None or self.codec_bytes:
             return self
         held = (self.bf16_bytes if compress == "bf16" else self.fp8_bytes) or self.full_bytes
         saved = self.full_bytes - held

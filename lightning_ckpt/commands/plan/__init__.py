@@ -53,6 +53,8 @@ plan minimises the predicted step time on that device, and every setting gets it
 (:func:`~lightning_ckpt.core.planner.predict_seconds`). ``--offload auto|true|false`` (default: the config's
 ``GradientCheckpointing`` offload) plans with offload; ``auto`` (which needs ``--device``) lets the plan choose per
 layer what lives in host memory, shown in the per-layer table (``+offload``) and in ``plan.json``'s ``offloaded``.
+``--compress bf16|fp8|none`` (default: the config's ``GradientCheckpointing`` compress) counts every setting's
+checkpointed layers with their inputs held compressed (:meth:`~lightning_ckpt.core.costs.LayerCost.compressed`).
 
 It prints a Markdown report and writes it to ``plan.md`` in ``--output-dir`` (default
 ``lightning_ckpt_plan/<config name>``), with every figure in ``plan.json`` and a plot in ``plan.png``.
@@ -81,7 +83,7 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
   ``activations = fixed + per_sample x batch`` and ``largest_batch`` the largest batch per device that fits in
   ``device_memory`` with the static memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when
   activations do not grow with the batch).
-- ``plan``: ``{layers, offloaded, kept_ops, budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
+- ``plan``: ``{layers, offloaded, compress, kept_ops, budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
   predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
   memory, the op outputs an ``ops`` layer keeps, the budget in bytes and the plan's predictions; ``null`` with
   ``plan_error`` saying why when the budget cannot be met.
@@ -102,7 +104,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -188,6 +190,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                         help="plan with offload: 'true' (every checkpointed layer's inputs in host memory), 'false', or"
                              " 'auto' (the plan chooses per layer; needs --device); default: the config's"
                              " GradientCheckpointing offload")
+    parser.add_argument("--compress", choices=("bf16", "fp8", "none"), default=None,
+                        help="plan with the checkpointed layers' inputs held as bf16 or fp8 (see the guide 'Compressed"
+                             " checkpoints'), or 'none' (exact); default: the config's GradientCheckpointing compress")
     parser.add_argument("--lengths", type=_lengths, default=(),
                         help="sequence lengths to plan at too (512,2048,8192): the step measured at each, the batch's"
                              " token ids and every tensor of their length cut or tiled; with --device-memory also the"
@@ -267,6 +272,8 @@ def _build(args: argparse.Namespace) -> Built:
         built = build(args.config, fake=False, cli_args=args.cli_args, seed_banner=False)
     if args.offload is not None:
         built.offload = {"true": True, "false": False, "auto": "auto"}[args.offload]
+    if args.compress is not None:
+        built.compress = None if args.compress == "none" else args.compress
     return built
 
 
@@ -281,12 +288,18 @@ class _Measured:
 
 
 def _run(args: argparse.Namespace, built: Built) -> _Measured:
-    """Measure the step at the loader's batch size, at half of it with ``--device-memory``, and at each length."""
+    """Measure the step at the loader's batch size, at half of it with ``--device-memory``, and at each length; with
+    ``compress`` every setting's checkpointed layers hold their inputs compressed (:meth:`LayerCost.compressed`)."""
     size = loader_batch_size(built.loader)
-    measured = _Measured(measure_at(built, size))
+
+    def at(batch_size: int, length: Optional[int] = None) -> Measurement:
+        m = measure_at(built, batch_size, length)
+        return replace(m, costs=[c.compressed(built.compress) for c in m.costs])
+
+    measured = _Measured(at(size))
     if args.device_memory is not None:
-        measured.other = measure_at(built, size // 2 if size >= 2 else 2)
-    measured.at_lengths = [measure_at(built, size, length) for length in args.lengths]
+        measured.other = at(size // 2 if size >= 2 else 2)
+    measured.at_lengths = [at(size, length) for length in args.lengths]
     return measured
 
 
@@ -296,7 +309,7 @@ def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profil
     config_budget = built.memory_budget if built.memory_budget not in (None, "auto") else None
     budget = args.memory_budget if args.memory_budget is not None else config_budget or DEFAULT_BUDGET
     main_m, other = measured.main, measured.other
-    plan, plan_error = plan_for(main_m, budget, built.offload, profile)
+    plan, plan_error = plan_for(main_m, budget, built.offload, profile, built.compress)
     static = static_memory(built)
     room = None if args.device_memory is None else args.device_memory - static.total
     rows = _rows(main_m, plan, built.offload, profile, other, room)
@@ -323,7 +336,7 @@ def _across_lengths(result: PlanResult, at_lengths: Sequence[Measurement], room:
     setting's peak over the length and (with ``room``) the largest length it fits."""
     offload, profile = result.built.offload, result.profile
     for m in at_lengths:
-        plan, error = plan_for(m, result.budget, offload, profile)
+        plan, error = plan_for(m, result.budget, offload, profile, result.built.compress)
         assert m.length is not None  # measured at a length: the batch has token ids
         result.lengths.append(LengthResult(m.length, m.batch_size, plan, error, _rows(m, plan, offload, profile)))
     if len(at_lengths) < 2:

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointing
 from lightning_ckpt.commands.cli_builder import run_cli
+from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
 from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.planner import LayerCost, Offload, measure_step
@@ -242,6 +243,8 @@ class Built:
     planned_for: Optional[str] = None
     #: Attention kernels that ran during measuring.
     attention_kernels: set[str] = field(default_factory=set)
+    #: How the checkpointed layers hold their inputs: the config's callback's ``compress``, or --compress.
+    compress: Optional[Compress] = None
     #: How the configured strategy shards static memory (the trainer itself is built for one device).
     sharding: Sharding = field(default_factory=Sharding)
 
@@ -311,7 +314,8 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
         data.prepare_data()
         data.setup("fit")
     return Built(module, data.train_dataloader(), device, settings.get("layer_cls"), settings.get("offload") or False,
-                 settings.get("memory_budget"), fake_mode, precision, planned_for, sharding=sharding)
+                 settings.get("memory_budget"), fake_mode, precision, planned_for, compress=settings.get("compress"),
+                 sharding=sharding)
 
 
 def _auto_devices(cli: Any, planned_for: Optional[str]) -> int:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
+from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.planner import CheckpointPlan, Offload, make_plan, predict, predict_peak, predict_seconds
 
@@ -133,13 +134,13 @@ def largest_length(coeffs: tuple[float, float, float], room: float) -> Optional[
     return max(0, math.floor(2 * left / (c1 + math.sqrt(c1 * c1 + 4 * c2 * left)) + 1e-9))
 
 
-def plan_for(measured: Measurement, budget: object, offload: Offload,
-             device: Optional[DeviceProfile] = None) -> tuple[Optional[CheckpointPlan], Optional[str]]:
+def plan_for(measured: Measurement, budget: object, offload: Offload, device: Optional[DeviceProfile] = None,
+             compress: Optional[Compress] = None) -> tuple[Optional[CheckpointPlan], Optional[str]]:
     """``(plan, None)``: the planner's plan for ``budget`` on ``measured``; ``(None, why)`` when it cannot be met."""
     try:
         return make_plan(measured.costs, measured.outside_bytes, budget, offload=offload, device=device,
                          outside_ops=measured.outside_ops, head_bytes=measured.head_bytes,
-                         head_peak_bytes=measured.head_peak_bytes), None
+                         head_peak_bytes=measured.head_peak_bytes, compress=compress), None
     except ValueError as err:
         return None, str(err)
 

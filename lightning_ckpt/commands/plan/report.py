@@ -158,7 +158,10 @@ def _intro_lines(result: PlanResult) -> list[str]:
         " measurement; no setting was run."
         + (" Offload is on: checkpointed layers' inputs count as host memory." if built.offload is True else "")
         + (" Offload is 'auto': the plan chooses per layer what lives in host memory (its `offload` column)."
-           if built.offload == "auto" else ""),
+           if built.offload == "auto" else "")
+        + (f" Compress is {built.compress!r}: every setting's checkpointed layers hold their inputs as {built.compress}"
+           " (the full and selective columns count them so; the forward is exact, gradients close, not equal)."
+           if built.compress else ""),
         "",
         *where_measured(built),
     ]
@@ -351,6 +354,7 @@ def _plan_data(plan: Optional[CheckpointPlan]) -> Optional[dict[str, Any]]:
     return None if plan is None else {
         "layers": dict(plan.layers),
         "offloaded": list(plan.offloaded),
+        "compress": plan.compress,
         "budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes, "peak_bytes": plan.peak_bytes,
         "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops,
         "kept_ops": plan.kept_ops, "predicted_step_seconds": plan.predicted_step_seconds,
