@@ -8,8 +8,9 @@ Runs ``pytest -m accelerator`` (offload under delayed copies, MemoryMonitor's de
 autocast under checkpointing), ``bench_offload.py`` at 2k/8k/32k, and the time-model check (:func:`time_model_check`:
 the planner's predicted step time on ``DeviceProfile.measure`` of the GPU against the measured step time, for no
 checkpointing, every layer, every 2nd layer, selective, every layer with offload, and a plan for the profile; target
-within 15%), and the activation peak check (:func:`peak_check`: the plan's predicted peak against
-``torch.cuda.max_memory_allocated``), within the budget (under 5 minutes on one GPU), and writes them into the "gpu" section of
+within 15%), the activation peak check (:func:`peak_check`: the plan's predicted peak against
+``torch.cuda.max_memory_allocated``) and the compressed-checkpoints check (:func:`compress_check`: bf16 and fp8
+inputs against exact, with and without offload), within the budget (under 5 minutes on one GPU), and writes them into the "gpu" section of
 benchmarks/RESULTS.md. Exits 1 if a test failed or an offload variant's loss or gradients differ from checkpointing
 without offload (a prediction off target is reported, not a failure). On a machine without CUDA it prints
 "no accelerator", touches nothing and exits 0; ``--cpu-smoke`` then runs the time-model check on a tiny model on the
@@ -292,6 +293,72 @@ def peak_check(device: torch.device, seq: int = 2048, layers: int = 8, hidden: i
                       f" length {seq}, batch {batch}, vocabulary {vocab})", "", *rows])
 
 
+def compress_check(device: torch.device, seq: int = 2048, layers: int = 8, hidden: int = 1024, heads: int = 8,
+                   vocab: int = 32000, batch: int = 4, rounds: int = 5) -> str:
+    """Every layer checkpointed, its inputs exact, bf16 or fp8, each without and with offload (Markdown): the step's
+    activation peak (as :func:`peak_check` measures it), the bytes offload moved to host in one step, the median step
+    time over ``rounds`` interleaved rounds as a ratio to exact without offload (and, with offload, to exact with
+    offload), and the gradients' least cosine similarity to exact. Offload moves nothing on the CPU."""
+    torch.manual_seed(0)
+    model = Transformer(vocab, seq, layers, hidden, heads, dropout=0.0).to(device)
+    idx = torch.randint(0, vocab, (batch, seq + 1), device=device)
+    arms = [(compress, offload) for offload in (False, True) for compress in (None, "bf16", "fp8")]
+    if device.type != "cuda":
+        arms = [arm for arm in arms if not arm[1]]
+    times: dict[tuple[Optional[str], bool], list[float]] = {arm: [] for arm in arms}
+    peaks, moved, grads = {}, {}, {}
+
+    def step() -> torch.Tensor:
+        return F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+
+    for r in range(rounds):
+        for compress, offload in arms if r % 2 == 0 else arms[::-1]:
+            apply_checkpointing(model, layer_cls=Block, offload=offload, compress=compress)
+            model.zero_grad(set_to_none=True)
+            engine = offload_module.default_engine(device) if offload else None
+            before_moved = engine.stats.offloaded_bytes if engine is not None else 0
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+                start = time.perf_counter()
+                step().backward()
+                torch.cuda.synchronize(device)
+                seconds = time.perf_counter() - start
+                held = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+                peak = torch.cuda.max_memory_allocated(device) - before - held
+            else:
+                from _peak import LiveStorages, grad_storages
+                start = time.perf_counter()
+                with LiveStorages() as live:
+                    step().backward()
+                seconds = time.perf_counter() - start
+                peak = live.peak(exclude=grad_storages(model))
+            remove_checkpointing(model)
+            times[(compress, offload)].append(seconds)
+            if r == 0:
+                peaks[(compress, offload)] = peak
+                moved[(compress, offload)] = (engine.stats.offloaded_bytes - before_moved) if engine is not None else 0
+                grads[(compress, offload)] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    median = {arm: statistics.median(t[1:] or t) for arm, t in times.items()}  # the first round warms up
+
+    def cosine(arm: tuple[Optional[str], bool]) -> float:
+        exact = grads[(None, False)]
+        return min(float(F.cosine_similarity(g.flatten().double(), exact[n].flatten().double(), dim=0))
+                   for n, g in grads[arm].items())
+
+    rows = ["| inputs | offload | activation peak | to host per step | step time / exact | step time / exact with"
+            " offload | least gradient cosine |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for compress, offload in arms:
+        arm = (compress, offload)
+        with_offload = f"{median[arm] / median[(None, True)]:.3f}" if offload else "-"
+        rows.append(f"| {compress or 'exact'} | {'yes' if offload else 'no'} | {peaks[arm] / 2**20:.1f} MiB"
+                    f" | {moved[arm] / 2**20:.1f} MiB | {median[arm] / median[(None, False)]:.3f} | {with_offload}"
+                    f" | {cosine(arm):.6f} |")
+    return "\n".join([f"### Compressed checkpoints (demo GPT, {layers} layers, hidden {hidden}, length {seq}, batch"
+                      f" {batch}, every layer checkpointed; medians of {rounds - 1} interleaved rounds)", "", *rows])
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=280.0, help="tests and benchmark together")
@@ -305,6 +372,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(table)
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             print(peak_check(torch.device("cpu"), seq=64, layers=4, hidden=64, heads=2, vocab=64))
+            print(compress_check(torch.device("cpu"), seq=64, layers=4, hidden=128, heads=2, vocab=64, batch=2,
+                                 rounds=3))
             return 0 if all(r.measured_s is not None and r.predicted_s is not None for r in rows) else 1
         print("no accelerator: torch.cuda.is_available() is False, so nothing was run and nothing was written.")
         return 0
@@ -318,6 +387,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(time_table, flush=True)
     peak_table = peak_check(torch.device("cuda", torch.cuda.current_device()))
     print(peak_table, flush=True)
+    compress_table = compress_check(torch.device("cuda", torch.cuda.current_device()))
+    print(compress_table, flush=True)
     bench_budget = max(30.0, args.budget_s - (time.perf_counter() - start) - 20.0)
     rows, bench = bench_offload.run([2048, 8192, 32768], steps=3, warmup=1, budget_s=bench_budget)
     failed = [name for name, outcome in results if outcome not in ("passed", "skipped")]
@@ -340,6 +411,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         time_table,
         "",
         peak_table,
+        "",
+        compress_table,
     ]
     write_section("gpu", "\n".join(lines))
     print("\n".join(lines))
