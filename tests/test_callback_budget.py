@@ -272,7 +272,9 @@ class FakeGather:
 def test_ranks_are_gathered_as_rows_and_combined():
     """The callback's part: this rank's row gathered with the others'; the arithmetic is tested in test_budget.py."""
     mine = Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)], 7)
-    other_row = [120, 8, 45, 0, 40, 9, 1, 300, 130, 0, 150, 12, 20, 0, 70, 1, 1, 0, 180, 0, 13, 4, 60] + [900, 50, 9]
+    # per layer its 10 integers and 2 moved sizes (test_budget.py has the layout), then 3 outside figures, then 3 more
+    other_row = ([120, 8, 45, 0, 40, 9, 1, 300, 4, 2, 130, 0] + [150, 12, 20, 0, 70, 1, 1, 0, 6, 3, 180, 0] + [13, 4, 60]
+                 + [900, 50, 9])
     measured, figures = callback_module._combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])
     expected = combine_costs(torch.tensor([pack_costs(mine, [1000, 40, 11]), other_row]), mine)
     assert (measured, figures) == expected and figures == [900, 50, 11]
