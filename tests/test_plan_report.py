@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lightning_ckpt.commands.plan.measure import Built, Measurement, Sharding, StaticMemory
-from lightning_ckpt.commands.plan.predictions import SettingRow
-from lightning_ckpt.commands.plan.report import PlanResult, render, sharding_lines
-from lightning_ckpt.core.planner import LayerCost
+from lightning_ckpt.commands.plan.predictions import SettingRow, setting_choices, setting_rows
+from lightning_ckpt.commands.plan.report import PlanResult, render, report_data, sharding_lines
+from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, make_plan
+from lightning_ckpt.core.profiling import format_bytes
 
 
 def static(sharding: Sharding, unsharded: int | None = None) -> StaticMemory:
@@ -52,3 +56,78 @@ def test_static_plus_activations_is_one_device_s_share_plus_the_setting_s_activa
     column = [c.strip() for c in header.strip("|").split("|")].index("static + activations")
     got = {name: row[column] for name, row in settings_table(report).items()}
     assert got == {"none": "908 B", "every_layer": "548 B"}  # 408 + 500, 408 + 140 (unsharded: 2.1 KiB, 1.7 KiB)
+
+
+MIB = 2**20
+#: Four layers of 8 MiB saved un-checkpointed, 1 MiB of inputs (all of it movable): above the offload engine's
+#: 1 MiB threshold, so the offloaded bytes are whole.
+BIG = [LayerCost(f"l{i}", "Block", 8 * MIB, MIB, 4 * MIB, MIB, 10**9, 10**7) for i in range(4)]
+#: Offload free: the plan offloads.
+FAST_LINK = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e12, host_bandwidth=math.inf, name="fast link")
+
+
+def offload_result(offload: object) -> PlanResult:
+    """A plan made with ``offload`` for half the peak of :data:`BIG` on :data:`FAST_LINK`, with every setting."""
+    main = Measurement(8, BIG, MIB)
+    plan = make_plan(BIG, MIB, 0.5, offload=offload, device=FAST_LINK, host_memory=1 << 40)
+    rows = setting_rows(main, setting_choices([c.name for c in BIG], plan), offload, kept_ops=plan.kept_ops,
+                        device=FAST_LINK, plan_offloaded=plan.offloaded)
+    built = Built(torch.nn.Linear(2, 2), [], torch.device("cpu"), None, offload, 0.5, None)
+    return PlanResult("hand-made", built, main, plan, None, 0.5, rows, static(Sharding()), None, [8], profile=FAST_LINK)
+
+
+def offload_report(offload: object) -> tuple[CheckpointPlan, str]:
+    result = offload_result(offload)
+    assert result.plan is not None
+    return result.plan, render(result)
+
+
+def plan_line(report: str) -> str:
+    return report.split("## Plan for memory_budget=0.5\n\n", 1)[1].split("\n", 1)[0]
+
+
+def test_the_plan_line_names_what_is_offloaded_and_the_host_bytes():
+    """An offloading plan's line says which layers live in host memory and how many bytes, as format_bytes writes
+    them and exactly, before the device figures (which leave those bytes out)."""
+    plan, report = offload_report("auto")
+    assert plan.offloaded and plan.host_bytes > 0
+    line = plan_line(report)
+    names = ", ".join(plan.offloaded)
+    assert f"{len(plan.offloaded)} offloaded to host memory ({names}): {format_bytes(plan.host_bytes)}" in line
+    assert f"({plan.host_bytes:,} B) in host memory, not in the device figures that follow: activations" in line
+
+
+def test_the_plan_line_says_so_when_offload_was_asked_and_nothing_is_offloaded():
+    _, report = offload_report(False)
+    assert "offload" not in plan_line(report)
+    plan = make_plan(BIG, MIB, 0.5)
+    built = Built(torch.nn.Linear(2, 2), [], torch.device("cpu"), None, "auto", 0.5, None)
+    rows = setting_rows(Measurement(8, BIG, MIB), setting_choices([c.name for c in BIG], plan), "auto")
+    report = render(PlanResult("hand-made", built, Measurement(8, BIG, MIB), plan, None, 0.5, rows, static(Sharding())))
+    assert ", none offloaded (offload 'auto'): 0 B in host memory:" in plan_line(report)
+
+
+def test_the_settings_table_gives_host_bytes_in_their_own_column():
+    """With offload the Settings table has a host memory column: the plan row's is the plan's host bytes, which
+    its activations and peak do not count; the standard settings offload nothing under 'auto'."""
+    plan, report = offload_report("auto")
+    header = next(line for line in report.splitlines() if line.startswith("| setting |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[-1] == "host memory (B)"
+    rows = settings_table(report)
+    assert rows["plan"][-1] == f"{plan.host_bytes:,}" and rows["plan"][2] == f"{plan.planned_bytes:,}"
+    assert {name: row[-1] for name, row in rows.items() if name != "plan"} == dict.fromkeys(
+        ["none", "every_4th", "every_2nd", "every_layer", "selective"], "0")
+    assert ("Host memory: what offloaded layers keep in host memory (with offload 'auto' only the plan offloads);"
+            " activations, peak and static + activations are device memory and leave it out.") in report
+    data = report_data(offload_result("auto"))  # plan.json: the same figures
+    assert data["offload"] == "auto"
+    assert {s["name"]: s["host_bytes"] for s in data["settings"]} == {name: int(row[-1].replace(",", ""))
+                                                                     for name, row in rows.items()}
+    # offload=True: every checkpointed layer's inputs go to the host, 1 MiB each
+    _, report = offload_report(True)
+    assert {name: row[-1] for name, row in settings_table(report).items()}["every_2nd"] == f"{2 * MIB:,}"
+    assert "(with offload 'auto'" not in report
+    # without offload: no such column
+    _, report = offload_report(False)
+    assert "host memory" not in report.split("## Settings", 1)[1]

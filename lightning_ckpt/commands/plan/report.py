@@ -202,8 +202,10 @@ def _plan_lines(result: PlanResult) -> list[str]:
     if plan is None:
         return [*lines, f"No plan: {result.plan_error}"]
     n = sum(m != "none" for m in plan.layers.values())
+    checkpointed = ", ".join(f"{k}: {v}" for k, v in plan.layers.items() if v != "none")
     lines.append(f"{n} of {len(plan.layers)} layers checkpointed"
-                 f" ({', '.join(f'{k}: {v}' for k, v in plan.layers.items() if v != 'none') or 'none needed'}):"
+                 f" ({checkpointed or ('none' if plan.offloaded else 'none needed')})"
+                 f"{_offload_text(plan, result.built.offload)}:"
                  f" activations {format_bytes(plan.planned_bytes)} ({100 * plan.planned_bytes / plan.baseline_bytes:.0f}%"
                  f" of {format_bytes(plan.baseline_bytes)} without checkpointing), peak {format_bytes(plan.peak_bytes)}"
                  f" (budget {format_bytes(plan.budget_bytes)}, {format_bytes(plan.baseline_peak_bytes)} without"
@@ -211,6 +213,28 @@ def _plan_lines(result: PlanResult) -> list[str]:
                  f" recompute {_b(plan.recompute_flops)} FLOP per step"
                  + (f"; {plan.step_time_text()}." if plan.predicted_step_seconds is not None else "."))
     return lines
+
+
+def _offload_text(plan: CheckpointPlan, offload: object) -> str:
+    """The plan line's offload clause: which layers the plan offloads and the bytes they keep in host memory, which
+    the device figures after it (activations, peak) leave out; nothing when the run does not plan with offload.
+
+    Example::
+
+        >>> plan = CheckpointPlan({"a": "full", "b": "none"}, 100, 50, 60, 9, 10, planned_host_bytes=3 * 2**20,
+        ...                       offload="auto", offloaded=["a"])
+        >>> _offload_text(plan, "auto")
+        ', 1 offloaded to host memory (a): 3.0 MiB (3,145,728 B) in host memory, not in the device figures that follow'
+        >>> _offload_text(CheckpointPlan({"a": "full"}, 100, 50, 60, 9, 10), "auto"), _offload_text(plan, False)
+        (", none offloaded (offload 'auto'): 0 B in host memory", '')
+    """
+    if not offload:
+        return ""
+    if not plan.offloaded:
+        return f", none offloaded (offload {offload!r}): 0 B in host memory"
+    return (f", {len(plan.offloaded)} offloaded to host memory ({', '.join(plan.offloaded)}):"
+            f" {format_bytes(plan.host_bytes)} ({_b(plan.host_bytes)} B) in host memory, not in the device figures"
+            " that follow")
 
 
 def _settings_lines(result: PlanResult) -> list[str]:
@@ -221,15 +245,16 @@ def _settings_lines(result: PlanResult) -> list[str]:
     timed = rows[0].predicted_step_seconds is not None
     time_head = f" | predicted step time on {plan.device if plan else 'the device'} | vs none" if timed else ""
     fit_head = " | fixed (B) | per sample (B)" if len(batch_sizes) > 1 else ""
+    offload = bool(result.built.offload)  # True or "auto": a column of the bytes each setting keeps on the host
     none_bytes = rows[0].activation_bytes
     lines = [
         "",
         "## Settings",
         "",
         f"| setting | checkpointed layers | activations (B) | activations | of none | recompute (FLOP)"
-        f" | static + activations{fit_head}{memory_head}{time_head} | peak (B) |",
+        f" | static + activations{fit_head}{memory_head}{time_head} | peak (B) |" + " host memory (B) |" * offload,
         "|---|---:|---:|---:|---:|---:|---:|---:"
-        + "|---:" * ((len(batch_sizes) > 1) * 2 + (device_memory is not None) + 2 * timed) + "|",
+        + "|---:" * ((len(batch_sizes) > 1) * 2 + (device_memory is not None) + 2 * timed + offload) + "|",
     ]
     for r in rows:
         fit = f" | {_b(r.fixed_bytes)} | {_b(r.per_sample_bytes)}" if len(batch_sizes) > 1 else ""
@@ -239,11 +264,16 @@ def _settings_lines(result: PlanResult) -> list[str]:
                 if r.predicted_step_seconds is not None and rows[0].predicted_step_seconds else "")
         lines.append(f"| {r.name} | {r.layers} | {_b(r.activation_bytes)} | {format_bytes(r.activation_bytes)}"
                      f" | {100 * r.activation_bytes / none_bytes:.0f}% | {_b(r.recompute_flops)}"
-                     f" | {format_bytes(result.static.total + r.activation_bytes)}{fit}{fits}{step} | {_b(r.peak_bytes)} |")
+                     f" | {format_bytes(result.static.total + r.activation_bytes)}{fit}{fits}{step} | {_b(r.peak_bytes)} |"
+                     + f" {_b(r.host_bytes)} |" * offload)
     lines += ["", "Settings: " + "; ".join(f"{k}: {v}" for k, v in SETTINGS.items() if k in {r.name for r in rows}) + ".",
               "Activations: held for backward at the end of the forward; peak: the most alive at once over the step,"
               " forward and backward (each layer's recompute and gradients while the layers before it hold theirs),"
               " which is what a memory budget bounds."]
+    if offload:
+        lines.append("Host memory: what offloaded layers keep in host memory"
+                     + (" (with offload 'auto' only the plan offloads)" if result.built.offload == "auto" else "")
+                     + "; activations, peak and static + activations are device memory and leave it out.")
     if len(batch_sizes) > 1:
         lines.append(f"Activations were measured at batch sizes {batch_sizes[0]} and {batch_sizes[1]} and fitted as"
                      " fixed + per sample x batch.")
@@ -372,6 +402,7 @@ def report_data(result: PlanResult) -> dict[str, Any]:
         "memory_budget": result.budget,
         "device_memory": result.device_memory,
         "device": result.profile.name if result.profile is not None else None,
+        "offload": built.offload,
         "outside_bytes": main.outside_bytes,
         "static_bytes_per_device": static.total,
         "static": {"weights_bytes": static.weights, "gradient_bytes": static.gradients,
@@ -383,7 +414,7 @@ def report_data(result: PlanResult) -> dict[str, Any]:
                     "selective_bytes": c.device_bytes("selective", built.offload is True), "full_flops": c.full_flops,
                     "selective_flops": c.selective_flops} for c in main.costs],
         "settings": [{"name": r.name, "description": SETTINGS.get(r.name, r.name), "checkpointed_layers": r.layers,
-                      "activation_bytes": r.activation_bytes, "peak_bytes": r.peak_bytes,
+                      "activation_bytes": r.activation_bytes, "peak_bytes": r.peak_bytes, "host_bytes": r.host_bytes,
                       "recompute_flops": r.recompute_flops,
                       "predicted_step_seconds": r.predicted_step_seconds, "fixed_bytes": r.fixed_bytes,
                       "per_sample_bytes": r.per_sample_bytes, "largest_batch": r.largest_batch} for r in result.rows],
