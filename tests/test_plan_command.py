@@ -147,8 +147,9 @@ def test_plan_png_draws_every_setting_and_the_front_with_the_plan_marked(real_di
     sizes = {name: c.get_sizes()[0] for name, c in drawn.items()}
     assert sizes.pop("plan") > max(sizes.values())  # the chosen plan stands out
     assert "plan (chosen)" in [t.get_text() for t in ax.texts]
-    [front] = ax.lines
-    points = sorted((p["recompute_flops"], p["activation_bytes"]) for p in data["front"])
+    [front] = ax.lines  # no offload: no circles on the plans that offload
+    assert front.get_label() == "planner's front over budgets"
+    points = [(p["recompute_flops"], p["activation_bytes"]) for p in sorted(data["front"], key=lambda p: p["budget_bytes"])]
     assert front.get_xydata().tolist() == [list(p) for p in points] and len(points) > 3
     # The front is the planner's plans over budgets: the plan for the run's budget is one of its points.
     assert (data["plan"]["recompute_flops"], data["plan"]["activation_bytes"]) in points

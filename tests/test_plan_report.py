@@ -8,7 +8,7 @@ import torch
 
 from lightning_ckpt.commands.plan.measure import Built, Measurement, Sharding, StaticMemory
 from lightning_ckpt.commands.plan.predictions import SettingRow, setting_choices, setting_rows
-from lightning_ckpt.commands.plan.report import PlanResult, render, report_data, sharding_lines
+from lightning_ckpt.commands.plan.report import PlanResult, plot, render, report_data, sharding_lines
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, make_plan
 from lightning_ckpt.core.profiling import format_bytes
@@ -131,3 +131,68 @@ def test_the_settings_table_gives_host_bytes_in_their_own_column():
     # without offload: no such column
     _, report = offload_report(False)
     assert "host memory" not in report.split("## Settings", 1)[1]
+
+
+def plot_data(offload: object = False) -> dict:
+    """plan.json's figures for :func:`plot`, by hand: the plan lands on every_2nd's point (its label would be drawn
+    over every_2nd's), bytes in MiB; with ``offload`` the plan and the front's two lowest plans keep bytes on the host."""
+    def setting(name: str, mib: float, flops: float, host: int = 0) -> dict:
+        return {"name": name, "activation_bytes": round(mib * MIB), "recompute_flops": flops, "host_bytes": host,
+                "predicted_step_seconds": None}
+    host = 3 * MIB if offload else 0
+    settings = [setting("none", 3.1, 0), setting("every_4th", 2.4, 7.6e6), setting("every_2nd", 1.7, 15.3e6),
+                setting("every_layer", 0.3, 30.5e6), setting("selective", 1.8, 1.2e6), setting("plan", 1.7, 15.3e6, host)]
+    front = [{"budget_bytes": round(b * MIB), "activation_bytes": round(a * MIB), "recompute_flops": f,
+              "host_bytes": h, "predicted_step_seconds": None}
+             for b, a, f, h in [(1.0, 0.3, 30.5e6, host), (1.9, 1.7, 15.3e6, host), (2.6, 2.4, 7.6e6, 0), (3.2, 3.1, 0, 0)]]
+    return {"config": "hand-made", "settings": settings, "front": front, "offload": offload}
+
+
+def text_boxes(fig) -> dict:
+    """Each point label's text box on the canvas (the text alone, not the line an annotation may draw to its point)."""
+    from matplotlib.text import Text
+
+    renderer = fig.canvas.get_renderer()
+    for t in fig.axes[0].texts:
+        t.update_positions(renderer)
+    return {t.get_text(): Text.get_window_extent(t, renderer) for t in fig.axes[0].texts}
+
+
+def test_plan_png_labels_overlap_nothing_and_stay_inside_the_axes(tmp_path):
+    """The plan drawn on every_2nd's point: the two labels (and every other) are placed apart, inside the axes."""
+    fig = plot(plot_data(), tmp_path / "plan.png")
+    [ax] = fig.axes
+    boxes = text_boxes(fig)
+    assert set(boxes) == {"none", "every_4th", "every_2nd", "every_layer", "selective", "plan (chosen)"}
+    names = sorted(boxes)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not boxes[a].overlaps(boxes[b]), (a, b, boxes[a], boxes[b])
+    inside = ax.get_window_extent(fig.canvas.get_renderer())
+    assert all(inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1
+               for box in boxes.values())
+    # each label still belongs to its point: it starts within 30 points of it
+    assert all(max(abs(dx), abs(dy)) <= 30 for dx, dy in (t.xyann for t in ax.texts))
+
+
+def test_plan_png_byte_axis_is_in_binary_units_as_format_bytes_writes_them(tmp_path):
+    fig = plot(plot_data(), tmp_path / "plan.png")
+    [ax] = fig.axes
+    low, high = ax.get_ylim()
+    ticks = [(t.get_position()[1], t.get_text()) for t in ax.get_yticklabels() if low <= t.get_position()[1] <= high]
+    assert len(ticks) >= 3
+    assert [text for _, text in ticks] == [format_bytes(value) for value, _ in ticks]
+    assert {text.split()[-1] for _, text in ticks} <= {"B", "KiB", "MiB"} and any("MiB" in t for _, t in ticks)
+    assert all(value % (MIB // 2) == 0 for value, _ in ticks)  # round steps of the binary unit, not of 10^6
+    assert "MB" not in ax.get_ylabel()
+
+
+def test_plan_png_front_is_labelled_with_the_plan_s_offload_and_marks_plans_that_offload(tmp_path):
+    fig = plot(plot_data("auto"), tmp_path / "plan.png")
+    [ax] = fig.axes
+    lines = {line.get_label(): line for line in ax.lines}
+    assert list(lines) == ["planner's front over budgets (offload 'auto', as the plan)", "front: plans that offload"]
+    assert lines["front: plans that offload"].get_xydata().tolist() == [[30.5e6, round(0.3 * MIB)],
+                                                                      [15.3e6, round(1.7 * MIB)]]
+    assert "plan (chosen), +3.0 MiB on host" in text_boxes(fig)
+    assert ax.get_ylabel() == "activations held for backward on the device\n(not counting host memory)"

@@ -21,7 +21,7 @@ from lightning_ckpt.commands.compare.stats import (
 )
 from lightning_ckpt.commands.compare.variants import BASELINE, DESCRIPTIONS, PLANNED
 from lightning_ckpt.core.memory_stats import GIB
-from lightning_ckpt.core.profiling import format_bytes
+from lightning_ckpt.core.profiling import binary_unit, format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -53,21 +53,6 @@ def format_gib(value: Optional[float]) -> str:
         ('262.2 KiB', '1.5 GiB', '0 B', 'n/a')
     """
     return "n/a" if value is None or math.isnan(value) else format_bytes(value * GIB)
-
-
-def binary_unit(num_bytes: float) -> tuple[str, int]:
-    """The unit that :func:`~lightning_ckpt.core.profiling.format_bytes` writes ``num_bytes`` in, and its size in
-    bytes: for an axis whose largest figure is ``num_bytes``.
-
-    Example::
-
-        >>> binary_unit(3 * 2**20), binary_unit(1023), binary_unit(2**30)
-        (('MiB', 1048576), ('B', 1), ('GiB', 1073741824))
-    """
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(num_bytes) >= size:
-            return unit, size
-    return "B", 1
 
 
 def title(c: Comparison) -> str:
@@ -223,7 +208,7 @@ def _variant_json(r: VariantResult, base: VariantResult) -> dict[str, Any]:
 
 def plot(c: Comparison, path: Path) -> Optional[Figure]:
     """Memory against median step time, one labelled point per variant with its step-time interquartile range as
-    horizontal error bars, saved as a PNG; memory in the binary unit of the largest figure (:func:`binary_unit`).
+    horizontal error bars, saved as a PNG; memory in the binary unit of the largest figure (:func:`~lightning_ckpt.core.profiling.binary_unit`).
     Returns the figure (``None`` without matplotlib)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

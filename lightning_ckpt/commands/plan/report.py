@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -17,7 +17,7 @@ from lightning_ckpt.commands.plan.predictions import SETTINGS, SettingRow
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.op_curve import describe
 from lightning_ckpt.core.planner import CheckpointPlan, make_option
-from lightning_ckpt.core.profiling import format_bytes
+from lightning_ckpt.core.profiling import binary_unit, format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -443,10 +443,12 @@ def _length_data(result: PlanResult) -> dict[str, Any]:
 
 def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
     """Activations against recompute cost (predicted step time when every setting has one, else recompute FLOPs)
-    of every setting in ``data`` (:func:`report_data`), the planner's front over budgets as a line and the chosen
-    plan as a star; saved as a PNG. With ``--lengths`` (``data["lengths"]``) a second panel draws each setting's
-    peak against the sequence length, one line per setting. Returns the figure (``None`` without matplotlib). Points
-    are in bytes and FLOPs (or seconds), the axes' labels formatted for people.
+    of every setting in ``data`` (:func:`report_data`), the planner's front over budgets as a line (planned with the
+    plan's offload; with offload, its plans that offload circled) and the chosen plan as a star; saved as a PNG. With
+    ``--lengths`` (``data["lengths"]``) a second panel draws each setting's peak against the sequence length, one line
+    per setting. Returns the figure (``None`` without matplotlib). Points are in bytes and FLOPs (or seconds); byte
+    axes are labelled in binary units as :func:`~lightning_ckpt.core.profiling.format_bytes` writes them, and each
+    point's label is placed where it overlaps no other label (:func:`_place_labels`).
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -458,38 +460,122 @@ def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
     settings = data["settings"]
     timed = all(s["predicted_step_seconds"] is not None for s in settings)
     cost = "predicted_step_seconds" if timed else "recompute_flops"
+    offload = data.get("offload", False)
     lengths = data.get("lengths")
     fig = Figure(figsize=(13, 4.5) if lengths else (6.5, 4.5), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 2, 1) if lengths else fig.add_subplot()
     front = [p for p in data["front"] if p.get(cost) is not None]
     if front:
-        front = sorted(front, key=lambda p: p[cost])
+        front = sorted(front, key=lambda p: p["budget_bytes"])  # one plan per budget, in the budgets' order
         ax.plot([p[cost] for p in front], [p["activation_bytes"] for p in front], ".-", color="tab:gray", alpha=0.6,
-                label="planner's front over budgets")
+                label="planner's front over budgets" + _offload_label(offload))
+        moved = [p for p in front if p.get("host_bytes")]
+        if moved:
+            ax.plot([p[cost] for p in moved], [p["activation_bytes"] for p in moved], "o", color="tab:gray",
+                    markerfacecolor="none", markersize=8, label="front: plans that offload")
+    labels = []
     for s in settings:
         chosen = s["name"] == "plan"
         ax.scatter([s[cost]], [s["activation_bytes"]], marker="*" if chosen else "o", s=160 if chosen else 40,
                    color="tab:red" if chosen else "black" if s["name"] == "none" else "tab:blue", zorder=3,
                    label=s["name"])
-        ax.annotate("plan (chosen)" if chosen else s["name"], (s[cost], s["activation_bytes"]),
-                    textcoords="offset points", xytext=(5, 5), fontsize=9)
+        labels.append(ax.annotate(_point_label(s, offload), (s[cost], s["activation_bytes"]),
+                                  textcoords="offset points", xytext=(5, 5), fontsize=9, zorder=4,
+                                  arrowprops={"arrowstyle": "-", "color": "tab:gray", "lw": 0.6, "shrinkA": 1,
+                                              "shrinkB": 4}))
     ax.xaxis.set_major_locator(MaxNLocator(5))
     ax.xaxis.set_major_formatter(EngFormatter(unit="s" if timed else "FLOP"))
-    ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
+    _byte_axis(ax.yaxis)
     ax.set_xlabel("predicted step time" if timed else "recompute per step")
-    ax.set_ylabel("activations held for backward, per device (MB = 10⁶ B)")
+    ax.set_ylabel("activations held for backward on the device" + ("\n(not counting host memory)" if offload else ""))
     ax.legend(handles=ax.lines, loc="upper right", fontsize=8)
     ax.set_title(f"Checkpointing plan: activations vs recompute\n{data['config']}", fontsize=10)
     ax.grid(alpha=0.3)
     if lengths:
-        _plot_lengths(fig.add_subplot(1, 2, 2), lengths, EngFormatter)
+        _plot_lengths(fig.add_subplot(1, 2, 2), lengths)
     fig.tight_layout()
+    _place_labels(ax, [labels[-1], *labels[:-1]] if settings and settings[-1]["name"] == "plan" else labels)
     fig.savefig(path)
     return fig
 
 
-def _plot_lengths(ax: Any, lengths: list[dict[str, Any]], formatter: Any) -> None:
+def _offload_label(offload: object) -> str:
+    """What the front's legend adds about offload: the front is planned with the plan's offload."""
+    if offload is True:
+        return " (offload on, as the plan)"
+    return " (offload 'auto', as the plan)" if offload == "auto" else ""
+
+
+def _point_label(setting: Mapping[str, Any], offload: object) -> str:
+    """A setting's label on the plot: its name, ``plan (chosen)`` for the plan, and with offload the bytes it keeps
+    in host memory."""
+    name = "plan (chosen)" if setting["name"] == "plan" else setting["name"]
+    host = setting.get("host_bytes") or 0
+    return f"{name}, +{format_bytes(host)} on host" if offload and host else name
+
+
+def _byte_axis(axis: Any) -> None:
+    """Ticks at round multiples of the binary unit of the axis's largest figure, labelled by
+    :func:`~lightning_ckpt.core.profiling.format_bytes` (``512.0 MiB``, ``1.0 GiB``)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    class BinaryLocator(MaxNLocator):
+        def tick_values(self, vmin: float, vmax: float) -> Any:
+            _, size = binary_unit(max(abs(vmin), abs(vmax)))
+            return super().tick_values(vmin / size, vmax / size) * size
+
+    axis.set_major_locator(BinaryLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: format_bytes(value)))
+
+
+#: Where a point's label may go, nearest first: (dx, dy) in points from the point, and the text's alignment.
+_LABEL_SPOTS = [(dx * r, dy * r, "left" if dx > 0 else "right" if dx < 0 else "center",
+                 "bottom" if dy > 0 else "top" if dy < 0 else "center")
+                for r in (1, 2, 3.5, 5) for dx, dy in ((6, 5), (6, -5), (-6, 5), (-6, -5), (0, 9), (0, -9), (9, 0), (-9, 0))]
+
+
+def _place_labels(ax: Any, labels: Sequence[Any]) -> None:
+    """Move each label (annotations of the points of ``ax``'s scatter markers, in ``labels``' order: the first placed
+    first) to the nearest spot of :data:`_LABEL_SPOTS` where it overlaps no label placed before it, no marker and not
+    the legend, and stays inside the axes; where every spot overlaps, the one that overlaps least. A label placed
+    away from its point gets a thin line to it."""
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+
+    renderer = ax.figure.canvas.get_renderer()
+    inside = ax.get_window_extent(renderer)
+    taken = [] if ax.get_legend() is None else [ax.get_legend().get_window_extent(renderer)]
+    for markers in ax.collections:  # a marker of area s points^2 is about sqrt(s) points across
+        half = markers.get_sizes()[0] ** 0.5 / 2 * ax.figure.dpi / 72
+        taken += [Bbox.from_extents(x - half, y - half, x + half, y + half)
+                  for x, y in ax.transData.transform(markers.get_offsets())]
+
+    def overlap(a: Any, b: Any) -> float:
+        return max(0.0, min(a.x1, b.x1) - max(a.x0, b.x0)) * max(0.0, min(a.y1, b.y1) - max(a.y0, b.y0))
+
+    def move(label: Any, spot: tuple[float, float, str, str]) -> Any:
+        label.xyann = spot[:2]
+        label.set_horizontalalignment(spot[2])
+        label.set_verticalalignment(spot[3])
+        label.update_positions(renderer)  # where the text goes for the new offset
+        return Text.get_window_extent(label, renderer)  # the text alone: an Annotation's own adds its line
+
+    for label in labels:
+        scored = []
+        for i, spot in enumerate(_LABEL_SPOTS):
+            box = move(label, spot)
+            score = sum(overlap(box, other) for other in taken) + box.width * box.height - overlap(box, inside)
+            scored.append((score, i))
+            if score == 0:
+                break
+        spot = _LABEL_SPOTS[min(scored)[1]]
+        taken.append(move(label, spot))
+        if label.arrow_patch is not None:
+            label.arrow_patch.set_visible(spot not in _LABEL_SPOTS[:8])
+
+
+def _plot_lengths(ax: Any, lengths: list[dict[str, Any]]) -> None:
     """Each setting's peak (the plan's too, where there is one) against the sequence length: one line per setting."""
     names = list(dict.fromkeys(s["name"] for at in lengths for s in at["settings"]))
     for name in names:
@@ -498,7 +584,7 @@ def _plot_lengths(ax: Any, lengths: list[dict[str, Any]], formatter: Any) -> Non
                 color="black" if name == "plan" else None)  # tab:red is every_layer's colour here
     ax.set_xscale("log", base=2)
     ax.set_xticks([at["length"] for at in lengths], [f"{at['batch_size']} x {at['length']}" for at in lengths])
-    ax.yaxis.set_major_formatter(formatter(unit="B"))
+    _byte_axis(ax.yaxis)
     ax.set_xlabel("batch x sequence length measured")
     ax.set_ylabel("activation peak of the step, per device")
     ax.set_title("Peak across lengths", fontsize=10)
