@@ -196,3 +196,12 @@ def test_plan_png_front_is_labelled_with_the_plan_s_offload_and_marks_plans_that
                                                                       [15.3e6, round(1.7 * MIB)]]
     assert "plan (chosen), +3.0 MiB on host" in text_boxes(fig)
     assert ax.get_ylabel() == "activations held for backward on the device\n(not counting host memory)"
+
+
+def test_the_intro_says_where_offload_auto_s_choices_are_shown():
+    plan, report = offload_report("auto")
+    assert ("Offload is 'auto': the plan chooses per layer what lives in host memory (`+offload` in the Layers"
+            " table's plan column).") in report
+    marked = [line.split("|")[1].strip() for line in report.split("## Layers", 1)[1].split("## Plan", 1)[0].splitlines()
+              if "+offload" in line]
+    assert marked == plan.offloaded

@@ -157,8 +157,8 @@ def _intro_lines(result: PlanResult) -> list[str]:
         " counts them, one per output element for other ops). Every figure below is predicted from this one"
         " measurement; no setting was run."
         + (" Offload is on: checkpointed layers' inputs count as host memory." if built.offload is True else "")
-        + (" Offload is 'auto': the plan chooses per layer what lives in host memory (its `offload` column)."
-           if built.offload == "auto" else ""),
+        + (" Offload is 'auto': the plan chooses per layer what lives in host memory (`+offload` in the Layers"
+           " table's plan column)." if built.offload == "auto" else ""),
         "",
         *where_measured(built),
     ]
