@@ -208,8 +208,8 @@ def _variant_json(r: VariantResult, base: VariantResult) -> dict[str, Any]:
 
 def plot(c: Comparison, path: Path) -> Optional[Figure]:
     """Memory against median step time, one labelled point per variant with its step-time interquartile range as
-    horizontal error bars, saved as a PNG; memory in the binary unit of the largest figure (:func:`~lightning_ckpt.core.profiling.binary_unit`).
-    Returns the figure (``None`` without matplotlib)."""
+    horizontal error bars, saved as a PNG; memory in the binary unit of the largest figure
+    (:func:`~lightning_ckpt.core.profiling.binary_unit`). Returns the figure (``None`` without matplotlib)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

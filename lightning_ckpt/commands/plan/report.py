@@ -532,7 +532,8 @@ def _byte_axis(axis: Any) -> None:
 #: Where a point's label may go, nearest first: (dx, dy) in points from the point, and the text's alignment.
 _LABEL_SPOTS = [(dx * r, dy * r, "left" if dx > 0 else "right" if dx < 0 else "center",
                  "bottom" if dy > 0 else "top" if dy < 0 else "center")
-                for r in (1, 2, 3.5, 5) for dx, dy in ((6, 5), (6, -5), (-6, 5), (-6, -5), (0, 9), (0, -9), (9, 0), (-9, 0))]
+                for r in (1, 2, 3.5, 5)
+                for dx, dy in ((6, 5), (6, -5), (-6, 5), (-6, -5), (0, 9), (0, -9), (9, 0), (-9, 0))]
 
 
 def _place_labels(ax: Any, labels: Sequence[Any]) -> None:
