@@ -469,9 +469,11 @@ def test_offload_auto_needs_a_device_and_plans_per_layer(tmp_path, capsys):
     row = next(s for s in data["settings"] if s["name"] == "plan")
     assert set(data["plan"]["offloaded"]) <= set(data["plan"]["layers"])
     assert row["activation_bytes"] == data["plan"]["activation_bytes"] <= data["plan"]["budget_bytes"]
+    assert row["host_bytes"] == data["plan"]["host_bytes"] and data["offload"] == "auto"
     assert row["predicted_step_seconds"] == pytest.approx(data["plan"]["predicted_step_seconds"])
     assert data["plan"]["predicted_step_seconds"] <= figures["false"]["plan"]["predicted_step_seconds"]
     assert figures["false"]["plan"]["offloaded"] == [] and figures["false"]["plan"]["host_bytes"] == 0
+    assert figures["false"]["offload"] is False and {s["host_bytes"] for s in figures["false"]["settings"]} == {0}
 
 
 class _Frozen(LightningModule):
