@@ -20,6 +20,7 @@ from lightning_ckpt.commands.compare.stats import (
     time_difference,
 )
 from lightning_ckpt.commands.compare.variants import BASELINE, DESCRIPTIONS, PLANNED
+from lightning_ckpt.commands.plot_labels import LEADER, place_labels
 from lightning_ckpt.core.memory_stats import GIB
 from lightning_ckpt.core.profiling import binary_unit, format_bytes
 
@@ -209,7 +210,8 @@ def _variant_json(r: VariantResult, base: VariantResult) -> dict[str, Any]:
 def plot(c: Comparison, path: Path) -> Optional[Figure]:
     """Memory against median step time, one labelled point per variant with its step-time interquartile range as
     horizontal error bars, saved as a PNG; memory in the binary unit of the largest figure
-    (:func:`~lightning_ckpt.core.profiling.binary_unit`). Returns the figure (``None`` without matplotlib)."""
+    (:func:`~lightning_ckpt.core.profiling.binary_unit`), each variant's label placed clear of the others
+    (:func:`~lightning_ckpt.commands.plot_labels.place_labels`). Returns the figure (``None`` without matplotlib)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -221,18 +223,23 @@ def plot(c: Comparison, path: Path) -> Optional[Figure]:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     unit, size = binary_unit(max((r.memory_gib * GIB for r in done), default=0.0))
+    labels: list[Any] = []
+    markers: list[tuple[float, float, float]] = []
     for r in done:
         colour = "tab:red" if r.mismatch else "tab:blue" if r.name != BASELINE else "black"
         step = r.step
         x, y = 1000 * step.median, r.memory_gib * GIB / size
         ax.errorbar([x], [y], xerr=[[1000 * (step.median - step.q1)], [1000 * (step.q3 - step.median)]],
                     fmt="o", color=colour, capsize=4)
-        ax.annotate(r.name, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=9)
+        labels.append(ax.annotate(r.name, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=9,
+                                  arrowprops=dict(LEADER)))
+        markers.append((x, y, 6.0))  # errorbar's marker: rcParams' lines.markersize points across
     on_device = bool(done) and done[0].peak_allocated_gib is not None
     ax.set_xlabel("median step time (ms); bars: interquartile range")
     ax.set_ylabel(f"peak allocated device memory ({unit})" if on_device else f"activations held for backward ({unit})")
     ax.set_title(f"Checkpointing: memory vs step time\n{title(c)}", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    place_labels(ax, labels, markers)
     fig.savefig(path)
     return fig

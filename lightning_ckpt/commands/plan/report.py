@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -14,6 +14,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_ckpt.commands.plan.measure import PLANNING_TRAINER, Built, Measurement, StaticMemory
 from lightning_ckpt.commands.plan.predictions import SETTINGS, SettingRow
+from lightning_ckpt.commands.plot_labels import LEADER, place_labels
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.op_curve import describe
 from lightning_ckpt.core.planner import CheckpointPlan, make_option
@@ -448,7 +449,8 @@ def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
     ``--lengths`` (``data["lengths"]``) a second panel draws each setting's peak against the sequence length, one line
     per setting. Returns the figure (``None`` without matplotlib). Points are in bytes and FLOPs (or seconds); byte
     axes are labelled in binary units as :func:`~lightning_ckpt.core.profiling.format_bytes` writes them, and each
-    point's label is placed where it overlaps no other label (:func:`_place_labels`).
+    point's label is placed where it overlaps no other label
+    (:func:`~lightning_ckpt.commands.plot_labels.place_labels`).
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -482,8 +484,7 @@ def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
                    label=s["name"])
         labels.append(ax.annotate(_point_label(s, offload), (s[cost], s["activation_bytes"]),
                                   textcoords="offset points", xytext=(5, 5), fontsize=9, zorder=4,
-                                  arrowprops={"arrowstyle": "-", "color": "tab:gray", "lw": 0.6, "shrinkA": 1,
-                                              "shrinkB": 4}))
+                                  arrowprops=dict(LEADER)))
     ax.xaxis.set_major_locator(MaxNLocator(5))
     ax.xaxis.set_major_formatter(EngFormatter(unit="s" if timed else "FLOP"))
     _byte_axis(ax.yaxis)
@@ -495,7 +496,8 @@ def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
     if lengths:
         _plot_lengths(fig.add_subplot(1, 2, 2), lengths)
     fig.tight_layout()
-    _place_labels(ax, [labels[-1], *labels[:-1]] if settings and settings[-1]["name"] == "plan" else labels)
+    markers = [(s[cost], s["activation_bytes"], 160**0.5 if s["name"] == "plan" else 40**0.5) for s in settings]
+    place_labels(ax, [labels[-1], *labels[:-1]] if settings and settings[-1]["name"] == "plan" else labels, markers)
     fig.savefig(path)
     return fig
 
@@ -527,53 +529,6 @@ def _byte_axis(axis: Any) -> None:
 
     axis.set_major_locator(BinaryLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
     axis.set_major_formatter(FuncFormatter(lambda value, _: format_bytes(value)))
-
-
-#: Where a point's label may go, nearest first: (dx, dy) in points from the point, and the text's alignment.
-_LABEL_SPOTS = [(dx * r, dy * r, "left" if dx > 0 else "right" if dx < 0 else "center",
-                 "bottom" if dy > 0 else "top" if dy < 0 else "center")
-                for r in (1, 2, 3.5, 5)
-                for dx, dy in ((6, 5), (6, -5), (-6, 5), (-6, -5), (0, 9), (0, -9), (9, 0), (-9, 0))]
-
-
-def _place_labels(ax: Any, labels: Sequence[Any]) -> None:
-    """Move each label (annotations of the points of ``ax``'s scatter markers, in ``labels``' order: the first placed
-    first) to the nearest spot of :data:`_LABEL_SPOTS` where it overlaps no label placed before it, no marker and not
-    the legend, and stays inside the axes; where every spot overlaps, the one that overlaps least. A label placed
-    away from its point gets a thin line to it."""
-    from matplotlib.text import Text
-    from matplotlib.transforms import Bbox
-
-    renderer = ax.figure.canvas.get_renderer()
-    inside = ax.get_window_extent(renderer)
-    taken = [] if ax.get_legend() is None else [ax.get_legend().get_window_extent(renderer)]
-    for markers in ax.collections:  # a marker of area s points^2 is about sqrt(s) points across
-        half = markers.get_sizes()[0] ** 0.5 / 2 * ax.figure.dpi / 72
-        taken += [Bbox.from_extents(x - half, y - half, x + half, y + half)
-                  for x, y in ax.transData.transform(markers.get_offsets())]
-
-    def overlap(a: Any, b: Any) -> float:
-        return max(0.0, min(a.x1, b.x1) - max(a.x0, b.x0)) * max(0.0, min(a.y1, b.y1) - max(a.y0, b.y0))
-
-    def move(label: Any, spot: tuple[float, float, str, str]) -> Any:
-        label.xyann = spot[:2]
-        label.set_horizontalalignment(spot[2])
-        label.set_verticalalignment(spot[3])
-        label.update_positions(renderer)  # where the text goes for the new offset
-        return Text.get_window_extent(label, renderer)  # the text alone: an Annotation's own adds its line
-
-    for label in labels:
-        scored = []
-        for i, spot in enumerate(_LABEL_SPOTS):
-            box = move(label, spot)
-            score = sum(overlap(box, other) for other in taken) + box.width * box.height - overlap(box, inside)
-            scored.append((score, i))
-            if score == 0:
-                break
-        spot = _LABEL_SPOTS[min(scored)[1]]
-        taken.append(move(label, spot))
-        if label.arrow_patch is not None:
-            label.arrow_patch.set_visible(spot not in _LABEL_SPOTS[:8])
 
 
 def _plot_lengths(ax: Any, lengths: list[dict[str, Any]]) -> None:
