@@ -310,6 +310,28 @@ def test_plot_draws_interquartile_error_bars(tmp_path):
     assert [c.lines[0].get_ydata()[0] for c in bars] == [3.5, 0.75]
 
 
+def test_plot_labels_of_variants_on_one_point_do_not_overlap(tmp_path):
+    """every_layer and offload hold the same activations at about the same step time (as on tiny.yaml): their labels
+    are placed apart, inside the axes."""
+    from matplotlib.text import Text
+
+    same = step_samples(seed=2, scale=1.3)
+    results = [synthetic("none", step_samples(seed=1)), synthetic("every_layer", same), synthetic("offload", same),
+               synthetic("every_2nd", step_samples(seed=3, scale=1.2))]
+    fig = plot(comparison(results), tmp_path / "compare.png")
+    [ax] = fig.axes
+    renderer = fig.canvas.get_renderer()
+    for label in ax.texts:
+        label.update_positions(renderer)
+    boxes = {t.get_text(): Text.get_window_extent(t, renderer) for t in ax.texts}
+    assert list(boxes) == ["none", "every_layer", "offload", "every_2nd"]
+    pairs = [(a, b) for i, a in enumerate(boxes) for b in list(boxes)[i + 1:]]
+    assert not [(a, b) for a, b in pairs if boxes[a].overlaps(boxes[b])]
+    inside = ax.get_window_extent(renderer)
+    assert all(inside.x0 <= b.x0 and b.x1 <= inside.x1 and inside.y0 <= b.y0 and b.y1 <= inside.y1
+               for b in boxes.values())
+
+
 def test_memory_is_written_in_the_binary_unit_that_fits_it():
     samples = step_samples(seed=1)
     none, every = synthetic("none", samples), synthetic("every_layer", samples)

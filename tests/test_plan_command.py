@@ -147,8 +147,9 @@ def test_plan_png_draws_every_setting_and_the_front_with_the_plan_marked(real_di
     sizes = {name: c.get_sizes()[0] for name, c in drawn.items()}
     assert sizes.pop("plan") > max(sizes.values())  # the chosen plan stands out
     assert "plan (chosen)" in [t.get_text() for t in ax.texts]
-    [front] = ax.lines
-    points = sorted((p["recompute_flops"], p["activation_bytes"]) for p in data["front"])
+    [front] = ax.lines  # no offload: no circles on the plans that offload
+    assert front.get_label() == "planner's front over budgets"
+    points = [(p["recompute_flops"], p["activation_bytes"]) for p in sorted(data["front"], key=lambda p: p["budget_bytes"])]
     assert front.get_xydata().tolist() == [list(p) for p in points] and len(points) > 3
     # The front is the planner's plans over budgets: the plan for the run's budget is one of its points.
     assert (data["plan"]["recompute_flops"], data["plan"]["activation_bytes"]) in points
@@ -468,9 +469,11 @@ def test_offload_auto_needs_a_device_and_plans_per_layer(tmp_path, capsys):
     row = next(s for s in data["settings"] if s["name"] == "plan")
     assert set(data["plan"]["offloaded"]) <= set(data["plan"]["layers"])
     assert row["activation_bytes"] == data["plan"]["activation_bytes"] <= data["plan"]["budget_bytes"]
+    assert row["host_bytes"] == data["plan"]["host_bytes"] and data["offload"] == "auto"
     assert row["predicted_step_seconds"] == pytest.approx(data["plan"]["predicted_step_seconds"])
     assert data["plan"]["predicted_step_seconds"] <= figures["false"]["plan"]["predicted_step_seconds"]
     assert figures["false"]["plan"]["offloaded"] == [] and figures["false"]["plan"]["host_bytes"] == 0
+    assert figures["false"]["offload"] is False and {s["host_bytes"] for s in figures["false"]["settings"]} == {0}
 
 
 class _Frozen(LightningModule):

@@ -32,8 +32,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = ["SAC_HOOKS_WARNING", "HeldKind", "LiveBytes", "OpCostMode", "OpRecordMode", "OpRun", "SavedTensorCounter",
-           "count_cost", "count_flops", "format_bytes", "format_flops", "hidden_from_counters", "local_shard",
-           "op_cost", "optimizer_state_bytes", "report_held", "storage_key", "tensor_bytes"]
+           "binary_unit", "count_cost", "count_flops", "format_bytes", "format_flops", "hidden_from_counters",
+           "local_shard", "op_cost", "optimizer_state_bytes", "report_held", "storage_key", "tensor_bytes"]
 
 HeldKind = Literal["offloaded", "kept"]
 _aten = torch.ops.aten
@@ -408,6 +408,21 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def binary_unit(num_bytes: float) -> tuple[str, int]:
+    """The unit that :func:`format_bytes` writes ``num_bytes`` in, and its size in bytes: for an axis whose largest
+    figure is ``num_bytes``.
+
+    Example::
+
+        >>> binary_unit(3 * 2**20), binary_unit(1023), binary_unit(2**30)
+        (('MiB', 1048576), ('B', 1), ('GiB', 1073741824))
+    """
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= size:
+            return unit, size
+    return "B", 1
 
 
 def format_flops(n: float) -> str:

@@ -20,8 +20,9 @@ from lightning_ckpt.commands.compare.stats import (
     time_difference,
 )
 from lightning_ckpt.commands.compare.variants import BASELINE, DESCRIPTIONS, MIN_COSINE, PLANNED
+from lightning_ckpt.commands.plot_labels import LEADER, place_labels
 from lightning_ckpt.core.memory_stats import GIB
-from lightning_ckpt.core.profiling import format_bytes
+from lightning_ckpt.core.profiling import binary_unit, format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -53,21 +54,6 @@ def format_gib(value: Optional[float]) -> str:
         ('262.2 KiB', '1.5 GiB', '0 B', 'n/a')
     """
     return "n/a" if value is None or math.isnan(value) else format_bytes(value * GIB)
-
-
-def binary_unit(num_bytes: float) -> tuple[str, int]:
-    """The unit that :func:`~lightning_ckpt.core.profiling.format_bytes` writes ``num_bytes`` in, and its size in
-    bytes: for an axis whose largest figure is ``num_bytes``.
-
-    Example::
-
-        >>> binary_unit(3 * 2**20), binary_unit(1023), binary_unit(2**30)
-        (('MiB', 1048576), ('B', 1), ('GiB', 1073741824))
-    """
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(num_bytes) >= size:
-            return unit, size
-    return "B", 1
 
 
 def title(c: Comparison) -> str:
@@ -229,8 +215,9 @@ def _variant_json(r: VariantResult, base: VariantResult) -> dict[str, Any]:
 
 def plot(c: Comparison, path: Path) -> Optional[Figure]:
     """Memory against median step time, one labelled point per variant with its step-time interquartile range as
-    horizontal error bars, saved as a PNG; memory in the binary unit of the largest figure (:func:`binary_unit`).
-    Returns the figure (``None`` without matplotlib)."""
+    horizontal error bars, saved as a PNG; memory in the binary unit of the largest figure
+    (:func:`~lightning_ckpt.core.profiling.binary_unit`), each variant's label placed clear of the others
+    (:func:`~lightning_ckpt.commands.plot_labels.place_labels`). Returns the figure (``None`` without matplotlib)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -242,18 +229,23 @@ def plot(c: Comparison, path: Path) -> Optional[Figure]:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     unit, size = binary_unit(max((r.memory_gib * GIB for r in done), default=0.0))
+    labels: list[Any] = []
+    markers: list[tuple[float, float, float]] = []
     for r in done:
         colour = "tab:red" if r.mismatch else "tab:blue" if r.name != BASELINE else "black"
         step = r.step
         x, y = 1000 * step.median, r.memory_gib * GIB / size
         ax.errorbar([x], [y], xerr=[[1000 * (step.median - step.q1)], [1000 * (step.q3 - step.median)]],
                     fmt="o", color=colour, capsize=4)
-        ax.annotate(r.name, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=9)
+        labels.append(ax.annotate(r.name, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=9,
+                                  arrowprops=dict(LEADER)))
+        markers.append((x, y, 6.0))  # errorbar's marker: rcParams' lines.markersize points across
     on_device = bool(done) and done[0].peak_allocated_gib is not None
     ax.set_xlabel("median step time (ms); bars: interquartile range")
     ax.set_ylabel(f"peak allocated device memory ({unit})" if on_device else f"activations held for backward ({unit})")
     ax.set_title(f"Checkpointing: memory vs step time\n{title(c)}", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    place_labels(ax, labels, markers)
     fig.savefig(path)
     return fig

@@ -66,7 +66,8 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
   FakeTensorMode; ``planned_for``: the configured accelerator when it is missing here, else ``null``.
 - ``batch_size``: the measured batch; ``batch_sizes``: both measured with ``--device-memory``.
 - ``memory_budget``: as given (a fraction or bytes); ``device_memory``: ``--device-memory`` in bytes;
-  ``device``: the ``--device`` profile's name, or ``null``.
+  ``device``: the ``--device`` profile's name, or ``null``; ``offload``: what was planned with, ``true``, ``false``
+  or ``"auto"``.
 - ``outside_bytes``: activations held outside the matched layers (embeddings, head, loss), part of every setting.
 - ``static_bytes_per_device``: weights, gradients and optimizer state one device holds.
 - ``static``: ``weights_bytes`` (parameters and buffers), ``gradient_bytes``, ``optimizer_state_bytes``
@@ -75,9 +76,11 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
   parameters, and gradients and optimizer state, are divided), ``note`` (what is not modelled).
 - ``layers``: per matched layer ``{name, class, none_bytes, full_bytes, selective_bytes, full_flops,
   selective_flops}``: bytes held not checkpointed, fully and selectively checkpointed; FLOPs recomputed.
-- ``settings``: per setting ``{name, description, checkpointed_layers, activation_bytes, peak_bytes, recompute_flops,
-  predicted_step_seconds, fixed_bytes, per_sample_bytes, largest_batch}`` (``activation_bytes``: held at the end of
-  the forward; ``peak_bytes``: the step's activation peak, forward and backward, which a budget bounds), names ``none``, ``every_4th``,
+- ``settings``: per setting ``{name, description, checkpointed_layers, activation_bytes, peak_bytes, host_bytes,
+  recompute_flops, predicted_step_seconds, fixed_bytes, per_sample_bytes, largest_batch}`` (``activation_bytes``: held
+  on the device at the end of the forward; ``peak_bytes``: the step's activation peak on the device, forward and
+  backward, which a budget bounds; ``host_bytes``: held in host memory by offloaded layers, in neither), names
+  ``none``, ``every_4th``,
   ``every_2nd``, ``every_layer``, ``selective`` and ``plan`` (when the budget can be met).
   ``predicted_step_seconds``: on the ``--device`` profile, ``null`` without one. ``fixed_bytes`` and ``per_sample_bytes``: the fit
   ``activations = fixed + per_sample x batch`` and ``largest_batch`` the largest batch per device that fits in
@@ -87,9 +90,9 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
   predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
   memory, the op outputs an ``ops`` layer keeps, the budget in bytes and the plan's predictions; ``null`` with
   ``plan_error`` saying why when the budget cannot be met.
-- ``front``: the planner's plans for budgets from the least setting up to no checkpointing, each
-  ``{budget_bytes, activation_bytes, peak_bytes, recompute_flops, predicted_step_seconds}`` (what ``plan.png`` draws
-  as a line).
+- ``front``: the planner's plans for budgets from the least setting up to no checkpointing, planned with the same
+  offload as the plan, each ``{budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
+  predicted_step_seconds}`` (what ``plan.png`` draws as a line).
 - With ``--lengths`` only: ``lengths``, per length ``{length, batch_size, tokens, plan, plan_error, settings}``
   (``plan`` as above or ``null`` with ``plan_error``; ``settings`` each ``{name, peak_bytes, activation_bytes,
   recompute_flops, predicted_step_seconds}``); ``length_fit``: ``"quadratic"``, ``"linear"`` or ``null`` (one

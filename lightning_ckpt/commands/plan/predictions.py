@@ -17,7 +17,16 @@ import torch
 
 from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.planner import CheckpointPlan, Offload, make_plan, predict, predict_peak, predict_seconds
+from lightning_ckpt.core.planner import (
+    CheckpointPlan,
+    LayerCost,
+    Offload,
+    make_option,
+    make_plan,
+    predict,
+    predict_peak,
+    predict_seconds,
+)
 
 if TYPE_CHECKING:
     from lightning_ckpt.commands.plan.measure import Measurement
@@ -64,6 +73,27 @@ class SettingRow:
     largest_batch: Optional[int] = None
     predicted_step_seconds: Optional[float] = None  # with a device profile
     peak_bytes: int = 0  # the step's activation peak, forward and backward
+    host_bytes: int = 0  # held in host memory by offloaded layers: in neither activation_bytes nor peak_bytes
+
+
+def host_bytes(costs: Sequence[LayerCost], layers: Mapping[str, str], moved: Union[bool, Sequence[str]],
+               kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({})) -> int:
+    """Bytes the layer modes ``layers`` keep in host memory: ``moved`` is ``True`` (every checkpointed layer's
+    inputs offloaded), ``False``, or the names of the offloaded layers (as :func:`~lightning_ckpt.core.planner.predict`
+    takes it). What moves is what the offload engine moves (tensors of its ``min_bytes`` or more).
+
+    Example::
+
+        >>> costs = [LayerCost(f"l{i}", "Block", 2**20, 2**16, 2**18, 2**16, 50, 5) for i in range(4)]
+        >>> host_bytes(costs, {"l0": "full", "l2": "full"}, True), host_bytes(costs, {}, ["l1"])  # inputs; all l1 saves
+        (131072, 1048576)
+    """
+    total = 0
+    for c in costs:
+        mode = layers.get(c.name, "none")
+        offloaded = c.name in moved if not isinstance(moved, bool) else moved and mode != "none"
+        total += make_option(c, mode, kept_ops.get(c.name, ()), offloaded).host_bytes  # type: ignore[arg-type]
+    return total
 
 
 def fit_line(x1: int, y1: int, x2: int, y2: int) -> tuple[float, float]:
@@ -157,7 +187,8 @@ def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], of
         # "auto" is the plan's choice (its layers, in `plan_offloaded`); the standard settings then offload nothing
         moved: Union[bool, list[str]] = list(plan_offloaded) if name == "plan" else offload is True
         act, flops = predict(main.costs, main.outside_bytes, layers, moved, kept_ops)
-        row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops)
+        row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops,
+                         host_bytes=host_bytes(main.costs, layers, moved, kept_ops))
         row.peak_bytes = predict_peak(main.costs, main.outside_bytes, layers, moved, kept_ops,
                                       head_bytes=main.head_bytes, head_peak_bytes=main.head_peak_bytes)
         if device is not None:
@@ -176,8 +207,8 @@ def planner_front(main: Measurement, offload: Offload, lowest: int, points: int 
                   include: Sequence[int] = (), device: Optional[DeviceProfile] = None) -> list[dict[str, Any]]:
     """The planner's plans for ``points`` budgets from ``lowest`` bytes up to the activation peak without
     checkpointing, and for the budgets in ``include`` (the run's own), each ``{budget_bytes, activation_bytes,
-    peak_bytes, recompute_flops, predicted_step_seconds}``; budgets it cannot meet are left out, equal plans kept
-    once.
+    peak_bytes, host_bytes, recompute_flops, predicted_step_seconds}``, planned with ``offload`` as the run's plan
+    is; budgets it cannot meet are left out, equal plans kept once.
 
     Example::
 
@@ -200,7 +231,8 @@ def planner_front(main: Measurement, offload: Offload, lowest: int, points: int 
         except ValueError:
             continue
         point = {"budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes, "peak_bytes": plan.peak_bytes,
-                 "recompute_flops": plan.recompute_flops, "predicted_step_seconds": plan.predicted_step_seconds}
+                 "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops,
+                 "predicted_step_seconds": plan.predicted_step_seconds}
         if not front or (front[-1]["activation_bytes"], front[-1]["recompute_flops"]) != (plan.planned_bytes,
                                                                                          plan.recompute_flops):
             front.append(point)

@@ -14,10 +14,11 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_ckpt.commands.plan.measure import PLANNING_TRAINER, Built, Measurement, StaticMemory
 from lightning_ckpt.commands.plan.predictions import SETTINGS, SettingRow
+from lightning_ckpt.commands.plot_labels import LEADER, place_labels
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.op_curve import describe
 from lightning_ckpt.core.planner import CheckpointPlan, make_option
-from lightning_ckpt.core.profiling import format_bytes
+from lightning_ckpt.core.profiling import binary_unit, format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -157,8 +158,8 @@ def _intro_lines(result: PlanResult) -> list[str]:
         " counts them, one per output element for other ops). Every figure below is predicted from this one"
         " measurement; no setting was run."
         + (" Offload is on: checkpointed layers' inputs count as host memory." if built.offload is True else "")
-        + (" Offload is 'auto': the plan chooses per layer what lives in host memory (its `offload` column)."
-           if built.offload == "auto" else "")
+        + (" Offload is 'auto': the plan chooses per layer what lives in host memory (`+offload` in the Layers"
+           " table's plan column)." if built.offload == "auto" else "")
         + (f" Compress is {built.compress!r}: every setting's checkpointed layers hold their inputs as {built.compress}"
            " (the full and selective columns count them so; the forward is exact, gradients close, not equal)."
            if built.compress else ""),
@@ -205,8 +206,10 @@ def _plan_lines(result: PlanResult) -> list[str]:
     if plan is None:
         return [*lines, f"No plan: {result.plan_error}"]
     n = sum(m != "none" for m in plan.layers.values())
+    checkpointed = ", ".join(f"{k}: {v}" for k, v in plan.layers.items() if v != "none")
     lines.append(f"{n} of {len(plan.layers)} layers checkpointed"
-                 f" ({', '.join(f'{k}: {v}' for k, v in plan.layers.items() if v != 'none') or 'none needed'}):"
+                 f" ({checkpointed or ('none' if plan.offloaded else 'none needed')})"
+                 f"{_offload_text(plan, result.built.offload)}:"
                  f" activations {format_bytes(plan.planned_bytes)} ({100 * plan.planned_bytes / plan.baseline_bytes:.0f}%"
                  f" of {format_bytes(plan.baseline_bytes)} without checkpointing), peak {format_bytes(plan.peak_bytes)}"
                  f" (budget {format_bytes(plan.budget_bytes)}, {format_bytes(plan.baseline_peak_bytes)} without"
@@ -214,6 +217,28 @@ def _plan_lines(result: PlanResult) -> list[str]:
                  f" recompute {_b(plan.recompute_flops)} FLOP per step"
                  + (f"; {plan.step_time_text()}." if plan.predicted_step_seconds is not None else "."))
     return lines
+
+
+def _offload_text(plan: CheckpointPlan, offload: object) -> str:
+    """The plan line's offload clause: which layers the plan offloads and the bytes they keep in host memory, which
+    the device figures after it (activations, peak) leave out; nothing when the run does not plan with offload.
+
+    Example::
+
+        >>> plan = CheckpointPlan({"a": "full", "b": "none"}, 100, 50, 60, 9, 10, planned_host_bytes=3 * 2**20,
+        ...                       offload="auto", offloaded=["a"])
+        >>> _offload_text(plan, "auto")
+        ', 1 offloaded to host memory (a): 3.0 MiB (3,145,728 B) in host memory, not in the device figures that follow'
+        >>> _offload_text(CheckpointPlan({"a": "full"}, 100, 50, 60, 9, 10), "auto"), _offload_text(plan, False)
+        (", none offloaded (offload 'auto'): 0 B in host memory", '')
+    """
+    if not offload:
+        return ""
+    if not plan.offloaded:
+        return f", none offloaded (offload {offload!r}): 0 B in host memory"
+    return (f", {len(plan.offloaded)} offloaded to host memory ({', '.join(plan.offloaded)}):"
+            f" {format_bytes(plan.host_bytes)} ({_b(plan.host_bytes)} B) in host memory, not in the device figures"
+            " that follow")
 
 
 def _settings_lines(result: PlanResult) -> list[str]:
@@ -224,15 +249,16 @@ def _settings_lines(result: PlanResult) -> list[str]:
     timed = rows[0].predicted_step_seconds is not None
     time_head = f" | predicted step time on {plan.device if plan else 'the device'} | vs none" if timed else ""
     fit_head = " | fixed (B) | per sample (B)" if len(batch_sizes) > 1 else ""
+    offload = bool(result.built.offload)  # True or "auto": a column of the bytes each setting keeps on the host
     none_bytes = rows[0].activation_bytes
     lines = [
         "",
         "## Settings",
         "",
         f"| setting | checkpointed layers | activations (B) | activations | of none | recompute (FLOP)"
-        f" | static + activations{fit_head}{memory_head}{time_head} | peak (B) |",
+        f" | static + activations{fit_head}{memory_head}{time_head} | peak (B) |" + " host memory (B) |" * offload,
         "|---|---:|---:|---:|---:|---:|---:|---:"
-        + "|---:" * ((len(batch_sizes) > 1) * 2 + (device_memory is not None) + 2 * timed) + "|",
+        + "|---:" * ((len(batch_sizes) > 1) * 2 + (device_memory is not None) + 2 * timed + offload) + "|",
     ]
     for r in rows:
         fit = f" | {_b(r.fixed_bytes)} | {_b(r.per_sample_bytes)}" if len(batch_sizes) > 1 else ""
@@ -242,11 +268,16 @@ def _settings_lines(result: PlanResult) -> list[str]:
                 if r.predicted_step_seconds is not None and rows[0].predicted_step_seconds else "")
         lines.append(f"| {r.name} | {r.layers} | {_b(r.activation_bytes)} | {format_bytes(r.activation_bytes)}"
                      f" | {100 * r.activation_bytes / none_bytes:.0f}% | {_b(r.recompute_flops)}"
-                     f" | {format_bytes(result.static.total + r.activation_bytes)}{fit}{fits}{step} | {_b(r.peak_bytes)} |")
+                     f" | {format_bytes(result.static.total + r.activation_bytes)}{fit}{fits}{step} | {_b(r.peak_bytes)} |"
+                     + f" {_b(r.host_bytes)} |" * offload)
     lines += ["", "Settings: " + "; ".join(f"{k}: {v}" for k, v in SETTINGS.items() if k in {r.name for r in rows}) + ".",
               "Activations: held for backward at the end of the forward; peak: the most alive at once over the step,"
               " forward and backward (each layer's recompute and gradients while the layers before it hold theirs),"
               " which is what a memory budget bounds."]
+    if offload:
+        lines.append("Host memory: what offloaded layers keep in host memory"
+                     + (" (with offload 'auto' only the plan offloads)" if result.built.offload == "auto" else "")
+                     + "; activations, peak and static + activations are device memory and leave it out.")
     if len(batch_sizes) > 1:
         lines.append(f"Activations were measured at batch sizes {batch_sizes[0]} and {batch_sizes[1]} and fitted as"
                      " fixed + per sample x batch.")
@@ -376,6 +407,7 @@ def report_data(result: PlanResult) -> dict[str, Any]:
         "memory_budget": result.budget,
         "device_memory": result.device_memory,
         "device": result.profile.name if result.profile is not None else None,
+        "offload": built.offload,
         "outside_bytes": main.outside_bytes,
         "static_bytes_per_device": static.total,
         "static": {"weights_bytes": static.weights, "gradient_bytes": static.gradients,
@@ -387,7 +419,7 @@ def report_data(result: PlanResult) -> dict[str, Any]:
                     "selective_bytes": c.device_bytes("selective", built.offload is True), "full_flops": c.full_flops,
                     "selective_flops": c.selective_flops} for c in main.costs],
         "settings": [{"name": r.name, "description": SETTINGS.get(r.name, r.name), "checkpointed_layers": r.layers,
-                      "activation_bytes": r.activation_bytes, "peak_bytes": r.peak_bytes,
+                      "activation_bytes": r.activation_bytes, "peak_bytes": r.peak_bytes, "host_bytes": r.host_bytes,
                       "recompute_flops": r.recompute_flops,
                       "predicted_step_seconds": r.predicted_step_seconds, "fixed_bytes": r.fixed_bytes,
                       "per_sample_bytes": r.per_sample_bytes, "largest_batch": r.largest_batch} for r in result.rows],
@@ -416,10 +448,13 @@ def _length_data(result: PlanResult) -> dict[str, Any]:
 
 def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
     """Activations against recompute cost (predicted step time when every setting has one, else recompute FLOPs)
-    of every setting in ``data`` (:func:`report_data`), the planner's front over budgets as a line and the chosen
-    plan as a star; saved as a PNG. With ``--lengths`` (``data["lengths"]``) a second panel draws each setting's
-    peak against the sequence length, one line per setting. Returns the figure (``None`` without matplotlib). Points
-    are in bytes and FLOPs (or seconds), the axes' labels formatted for people.
+    of every setting in ``data`` (:func:`report_data`), the planner's front over budgets as a line (planned with the
+    plan's offload; with offload, its plans that offload circled) and the chosen plan as a star; saved as a PNG. With
+    ``--lengths`` (``data["lengths"]``) a second panel draws each setting's peak against the sequence length, one line
+    per setting. Returns the figure (``None`` without matplotlib). Points are in bytes and FLOPs (or seconds); byte
+    axes are labelled in binary units as :func:`~lightning_ckpt.core.profiling.format_bytes` writes them, and each
+    point's label is placed where it overlaps no other label
+    (:func:`~lightning_ckpt.commands.plot_labels.place_labels`).
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -431,38 +466,76 @@ def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
     settings = data["settings"]
     timed = all(s["predicted_step_seconds"] is not None for s in settings)
     cost = "predicted_step_seconds" if timed else "recompute_flops"
+    offload = data.get("offload", False)
     lengths = data.get("lengths")
     fig = Figure(figsize=(13, 4.5) if lengths else (6.5, 4.5), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 2, 1) if lengths else fig.add_subplot()
     front = [p for p in data["front"] if p.get(cost) is not None]
     if front:
-        front = sorted(front, key=lambda p: p[cost])
+        front = sorted(front, key=lambda p: p["budget_bytes"])  # one plan per budget, in the budgets' order
         ax.plot([p[cost] for p in front], [p["activation_bytes"] for p in front], ".-", color="tab:gray", alpha=0.6,
-                label="planner's front over budgets")
+                label="planner's front over budgets" + _offload_label(offload))
+        moved = [p for p in front if p.get("host_bytes")]
+        if moved:
+            ax.plot([p[cost] for p in moved], [p["activation_bytes"] for p in moved], "o", color="tab:gray",
+                    markerfacecolor="none", markersize=8, label="front: plans that offload")
+    labels = []
     for s in settings:
         chosen = s["name"] == "plan"
         ax.scatter([s[cost]], [s["activation_bytes"]], marker="*" if chosen else "o", s=160 if chosen else 40,
                    color="tab:red" if chosen else "black" if s["name"] == "none" else "tab:blue", zorder=3,
                    label=s["name"])
-        ax.annotate("plan (chosen)" if chosen else s["name"], (s[cost], s["activation_bytes"]),
-                    textcoords="offset points", xytext=(5, 5), fontsize=9)
+        labels.append(ax.annotate(_point_label(s, offload), (s[cost], s["activation_bytes"]),
+                                  textcoords="offset points", xytext=(5, 5), fontsize=9, zorder=4,
+                                  arrowprops=dict(LEADER)))
     ax.xaxis.set_major_locator(MaxNLocator(5))
     ax.xaxis.set_major_formatter(EngFormatter(unit="s" if timed else "FLOP"))
-    ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
+    _byte_axis(ax.yaxis)
     ax.set_xlabel("predicted step time" if timed else "recompute per step")
-    ax.set_ylabel("activations held for backward, per device (MB = 10⁶ B)")
+    ax.set_ylabel("activations held for backward on the device" + ("\n(not counting host memory)" if offload else ""))
     ax.legend(handles=ax.lines, loc="upper right", fontsize=8)
     ax.set_title(f"Checkpointing plan: activations vs recompute\n{data['config']}", fontsize=10)
     ax.grid(alpha=0.3)
     if lengths:
-        _plot_lengths(fig.add_subplot(1, 2, 2), lengths, EngFormatter)
+        _plot_lengths(fig.add_subplot(1, 2, 2), lengths)
     fig.tight_layout()
+    markers = [(s[cost], s["activation_bytes"], 160**0.5 if s["name"] == "plan" else 40**0.5) for s in settings]
+    place_labels(ax, [labels[-1], *labels[:-1]] if settings and settings[-1]["name"] == "plan" else labels, markers)
     fig.savefig(path)
     return fig
 
 
-def _plot_lengths(ax: Any, lengths: list[dict[str, Any]], formatter: Any) -> None:
+def _offload_label(offload: object) -> str:
+    """What the front's legend adds about offload: the front is planned with the plan's offload."""
+    if offload is True:
+        return " (offload on, as the plan)"
+    return " (offload 'auto', as the plan)" if offload == "auto" else ""
+
+
+def _point_label(setting: Mapping[str, Any], offload: object) -> str:
+    """A setting's label on the plot: its name, ``plan (chosen)`` for the plan, and with offload the bytes it keeps
+    in host memory."""
+    name = "plan (chosen)" if setting["name"] == "plan" else setting["name"]
+    host = setting.get("host_bytes") or 0
+    return f"{name}, +{format_bytes(host)} on host" if offload and host else name
+
+
+def _byte_axis(axis: Any) -> None:
+    """Ticks at round multiples of the binary unit of the axis's largest figure, labelled by
+    :func:`~lightning_ckpt.core.profiling.format_bytes` (``512.0 MiB``, ``1.0 GiB``)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    class BinaryLocator(MaxNLocator):
+        def tick_values(self, vmin: float, vmax: float) -> Any:
+            _, size = binary_unit(max(abs(vmin), abs(vmax)))
+            return super().tick_values(vmin / size, vmax / size) * size
+
+    axis.set_major_locator(BinaryLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: format_bytes(value)))
+
+
+def _plot_lengths(ax: Any, lengths: list[dict[str, Any]]) -> None:
     """Each setting's peak (the plan's too, where there is one) against the sequence length: one line per setting."""
     names = list(dict.fromkeys(s["name"] for at in lengths for s in at["settings"]))
     for name in names:
@@ -471,7 +544,7 @@ def _plot_lengths(ax: Any, lengths: list[dict[str, Any]], formatter: Any) -> Non
                 color="black" if name == "plan" else None)  # tab:red is every_layer's colour here
     ax.set_xscale("log", base=2)
     ax.set_xticks([at["length"] for at in lengths], [f"{at['batch_size']} x {at['length']}" for at in lengths])
-    ax.yaxis.set_major_formatter(formatter(unit="B"))
+    _byte_axis(ax.yaxis)
     ax.set_xlabel("batch x sequence length measured")
     ax.set_ylabel("activation peak of the step, per device")
     ax.set_title("Peak across lengths", fontsize=10)
