@@ -2,9 +2,10 @@
 
 :class:`LayerCostRecorder` re-runs each layer right after its own checkpointed forward and backpropagates it to its
 inputs, its result dropped at once, so measuring never holds more activations than full checkpointing plus one
-layer's forward and backward. :func:`measure_step` and :func:`measure_layer_costs` run a step under it and return
-the :class:`~lightning_ckpt.core.costs.LayerCost` records the solver plans from (:class:`StepCosts`). The module,
-its buffers and the RNG are left as they were. Plain PyTorch.
+layer's forward and backward; a layer identical to one already re-run in the step and called alike (a transformer's
+blocks) reuses that one's figures instead (:func:`_rerun_key`). :func:`measure_step` and :func:`measure_layer_costs`
+run a step under it and return the :class:`~lightning_ckpt.core.costs.LayerCost` records the solver plans from
+(:class:`StepCosts`). The module, its buffers and the RNG are left as they were. Plain PyTorch.
 
 Example::
 
@@ -17,14 +18,16 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import enum
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.nn.modules import module as torch_module
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from lightning_ckpt.core.costs import PLAN_MODES, LayerCost, validate_modes
 from lightning_ckpt.core.layer_state import buffers_restored
@@ -164,6 +167,24 @@ class _LayerTotals:
     fp8_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class _Rerun:
+    """What one plain re-run of a layer (its forward, then its backward to its inputs) measured: the figures that
+    depend on the layer's code, configuration and weights' shapes and on its call's arguments' shapes, not on which
+    of the model's layers it is, so an identical layer called alike reuses them (:func:`_rerun_key`)."""
+
+    saved_bytes: int  # what it saved for backward (``none_bytes``)
+    saved_sizes: tuple[int, ...]  # each new storage saved, in order
+    full_flops: int  # of the ops up to the last saved tensor (what a full recompute runs)
+    selective_flops: int  # of those, the ops selective checkpointing recomputes
+    heavy_bytes: int  # what the matmul/attention/convolution outputs hold (kept by selective checkpointing)
+    records: tuple[OpRecord, ...]
+    backward_bytes: int  # the backward's peak beyond the inputs (:func:`_backward_bytes`)
+    #: No op of the forward had an output whose shape or value depends on the data (``nonzero``, ``.item()``: a
+    #: mixture of experts' routing): only then can the same shapes be taken to measure the same.
+    reusable: bool
+
+
 class LayerCostRecorder:
     """Measure each layer's :class:`LayerCost` during a step in which every layer is fully checkpointed.
 
@@ -175,6 +196,11 @@ class LayerCostRecorder:
     the layers are recorded too (:attr:`outside_ops`, for a predicted step time). ``held_bytes`` is what the fully
     checkpointed step itself held for backward. The re-runs are hidden from counters outside (:func:`~lightning_ckpt.core.profiling.hidden_from_counters`): a monitor counting the step
     sees the step's bytes only.
+
+    Layers identical to one re-run before in the step (class, configuration, weights, training flags) and called
+    alike (the same arguments' shapes and plain values) are not re-run: they reuse its figures, which are the same
+    (:func:`_rerun_key` says what counts; a layer whose ops depend on the data, or with hooks inside, is always
+    re-run). Their own inputs are counted as they are.
 
     Under FSDP2 each layer must be its own unit (as ``fully_shard`` per layer, or the ``fsdp_ckpt`` strategy,
     shards it): the re-run gathers the layer's parameters again (``unshard``) and reshards them after. Each
@@ -216,6 +242,7 @@ class LayerCostRecorder:
             self._step.resident = self._resident
         self._totals = {name: _LayerTotals() for name, _ in self.layers}
         self._ops: dict[str, Optional[tuple[OpRecord, ...]]] = {}
+        self._reruns: dict[Hashable, _Rerun] = {}  # what each distinct layer and call measured (see _rerun_key)
         self._sizes: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name, _ in self.layers}
         self._handles: list[Any] = []
         self._after_layers = 0
@@ -316,6 +343,24 @@ class LayerCostRecorder:
         totals.bf16_bytes += held_bytes(inputs_held, "bf16")
         totals.fp8_bytes += held_bytes(inputs_held, "fp8")
         totals.calls += 1
+        key = None if self._sharded else _rerun_key(layer, args, kwargs, excluded)
+        rerun = self._reruns.get(key) if key is not None else None
+        if rerun is None:
+            rerun = self._rerun(layer, args, kwargs, inputs)
+            if key is not None and rerun.reusable:
+                self._reruns[key] = rerun
+        totals.transient_bytes = max(totals.transient_bytes, full + rerun.backward_bytes)
+        totals.none_bytes += rerun.saved_bytes
+        saved_sizes += rerun.saved_sizes
+        totals.full_flops += rerun.full_flops
+        totals.selective_flops += rerun.selective_flops
+        totals.selective_bytes += full + rerun.heavy_bytes
+        self._ops[name] = rerun.records if totals.calls == 1 else add_records(self._ops[name], rerun.records)
+
+    def _rerun(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+               inputs: list[torch.Tensor]) -> _Rerun:
+        """Run ``layer`` again on ``args`` and ``kwargs`` (``inputs``: their tensors), plainly, then backpropagate it to
+        its inputs, under the counters; its result dropped."""
         forward = _plain_forward(layer)
         # What the re-run saves is not the step's: outer counters (a MemoryMonitor's) must not hear of it.
         mark = len(self._outside.runs) if self._outside is not None else 0
@@ -323,19 +368,17 @@ class LayerCostRecorder:
             with OpRecordMode() as cost:
                 saved, out = self._run(layer, inputs, cost, lambda: forward(*args, **kwargs))
             outputs = [storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            totals.transient_bytes = max(totals.transient_bytes,
-                                         full + _backward_bytes(layer, inputs, out, saved, live))
+            backward = _backward_bytes(layer, inputs, out, saved, live)
             del out  # and with it everything it saved
         if self._outside is not None:
             del self._outside.runs[mark:]  # the re-run is not the step's
-        totals.none_bytes += saved.bytes
-        saved_sizes += saved.sizes
         log = cost.log[:saved.last_save]  # recompute stops after the last saved tensor (early stop)
-        totals.full_flops += sum(flops for flops, _ in log)
-        totals.selective_flops += sum(flops for flops, op in log if op not in COMPUTE_HEAVY_OPS)
         records = op_records(cost.runs, saved.last_save, outputs)
-        totals.selective_bytes += full + sum(r.bytes for r in records if r.heavy)
-        self._ops[name] = records if totals.calls == 1 else add_records(self._ops[name], records)
+        return _Rerun(saved_bytes=saved.bytes, saved_sizes=tuple(saved.sizes),
+                      full_flops=sum(flops for flops, _ in log),
+                      selective_flops=sum(flops for flops, op in log if op not in COMPUTE_HEAVY_OPS),
+                      heavy_bytes=sum(r.bytes for r in records if r.heavy), records=records, backward_bytes=backward,
+                      reusable=not _depends_on_data(cost.log))
 
     def _run(self, layer: nn.Module, inputs: list[torch.Tensor], cost: OpCostMode,
              fn: Callable[[], Any]) -> tuple[_LayerRunCounter, Any]:
@@ -378,6 +421,104 @@ def _backward_bytes(layer: nn.Module, inputs: Sequence[torch.Tensor], out: Any, 
     unsaved = [t for t in outs if storage_key(t) not in saved._seen]
     weights = [g for g, t in zip(grads, wrt) if g is not None and isinstance(t, nn.Parameter)]
     return live.peak(exclude=[*unsaved, *weights])
+
+
+#: What every module keeps in its ``__dict__`` (parameters, buffers, submodules, hooks, the training flag): the rest
+#: of a module's ``__dict__`` is its own configuration.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+#: Values compared by value in a key; any other object in a layer's configuration is compared by identity, and in
+#: its call's arguments it is not compared at all (no reuse).
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+          torch.memory_format, enum.Enum)
+_DATA_DEPENDENT = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+
+
+def _rerun_key(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+               resident: set[tuple[Any, int]]) -> Optional[Hashable]:
+    """What a re-run of ``layer`` on ``args`` and ``kwargs`` measures depends on: equal keys measure the same
+    (:class:`_Rerun`), so a transformer's identical blocks are re-run once per step, not once each.
+
+    The layer's forward and class, and for it and each submodule its class, training flag, configuration (the rest of
+    its ``__dict__``: plain values by value, other objects by identity), parameters and buffers; the arguments'
+    structure, plain values and tensors; autocast. A tensor counts by its metadata and storage (shape, strides,
+    offset, dtype, device, ``requires_grad``, the storage's size, which tensors share it, whether it is a parameter
+    of the model's). ``None`` (measure it on its own) when a submodule or the module globals have hooks, or an
+    argument is another object or a tensor not strided and plain (sparse, a DTensor).
+    """
+    if any(getattr(torch_module, name, None) for name in _GLOBAL_HOOKS):
+        return None
+    seen: dict[tuple[Any, int], int] = {}  # storage -> the order in which it was first met
+    forward = _plain_forward(layer)
+    parts: list[Any] = [forward.__func__ if getattr(forward, "__self__", None) is layer else _Same(forward)]
+    for name, sub in layer.named_modules(remove_duplicate=False):
+        if sub is not layer and any(getattr(sub, hooks) for hooks in _HOOKS):
+            return None
+        config = {k: v for k, v in sub.__dict__.items()
+                  if k not in _MODULE_INTERNALS and (sub is not layer or k != "forward")}
+        values = _values_key((config, sub._parameters, sub._buffers), seen, resident, by_identity=True)
+        if values is None:
+            return None
+        parts.append((name, type(sub), sub.training, values))
+    call = _values_key((args, kwargs), seen, resident, by_identity=False)
+    if call is None:
+        return None
+    devices = sorted({device.type for device, _ in seen})
+    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices
+                if torch.amp.is_autocast_available(d)]
+    return tuple(parts), call, tuple(autocast)
+
+
+def _values_key(values: Any, seen: dict[tuple[Any, int], int], resident: set[tuple[Any, int]],
+                by_identity: bool) -> Optional[Hashable]:
+    """``values``' structure and leaves as :func:`_rerun_key` compares them; ``None`` when a leaf cannot be."""
+    leaves, spec = tree_flatten(values)
+    keys: list[Hashable] = []
+    for leaf in leaves:
+        key: Optional[Hashable]
+        if isinstance(leaf, torch.Tensor):
+            key = _tensor_key(leaf, seen, resident)
+        elif isinstance(leaf, _PLAIN):
+            key = type(leaf), leaf
+        else:
+            key = _Same(leaf) if by_identity else None
+        if key is None:
+            return None
+        keys.append(key)
+    return spec, tuple(keys)
+
+
+class _Same:
+    """An object in a key, equal only to itself; held, so that no other object takes its ``id`` while the key lives."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _tensor_key(tensor: torch.Tensor, seen: dict[tuple[Any, int], int],
+                resident: set[tuple[Any, int]]) -> Optional[Hashable]:
+    if tensor.layout != torch.strided or hasattr(tensor, "to_local"):
+        return None
+    storage = storage_key(tensor)
+    return (type(tensor), tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device,
+            tensor.requires_grad, tensor.is_leaf, tensor.untyped_storage().nbytes(),
+            seen.setdefault(storage, len(seen)), storage in resident)
+
+
+def _depends_on_data(log: Sequence[tuple[int, Any]]) -> bool:
+    """Whether an op in ``log`` (an :class:`~lightning_ckpt.core.profiling.OpCostMode`'s) made an output whose shape
+    or value depends on the data: then two calls with the same shapes may measure differently."""
+    return any(tag in op.tags for _, op in log for tag in _DATA_DEPENDENT)
 
 
 @dataclass(frozen=True)

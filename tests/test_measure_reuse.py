@@ -1,0 +1,182 @@
+"""A measuring step re-runs each distinct layer once: identical layers called alike reuse its figures.
+
+Each measured layer is re-run plainly and backpropagated to its inputs (``measure._rerun``). Layers of one class
+with the same configuration, weights' shapes, training flags and arguments' shapes measure the same, so only the
+first is re-run; every case here checks that the figures are exactly those of re-running every layer (the reuse
+switched off), and that a layer differing in any one of these gets its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_ckpt.core import measure
+from lightning_ckpt.core.costs import LayerCost
+from lightning_ckpt.core.measure import measure_step
+
+WIDTH, HIDDEN, BATCH, LENGTH = 16, 32, 4, 16
+
+Call = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+class Layer(nn.Module):
+    """Two linears around an activation (``act``), dropout, an optional mask on the hidden activations."""
+
+    def __init__(self, hidden: int = HIDDEN, act: str = "gelu") -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, hidden)
+        self.fc2 = nn.Linear(hidden, WIDTH)
+        self.drop = nn.Dropout(0.5)
+        self.act = act
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.fc1(x.to(self.fc1.weight.dtype))
+        h = F.gelu(h) if self.act == "gelu" else torch.tanh(h).exp()
+        if mask is not None:
+            h = h * mask
+        return x + self.fc2(self.drop(h)).to(x.dtype)
+
+
+class Routed(nn.Module):
+    """Only the tokens whose first feature is positive go through the linear: how many depends on the data (as a
+    mixture of experts' routing does), so do the bytes it saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = x[..., 0] > 0
+        return x.index_put((mask,), torch.tanh(self.fc(x[mask])))
+
+
+class Stack(nn.Module):
+    """A stem, then the layers, each called as ``calls`` says (default: ``layer(x)``)."""
+
+    def __init__(self, layers: list[nn.Module], calls: Optional[dict[int, Call]] = None) -> None:
+        super().__init__()
+        self.stem = nn.Linear(WIDTH, WIDTH)
+        self.layers = nn.ModuleList(layers)
+        self.calls = calls or {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for i, layer in enumerate(self.layers):
+            x = self.calls[i](layer, x) if i in self.calls else layer(x)
+        return x
+
+
+def _frozen(layer: Layer) -> Layer:
+    return layer.requires_grad_(False)
+
+
+def _hooked(layer: Layer) -> Layer:
+    layer.fc1.register_forward_hook(lambda module, args, out: out.exp())
+    return layer
+
+
+def _dropout_off(layer: Layer) -> Layer:
+    layer.drop.eval()
+    return layer
+
+
+#: How the third of four layers differs from the others: its own figures, not the others'.
+VARIANTS: dict[str, tuple[Callable[[], nn.Module], Optional[Call]]] = {
+    "wider": (lambda: Layer(hidden=2 * HIDDEN), None),
+    "other configuration": (lambda: Layer(act="tanh-exp"), None),
+    "float64 weights": (lambda: Layer().double(), None),
+    "frozen weights": (lambda: _frozen(Layer()), None),
+    "hook on a submodule": (lambda: _hooked(Layer()), None),
+    "a submodule in eval mode": (lambda: _dropout_off(Layer()), None),
+    "shorter input": (Layer, lambda layer, x: torch.cat([layer(x[:, :LENGTH // 2]), x[:, LENGTH // 2:]], 1)),
+    "a tensor keyword argument": (Layer, lambda layer, x: layer(x, mask=torch.ones(HIDDEN))),
+}
+
+
+def stack(variant: Optional[str]) -> Stack:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [Layer() for _ in range(4)]
+    calls = {}
+    if variant is not None:
+        make, call = VARIANTS[variant]
+        layers[2] = make()
+        if call is not None:
+            calls[2] = call
+    return Stack(layers, calls)
+
+
+def measured(model: nn.Module, layer_cls: type[nn.Module], reuse: bool, monkeypatch: pytest.MonkeyPatch,
+             step: Optional[Callable[[], torch.Tensor]] = None) -> tuple[list[LayerCost], int]:
+    """The layers' costs from one measuring step (default: a :class:`Stack`'s), and how many backward measurements
+    (re-runs) it took; ``reuse=False``: every layer re-run."""
+    backward_bytes = measure._backward_bytes
+    runs = 0
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal runs
+        runs += 1
+        return backward_bytes(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(measure, "_backward_bytes", counting)
+        if not reuse:
+            patch.setattr(measure, "_rerun_key", lambda *args: None)
+        if step is None:
+            x = torch.randn(BATCH, LENGTH, WIDTH, generator=torch.Generator().manual_seed(1))
+            step = lambda: model(x).square().mean()  # noqa: E731
+        costs = measure_step(model, step, layer_cls).costs
+    return costs, runs
+
+
+def figures(cost: LayerCost) -> tuple[object, ...]:
+    return (cost.none_bytes, cost.selective_bytes, cost.full_flops, cost.selective_flops, cost.transient_bytes,
+            cost.saved_sizes, cost.ops)
+
+
+def test_identical_layers_are_rerun_once_and_measure_as_each_on_its_own(monkeypatch):
+    model = stack(None)
+    costs, runs = measured(model, Layer, reuse=True, monkeypatch=monkeypatch)
+    alone, runs_alone = measured(model, Layer, reuse=False, monkeypatch=monkeypatch)
+    assert (runs, runs_alone) == (1, 4)
+    assert costs == alone
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_layer_that_differs_gets_its_own_figures(variant, monkeypatch):
+    model = stack(variant)
+    costs, runs = measured(model, Layer, reuse=True, monkeypatch=monkeypatch)
+    alone, _ = measured(model, Layer, reuse=False, monkeypatch=monkeypatch)
+    assert costs == alone
+    assert runs == 2  # the three identical layers once, the other one once
+    assert figures(costs[2]) != figures(costs[0]) == figures(costs[1]) == figures(costs[3])
+
+
+def test_layers_whose_ops_depend_on_the_data_are_each_rerun(monkeypatch):
+    """Identical routed layers, each routing a different number of tokens: no figures are reused."""
+    torch.manual_seed(0)
+    model = Stack([Routed() for _ in range(4)])
+    costs, runs = measured(model, Routed, reuse=True, monkeypatch=monkeypatch)
+    alone, _ = measured(model, Routed, reuse=False, monkeypatch=monkeypatch)
+    assert costs == alone
+    assert runs == 4
+    assert len({c.none_bytes for c in costs}) > 1  # the case has teeth: the layers do measure differently
+
+
+def test_a_demo_gpt_measures_its_blocks_with_one_rerun(monkeypatch):
+    """The transformer the dynamic benchmark trains: six identical blocks, one re-run."""
+    from lightning_ckpt.demos import Block, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(32, 16, n_layer=6, n_embd=WIDTH, n_head=4, dropout=0.1)
+    idx = torch.randint(0, 32, (BATCH, LENGTH), generator=torch.Generator().manual_seed(0))
+    step = lambda: model(idx).logsumexp(-1).mean()  # noqa: E731
+    costs, runs = measured(model, Block, reuse=True, monkeypatch=monkeypatch, step=step)
+    alone, runs_alone = measured(model, Block, reuse=False, monkeypatch=monkeypatch, step=step)
+    assert (runs, runs_alone) == (1, 6)
+    assert costs == alone
