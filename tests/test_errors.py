@@ -156,7 +156,8 @@ def cache_in_training() -> None:
 
 
 def a_plan() -> Any:
-    return make_plan([LayerCost("0", "Block", 100, 10, 40, 0, 50, 5)], 0, 1.0)
+    return make_plan([LayerCost("0", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+                                full_flops=50, selective_flops=5)], 0, 1.0)
 
 
 def sharded_at_the_root_only() -> None:
@@ -350,11 +351,13 @@ CASES: dict[str, Case] = {
         ValueError, "`offload='yes'`", "Pass False (nothing offloaded), True", "is not understood. Pass False"),
     "auto offload without a device profile": Case(
         "core.planner.make_plan",
-        lambda: make_plan([LayerCost("a", "Block", 100, 10, 40, 0, 50, 5)], 0, 0.5, offload="auto"),
+        lambda: make_plan([LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
+                                     offloadable_bytes=0, full_flops=50, selective_flops=5)], 0, 0.5, offload="auto"),
         ValueError, "`offload='auto'`", "pass `device=` a preset such as 'h100-sxm'", "needs a device profile"),
     "host memory not bytes": Case(
         "core.planner.make_plan",
-        lambda: make_plan([LayerCost("a", "Block", 100, 10, 40, 0, 50, 5)], 0, 0.5, offload=True,
+        lambda: make_plan([LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
+                                     offloadable_bytes=0, full_flops=50, selective_flops=5)], 0, 0.5, offload=True,
                                                host_memory=-1),
         ValueError, "got -1", "bytes (an int >= 0) or None", "`host_memory` must be bytes"),
     "plan without a budget": Case(
@@ -690,7 +693,8 @@ def raised_at(tb: Any) -> str:
 def four_layers(offloadable: int) -> list[LayerCost]:
     """Four layers holding 100 B un-checkpointed, 10 B fully and 40 B selectively checkpointed, ``offloadable`` B of
     their inputs movable to the host; 100 B outside them: 500 B without checkpointing."""
-    return [LayerCost(f"l{i}", "Block", 100, 10, 40, offloadable, 50, 5) for i in range(4)]
+    return [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
+                      offloadable_bytes=offloadable, full_flops=50, selective_flops=5) for i in range(4)]
 
 
 @pytest.mark.parametrize(("offloadable", "modes", "figures"), [

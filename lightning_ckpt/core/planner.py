@@ -157,7 +157,8 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
 
     Example::
 
-        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=50, selective_flops=5) for i in range(4)]
         >>> plan = make_plan(costs, outside_bytes=100, memory_budget=0.5)
         >>> plan.layers, plan.planned_bytes, plan.peak_bytes, plan.recompute_flops
         ({'l0': 'full', 'l1': 'full', 'l2': 'full', 'l3': 'none'}, 230, 230, 150)
@@ -309,7 +310,8 @@ def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str
 
     Example::
 
-        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=50, selective_flops=5) for i in range(4)]
         >>> predict(costs, 100, {"l0": "full", "l2": "full"})  # every 2nd layer
         (320, 100)
     """
@@ -327,7 +329,8 @@ def predict_peak(costs: Sequence[LayerCost], outside_bytes: int, choices: Mappin
 
     Example::
 
-        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=50, selective_flops=5) for i in range(4)]
         >>> predict_peak(costs, 100, {"l0": "full", "l2": "full"})  # l3's backward: 100 + 10 + 100 + 10 held, its 100
         320
     """
@@ -348,7 +351,8 @@ def predict_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord],
 
         >>> from lightning_ckpt.core.op_curve import OpRecord
         >>> ops = (OpRecord("aten.mm.default", 64, 10**9, 96),)
-        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 10**9, 0, ops=ops) for i in range(2)]
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=10**9, selective_flops=0, ops=ops) for i in range(2)]
         >>> device = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e12, host_bandwidth=1e9)
         >>> predict_seconds(costs, (), {"l0": "full"}, device)  # 3 forwards of 2 ms, and 1 ms recomputed
         (0.007, 0.006)
