@@ -350,12 +350,12 @@ CASES: dict[str, Case] = {
         "core.costs.validate_offload", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, offload="yes"),
         ValueError, "`offload='yes'`", "Pass False (nothing offloaded), True", "is not understood. Pass False"),
     "auto offload without a device profile": Case(
-        "core.planner.make_plan",
+        "core.planner._check_plan_arguments",
         lambda: make_plan([LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
                                      offloadable_bytes=0, full_flops=50, selective_flops=5)], 0, 0.5, offload="auto"),
         ValueError, "`offload='auto'`", "pass `device=` a preset such as 'h100-sxm'", "needs a device profile"),
     "host memory not bytes": Case(
-        "core.planner.make_plan",
+        "core.planner._check_plan_arguments",
         lambda: make_plan([LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
                                      offloadable_bytes=0, full_flops=50, selective_flops=5)], 0, 0.5, offload=True,
                                                host_memory=-1),
@@ -364,7 +364,7 @@ CASES: dict[str, Case] = {
         "core.planner.plan_checkpointing", lambda: plan_checkpointing(blocks(), lambda: None, None), ValueError,
         "`memory_budget=None`", "Pass a fraction such as 0.5 or bytes such as '2GiB'", "asks for no plan"),
     "make_plan without a budget": Case(
-        "core.planner.make_plan", lambda: make_plan([], 0, None), ValueError,
+        "core.planner._check_plan_arguments", lambda: make_plan([], 0, None), ValueError,
         "`memory_budget=None`", "Pass a fraction such as 0.5 or bytes such as '2GiB'", "asks for no plan"),
     "budget out of reach": Case(
         "core.planner.make_plan",
