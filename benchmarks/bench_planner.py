@@ -69,8 +69,9 @@ def random_costs(n: int, seed: int = 0, ops: int = 20) -> list[LayerCost]:
         full = rng.randint(10**4, 10**6)
         none = full + rng.randint(10**5, sum(r.bytes for r in records))
         flops = sum(r.flops for r in records)
-        costs.append(LayerCost(f"l{i}", "Block", none, full, rng.randint(full, none), 0, flops, rng.randint(0, flops),
-                               ops=records))
+        costs.append(LayerCost(f"l{i}", "Block", none_bytes=none, full_bytes=full,
+                               selective_bytes=rng.randint(full, none), offloadable_bytes=0, full_flops=flops,
+                               selective_flops=rng.randint(0, flops), ops=records))
     return costs
 
 

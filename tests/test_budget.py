@@ -52,7 +52,10 @@ def test_auto_budget_takes_another_fraction_and_refuses_exactly_nothing_left():
 
 
 def test_measurement_from_the_bytes_the_step_held():
-    costs = [LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)]
+    costs = [LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0, full_flops=50,
+                       selective_flops=5),
+             LayerCost("b", "B", none_bytes=200, full_bytes=5, selective_bytes=30, offloadable_bytes=0, full_flops=60,
+                       selective_flops=6)]
     measured = Measurement.from_held_bytes(costs, held_bytes=40)
     assert (measured.layer_bytes, measured.outside_bytes, measured.held_bytes) == (15, 25, 40)
     short = Measurement.from_held_bytes(costs, held_bytes=9)  # less than the layers hold: other hooks hid some
@@ -60,7 +63,8 @@ def test_measurement_from_the_bytes_the_step_held():
 
 
 def test_a_rank_packs_each_layer_then_the_outside_bytes_then_the_figures():
-    cost = LayerCost("a", "B", 3000, 1000, 2000, 1000, 10, 1, calls=2, input_sizes=(1000,), saved_sizes=(1000, 1500, 500),
+    cost = LayerCost("a", "B", none_bytes=3000, full_bytes=1000, selective_bytes=2000, offloadable_bytes=1000,
+                     full_flops=10, selective_flops=1, calls=2, input_sizes=(1000,), saved_sizes=(1000, 1500, 500),
                      transient_bytes=4000, bf16_bytes=500, fp8_bytes=260)
     measured = Measurement([cost], outside_bytes=7, head_bytes=5, head_peak_bytes=9)
     assert pack_costs(measured, [80, 30, 2], min_bytes=1000) == [3000, 1000, 2000, 1000, 10, 1, 2, 4000, 500, 260, 2500,
@@ -70,7 +74,10 @@ def test_a_rank_packs_each_layer_then_the_outside_bytes_then_the_figures():
 
 
 def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device():
-    mine = Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)], 7)
+    mine = Measurement([LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+                                  full_flops=50, selective_flops=5),
+                        LayerCost("b", "B", none_bytes=200, full_bytes=5, selective_bytes=30, offloadable_bytes=0,
+                                  full_flops=60, selective_flops=6)], 7)
     # the other rank: per layer its 10 integers, then the bytes offload would move un-checkpointed and checkpointed;
     # then 13 outside, 4 of them after the layers, 60 made by their backward
     other_row = ([120, 8, 45, 0, 40, 9, 1, 300, 4, 2, 130, 0] + [150, 12, 20, 0, 70, 1, 1, 0, 6, 3, 180, 0] + [13, 4, 60]
@@ -90,8 +97,10 @@ def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device()
 
 
 def test_without_figures_every_integer_takes_its_maximum_and_one_rank_is_itself():
-    mine = Measurement([LayerCost("a", "B", 100, 10, 40, 4, 50, 5, calls=3)], 7)
-    other = Measurement([LayerCost("a", "B", 90, 12, 40, 2, 55, 5)], 9)
+    mine = Measurement([LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=4,
+                                  full_flops=50, selective_flops=5, calls=3)], 7)
+    other = Measurement([LayerCost("a", "B", none_bytes=90, full_bytes=12, selective_bytes=40, offloadable_bytes=2,
+                                   full_flops=55, selective_flops=5)], 9)
     measured, figures = combine_costs(torch.tensor([pack_costs(mine), pack_costs(other)]), mine)
     [cost] = measured.costs
     assert (cost.none_bytes, cost.full_bytes, cost.offloadable_bytes, cost.full_flops, cost.calls) == (100, 12, 4, 55, 3)
@@ -127,7 +136,8 @@ def test_the_offload_threshold_is_the_engine_in_charge():
 
 
 def test_the_plan_summary_names_the_choice_bytes_recompute_and_the_auto_figures():
-    costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+    costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+                       full_flops=50, selective_flops=5) for i in range(4)]
     plan = make_plan(costs, outside_bytes=100, memory_budget=0.5)
     # l3's backward has its 100 B alive while the 100 B outside and l0-l2 are held: only "full" (10 B each) fits there
     assert plan_summary(plan, "250B") == (
@@ -141,7 +151,8 @@ def test_the_plan_summary_names_the_choice_bytes_recompute_and_the_auto_figures(
 
 
 def test_a_timed_plan_summary_adds_the_predicted_step_time():
-    costs = [LayerCost(f"l{i}", "Block", 4 * 2**20, 2**20, 2 * 2**20, 0, 10**9, 10**8) for i in range(4)]
+    costs = [LayerCost(f"l{i}", "Block", none_bytes=4 * 2**20, full_bytes=2**20, selective_bytes=2 * 2**20,
+                       offloadable_bytes=0, full_flops=10**9, selective_flops=10**8) for i in range(4)]
     profile = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e11, host_bandwidth=1e10, name="stand-in")
     plan = make_plan(costs, outside_bytes=0, memory_budget=0.5, device=profile)
     line = plan_summary(plan, 0.5)

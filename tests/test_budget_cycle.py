@@ -31,7 +31,8 @@ BATCH = 4
 
 
 def a_plan(bytes_per_layer: int = 10):
-    return make_plan([LayerCost("l0", "Block", 100, bytes_per_layer, 40, 0, 50, 5)], outside_bytes=0,
+    return make_plan([LayerCost("l0", "Block", none_bytes=100, full_bytes=bytes_per_layer, selective_bytes=40,
+                                offloadable_bytes=0, full_flops=50, selective_flops=5)], outside_bytes=0,
                      memory_budget=1.0)
 
 

@@ -271,7 +271,10 @@ class FakeGather:
 
 def test_ranks_are_gathered_as_rows_and_combined():
     """The callback's part: this rank's row gathered with the others'; the arithmetic is tested in test_budget.py."""
-    mine = Measurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)], 7)
+    mine = Measurement([LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+                                  full_flops=50, selective_flops=5),
+                        LayerCost("b", "B", none_bytes=200, full_bytes=5, selective_bytes=30, offloadable_bytes=0,
+                                  full_flops=60, selective_flops=6)], 7)
     # per layer its 10 integers and 2 moved sizes (test_budget.py has the layout), then 3 outside figures, then 3 more
     other_row = ([120, 8, 45, 0, 40, 9, 1, 300, 4, 2, 130, 0] + [150, 12, 20, 0, 70, 1, 1, 0, 6, 3, 180, 0] + [13, 4, 60]
                  + [900, 50, 9])

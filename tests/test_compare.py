@@ -384,7 +384,9 @@ def block_costs(n: int = 4) -> list[LayerCost]:
     """``n`` layers of a 1 GFLOP matmul (kept by selective) then a 1 MB element-wise op; 4 MB of inputs each."""
     ops = (OpRecord("aten.mm.default", 4_000_000, 10**9, 12_000_000, "recompute"),
            OpRecord("aten.gelu.default", 4_000_000, 10**6, 10**6, "recompute"))
-    return [LayerCost(f"model.blocks.{i}", "Block", 8_000_000, 4_000_000, 8_000_000, 0, 10**9 + 10**6, 10**6, ops=ops)
+    return [LayerCost(f"model.blocks.{i}", "Block", none_bytes=8_000_000, full_bytes=4_000_000,
+                      selective_bytes=8_000_000, offloadable_bytes=0, full_flops=10**9 + 10**6, selective_flops=10**6,
+                      ops=ops)
             for i in range(n)]
 
 

@@ -191,7 +191,8 @@ def test_removing_checkpointing_removes_the_compression():
 
 def costs_of(n=4):
     # each layer: 1000 B un-checkpointed (its backward has 1000 B alive), 400 B of fp32 inputs: 200 B as bf16, 104 as fp8
-    return [LayerCost(f"l{i}", "Block", 1000, 400, 700, 0, 50, 5, bf16_bytes=200, fp8_bytes=104) for i in range(n)]
+    return [LayerCost(f"l{i}", "Block", none_bytes=1000, full_bytes=400, selective_bytes=700, offloadable_bytes=0,
+                      full_flops=50, selective_flops=5, bf16_bytes=200, fp8_bytes=104) for i in range(n)]
 
 
 def test_a_budget_below_full_checkpointing_is_reachable_with_compression_and_the_error_says_which_width():

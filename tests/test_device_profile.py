@@ -129,7 +129,8 @@ def test_a_layer_called_twice_pays_the_fixed_cost_per_op_twice() -> None:
     """Op records sum a layer's calls in a step; its recompute runs every op once per call, so each op's fixed cost
     (``op_overhead``, and under a policy ``policy_overhead``) counts once per call, its compute once in all."""
     ops = (OpRecord("aten.mm.default", 64, 10**6, 96), OpRecord("aten.gelu.default", 64, 16, 128))
-    cost = LayerCost("a", "Block", 128, 32, 96, 0, 10**6 + 16, 16, calls=2, ops=ops)
+    cost = LayerCost("a", "Block", none_bytes=128, full_bytes=32, selective_bytes=96, offloadable_bytes=0,
+                     full_flops=10**6 + 16, selective_flops=16, calls=2, ops=ops)
     device = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e9, host_bandwidth=1e9, op_overhead=1e-6)
     # full: mm 1 µs + gelu 128 ns of compute (both calls), and 2 ops x 2 calls x 1 µs fixed;
     # ops keeping the mm: gelu recomputed (128 ns + 2 x 1 µs), and 4 ops run under the policy (2 in forward, 2 in
@@ -143,7 +144,8 @@ def test_the_baseline_forward_of_a_layer_called_twice_counts_its_compute_once_an
     """The same records in the plain step's forward: compute 1 µs + 128 ns (both calls together), and each op's
     fixed cost once per call at a third of ``op_overhead`` (the step is ``STEP_FORWARDS`` = 3 forwards)."""
     ops = (OpRecord("aten.mm.default", 64, 10**6, 96), OpRecord("aten.gelu.default", 64, 16, 128))
-    cost = LayerCost("a", "Block", 128, 32, 96, 0, 10**6 + 16, 16, calls=2, ops=ops)
+    cost = LayerCost("a", "Block", none_bytes=128, full_bytes=32, selective_bytes=96, offloadable_bytes=0,
+                     full_flops=10**6 + 16, selective_flops=16, calls=2, ops=ops)
     device = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e9, host_bandwidth=1e9, op_overhead=3e-6)
     assert round(1e9 * forward_seconds([cost], (), device)) == 1000 + 128 + 2 * 2 * 1000
 
@@ -152,7 +154,8 @@ def test_an_offload_copy_hides_behind_one_forward_and_two_of_backward() -> None:
     """Layer 0's inputs take 2.5 ms each way; the next layer's forward takes 1 ms, its backward 2 ms (two forwards):
     1.5 ms of the copy to the host and 0.5 ms of the copy back cannot hide."""
     device = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9)
-    costs = [LayerCost(f"l{i}", "Block", 10**7, 2_500_000, 10**7, 2_500_000, full_flops=10**6, selective_flops=0)
+    costs = [LayerCost(f"l{i}", "Block", none_bytes=10**7, full_bytes=2_500_000, selective_bytes=10**7,
+                       offloadable_bytes=2_500_000, full_flops=10**6, selective_flops=0)
              for i in range(2)]
     windows = transfer_windows(costs, device)
     assert windows == [pytest.approx((0.001, 0.002)), (0.0, 0.0)]
@@ -167,7 +170,8 @@ def test_a_layers_copies_hide_behind_the_next_layer_not_the_one_before() -> None
     """Layers of 1, 2 and 4 ms forward: layer 0's copies hide behind layer 1 (2 ms forward, 4 ms backward), layer 1's
     behind layer 2 (4 and 8 ms), the last layer's behind nothing."""
     device = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9)
-    costs = [LayerCost(f"l{i}", "Block", 3_000_000, 3_000_000, 3_000_000, 3_000_000, full_flops=10**6 * 2**i,
+    costs = [LayerCost(f"l{i}", "Block", none_bytes=3_000_000, full_bytes=3_000_000, selective_bytes=3_000_000,
+                       offloadable_bytes=3_000_000, full_flops=10**6 * 2**i,
                        selective_flops=0) for i in range(3)]
     assert transfer_windows(costs, device) == [pytest.approx((0.002, 0.004)), pytest.approx((0.004, 0.008)), (0.0, 0.0)]
     # layer 0 offloaded without recompute (all it saves, 3 MB): 3 ms each way, 1 ms of it exposed (to the host), none

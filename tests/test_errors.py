@@ -156,7 +156,8 @@ def cache_in_training() -> None:
 
 
 def a_plan() -> Any:
-    return make_plan([LayerCost("0", "Block", 100, 10, 40, 0, 50, 5)], 0, 1.0)
+    return make_plan([LayerCost("0", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+                                full_flops=50, selective_flops=5)], 0, 1.0)
 
 
 def sharded_at_the_root_only() -> None:
@@ -349,19 +350,21 @@ CASES: dict[str, Case] = {
         "core.costs.validate_offload", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, offload="yes"),
         ValueError, "`offload='yes'`", "Pass False (nothing offloaded), True", "is not understood. Pass False"),
     "auto offload without a device profile": Case(
-        "core.planner.make_plan",
-        lambda: make_plan([LayerCost("a", "Block", 100, 10, 40, 0, 50, 5)], 0, 0.5, offload="auto"),
+        "core.planner._check_plan_arguments",
+        lambda: make_plan([LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
+                                     offloadable_bytes=0, full_flops=50, selective_flops=5)], 0, 0.5, offload="auto"),
         ValueError, "`offload='auto'`", "pass `device=` a preset such as 'h100-sxm'", "needs a device profile"),
     "host memory not bytes": Case(
-        "core.planner.make_plan",
-        lambda: make_plan([LayerCost("a", "Block", 100, 10, 40, 0, 50, 5)], 0, 0.5, offload=True,
+        "core.planner._check_plan_arguments",
+        lambda: make_plan([LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
+                                     offloadable_bytes=0, full_flops=50, selective_flops=5)], 0, 0.5, offload=True,
                                                host_memory=-1),
         ValueError, "got -1", "bytes (an int >= 0) or None", "`host_memory` must be bytes"),
     "plan without a budget": Case(
         "core.planner.plan_checkpointing", lambda: plan_checkpointing(blocks(), lambda: None, None), ValueError,
         "`memory_budget=None`", "Pass a fraction such as 0.5 or bytes such as '2GiB'", "asks for no plan"),
     "make_plan without a budget": Case(
-        "core.planner.make_plan", lambda: make_plan([], 0, None), ValueError,
+        "core.planner._check_plan_arguments", lambda: make_plan([], 0, None), ValueError,
         "`memory_budget=None`", "Pass a fraction such as 0.5 or bytes such as '2GiB'", "asks for no plan"),
     "budget out of reach": Case(
         "core.planner.make_plan",
@@ -690,7 +693,8 @@ def raised_at(tb: Any) -> str:
 def four_layers(offloadable: int) -> list[LayerCost]:
     """Four layers holding 100 B un-checkpointed, 10 B fully and 40 B selectively checkpointed, ``offloadable`` B of
     their inputs movable to the host; 100 B outside them: 500 B without checkpointing."""
-    return [LayerCost(f"l{i}", "Block", 100, 10, 40, offloadable, 50, 5) for i in range(4)]
+    return [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
+                      offloadable_bytes=offloadable, full_flops=50, selective_flops=5) for i in range(4)]
 
 
 @pytest.mark.parametrize(("offloadable", "modes", "figures"), [

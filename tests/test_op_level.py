@@ -362,7 +362,8 @@ def random_layer(rng: random.Random, name: str, items: int) -> LayerCost:
     full_bytes = rng.randint(10, 100)
     full_flops = sum(r.flops for r in ops) + rng.randint(0, 500)
     none = full_bytes + rng.randint(100, sum(r.bytes for r in ops) + 200)
-    return LayerCost(name, "Block", none, full_bytes, none, 0, full_flops, 0, ops=ops)
+    return LayerCost(name, "Block", none_bytes=none, full_bytes=full_bytes, selective_bytes=none, offloadable_bytes=0,
+                     full_flops=full_flops, selective_flops=0, ops=ops)
 
 
 @pytest.mark.parametrize("seed", range(4))

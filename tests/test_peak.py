@@ -107,9 +107,12 @@ def test_solve_with_the_backward_s_bounds_is_the_brute_force_optimum():
 
 
 def test_the_refusal_names_the_layer_whose_backward_sets_the_floor():
-    a = LayerCost("a", "Block", 100, 10, 40, 0, 50, 5)
-    wide = LayerCost("wide", "Block", 1000, 10, 400, 0, 500, 50, transient_bytes=1500)
-    c = LayerCost("c", "Block", 100, 10, 40, 0, 50, 5)
+    a = LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0, full_flops=50,
+                  selective_flops=5)
+    wide = LayerCost("wide", "Block", none_bytes=1000, full_bytes=10, selective_bytes=400, offloadable_bytes=0,
+                     full_flops=500, selective_flops=50, transient_bytes=1500)
+    c = LayerCost("c", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0, full_flops=50,
+                  selective_flops=5)
     # Without checkpointing: the backward of `wide` has 1500 B alive while `a` holds 100 B: 1600 B.
     # At least: `a` holds its 10 B input: 1510 B.
     with pytest.raises(ValueError) as err:

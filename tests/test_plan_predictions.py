@@ -22,7 +22,9 @@ NAMES = [f"l{i}" for i in range(4)]
 
 def measurement(batch_size: int, none: int, full: int, selective: int, outside: int) -> Measurement:
     """Four equal layers (50 FLOP recomputed full, 5 selective), ``outside`` bytes outside them."""
-    return Measurement(batch_size, [LayerCost(n, "Block", none, full, selective, 0, 50, 5) for n in NAMES], outside)
+    return Measurement(batch_size, [LayerCost(n, "Block", none_bytes=none, full_bytes=full, selective_bytes=selective,
+                                              offloadable_bytes=0, full_flops=50, selective_flops=5) for n in NAMES],
+                       outside)
 
 
 def test_setting_choices_checkpoint_every_nth_layer_from_the_first():

@@ -47,7 +47,8 @@ def test_static_plus_activations_is_one_device_s_share_plus_the_setting_s_activa
     setting's activations; bytes under 1 KiB print whole, so the known answers are exact."""
     sharding = Sharding("fsdp_ckpt", 4, 4, 4)
     static_memory = StaticMemory(100, 100, 208, "AdamW", sharding, unsharded=1600)  # 408 B per device
-    costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+    costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+                       full_flops=50, selective_flops=5) for i in range(4)]
     main = Measurement(8, costs, 100)
     built = Built(torch.nn.Linear(2, 2), [], torch.device("cpu"), None, False, 0.5, None)
     rows = [SettingRow("none", 0, 500, 0), SettingRow("every_layer", 4, 140, 200)]
@@ -61,7 +62,8 @@ def test_static_plus_activations_is_one_device_s_share_plus_the_setting_s_activa
 MIB = 2**20
 #: Four layers of 8 MiB saved un-checkpointed, 1 MiB of inputs (all of it movable): above the offload engine's
 #: 1 MiB threshold, so the offloaded bytes are whole.
-BIG = [LayerCost(f"l{i}", "Block", 8 * MIB, MIB, 4 * MIB, MIB, 10**9, 10**7) for i in range(4)]
+BIG = [LayerCost(f"l{i}", "Block", none_bytes=8 * MIB, full_bytes=MIB, selective_bytes=4 * MIB, offloadable_bytes=MIB,
+                 full_flops=10**9, selective_flops=10**7) for i in range(4)]
 #: Offload free: the plan offloads.
 FAST_LINK = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e12, host_bandwidth=math.inf, name="fast link")
 

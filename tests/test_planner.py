@@ -336,7 +336,8 @@ def random_costs(n: int, seed: int) -> list[LayerCost]:
         full = rng.randint(10, none // 10)
         selective = rng.randint(full, none)
         flops = rng.randint(1_000, 1_000_000)
-        costs.append(LayerCost(f"l{i}", "Block", none, full, selective, 0, flops, rng.randint(0, flops)))
+        costs.append(LayerCost(f"l{i}", "Block", none_bytes=none, full_bytes=full, selective_bytes=selective,
+                               offloadable_bytes=0, full_flops=flops, selective_flops=rng.randint(0, flops)))
     return costs
 
 
@@ -383,7 +384,8 @@ def test_solver_500_layers_is_deterministic_and_near_optimal() -> None:
 
 
 def test_offload_counts_checkpointed_inputs_as_host_bytes() -> None:
-    costs = [LayerCost(f"l{i}", "Block", 100, 20, 50, offloadable_bytes=20, full_flops=10, selective_flops=2)
+    costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=20, selective_bytes=50, offloadable_bytes=20,
+                       full_flops=10, selective_flops=2)
              for i in range(4)]
     # Without offload the least peak is l3's backward: 100 B outside, 3 x 20 B of inputs, l3's own 100 B; with it,
     # the inputs are in host memory but the newest offloaded one before l3 comes back for its backward: 20 B.
@@ -403,8 +405,10 @@ def test_offload_counts_checkpointed_inputs_as_host_bytes() -> None:
 def test_the_newest_offloaded_layers_inputs_are_what_stays_on_the_device() -> None:
     """Both layers checkpointed and offloaded: the engine keeps the newest (last) one's inputs, 300 B, on the device
     for backward, not the oldest one's 100 B."""
-    costs = [LayerCost("l0", "Block", 1000, 100, 1000, offloadable_bytes=100, full_flops=10, selective_flops=0),
-             LayerCost("l1", "Block", 1000, 300, 1000, offloadable_bytes=300, full_flops=10, selective_flops=0)]
+    costs = [LayerCost("l0", "Block", none_bytes=1000, full_bytes=100, selective_bytes=1000, offloadable_bytes=100,
+                       full_flops=10, selective_flops=0),
+             LayerCost("l1", "Block", none_bytes=1000, full_bytes=300, selective_bytes=1000, offloadable_bytes=300,
+                       full_flops=10, selective_flops=0)]
     assert predict(costs, 0, {"l0": "full", "l1": "full"}, offload=True, min_bytes=0) == (300, 20)
     # In the peak: the end of the forward holds l1's 300 B; l1's backward brings l0's 100 B back.
     assert held_peak([0, 0], [0, 0], host=[100, 300]) == 300
@@ -451,7 +455,8 @@ def test_measuring_reruns_are_hidden_from_an_outer_counter(outer_first: bool) ->
 def test_among_equally_cheap_plans_the_earliest_layers_are_checkpointed():
     """Four identical layers, room for two un-checkpointed: every choice of two costs the same, and the plan takes
     layers 0 and 1, as ``every_n_layers`` starts from the first (a stable choice from run to run)."""
-    costs = [LayerCost(f"l{i}", "Block", 100, 10, 100, 0, 50, 0) for i in range(4)]
+    costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=100, offloadable_bytes=0,
+                       full_flops=50, selective_flops=0) for i in range(4)]
     plan = make_plan(costs, outside_bytes=0, memory_budget=220, modes=("full",))
     assert plan.layers == {"l0": "full", "l1": "full", "l2": "none", "l3": "none"}
     assert plan.planned_bytes == 10 + 10 + 100 + 100 and plan.recompute_flops == 2 * 50

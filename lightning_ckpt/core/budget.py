@@ -45,7 +45,10 @@ class RankMeasurement:
 
     Example::
 
-        >>> costs = [LayerCost("a", "B", 100, 10, 40, 0, 50, 5), LayerCost("b", "B", 200, 5, 30, 0, 60, 6)]
+        >>> costs = [LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=50, selective_flops=5),
+        ...          LayerCost("b", "B", none_bytes=200, full_bytes=5, selective_bytes=30, offloadable_bytes=0,
+        ...                    full_flops=60, selective_flops=6)]
         >>> measured = RankMeasurement.from_held_bytes(costs, held_bytes=22)
         >>> measured.layer_bytes, measured.outside_bytes, measured.held_bytes  # 10 + 5 in the layers
         (15, 7, 22)
@@ -66,7 +69,9 @@ class RankMeasurement:
 
         Example::
 
-            >>> RankMeasurement.from_held_bytes([LayerCost("a", "B", 100, 10, 40, 0, 50, 5)], held_bytes=4).outside_bytes
+            >>> costs = [LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+            ...                    full_flops=50, selective_flops=5)]
+            >>> RankMeasurement.from_held_bytes(costs, held_bytes=4).outside_bytes
             0
         """
         costs = list(costs)
@@ -90,7 +95,8 @@ class RankMeasurement:
 
         Example::
 
-            >>> costs = [LayerCost(f"l{i}", "B", 100, 10, 40, 0, 50, 5, transient_bytes=150) for i in range(3)]
+            >>> costs = [LayerCost(f"l{i}", "B", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+            ...                    full_flops=50, selective_flops=5, transient_bytes=150) for i in range(3)]
             >>> RankMeasurement(costs, outside_bytes=30, head_bytes=20).peak_bytes  # 10 outside, 10 + 10 held, 150
             180
         """
@@ -115,7 +121,9 @@ def pack_costs(measured: RankMeasurement, figures: Sequence[int] = (), min_bytes
 
     Example::
 
-        >>> measured = RankMeasurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5)], outside_bytes=7)
+        >>> measured = RankMeasurement([LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40,
+        ...                                       offloadable_bytes=0, full_flops=50, selective_flops=5)],
+        ...                            outside_bytes=7)
         >>> pack_costs(measured, figures=[1000])  # a's 10 integers, moved 100 and 0; 7 outside, 0 after, 0; 1000
         [100, 10, 40, 0, 50, 5, 1, 0, 0, 0, 100, 0, 7, 0, 0, 1000]
     """
@@ -136,8 +144,10 @@ def combine_costs(gathered: torch.Tensor, measured: RankMeasurement) -> tuple[Ra
 
     Example::
 
-        >>> mine = RankMeasurement([LayerCost("a", "B", 100, 10, 40, 0, 50, 5)], outside_bytes=7)
-        >>> other = RankMeasurement([LayerCost("a", "B", 120, 8, 45, 0, 40, 9)], outside_bytes=3)
+        >>> mine = RankMeasurement([LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40,
+        ...                                   offloadable_bytes=0, full_flops=50, selective_flops=5)], outside_bytes=7)
+        >>> other = RankMeasurement([LayerCost("a", "B", none_bytes=120, full_bytes=8, selective_bytes=45,
+        ...                                    offloadable_bytes=0, full_flops=40, selective_flops=9)], outside_bytes=3)
         >>> gathered = torch.tensor([pack_costs(mine, [1000]), pack_costs(other, [900])])
         >>> measured, figures = combine_costs(gathered, mine)
         >>> measured.costs[0].none_bytes, measured.costs[0].full_flops, measured.outside_bytes, figures
@@ -272,7 +282,8 @@ def plan_summary(plan: CheckpointPlan, memory_budget: object, auto: Optional[Aut
     Example::
 
         >>> from lightning_ckpt.core.planner import make_plan
-        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=50, selective_flops=5) for i in range(4)]
         >>> line = plan_summary(make_plan(costs, outside_bytes=100, memory_budget=0.5), memory_budget=0.5)
         >>> print(line.replace("; ", ";\n"))
         memory_budget=0.5: checkpointing 3 of 4 layers;
@@ -297,7 +308,9 @@ def plan_table(plan: CheckpointPlan, auto: Optional[AutoBudget] = None) -> str:
     Example::
 
         >>> from lightning_ckpt.core.planner import make_plan
-        >>> plan = make_plan([LayerCost("l0", "Block", 100, 10, 40, 0, 50, 5)], outside_bytes=0, memory_budget=100)
+        >>> plan = make_plan([LayerCost("l0", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
+        ...                             offloadable_bytes=0, full_flops=50, selective_flops=5)],
+        ...                  outside_bytes=0, memory_budget=100)
         >>> auto = AutoBudget(device_bytes=1000, static_bytes=400, other_peak_bytes=50)
         >>> plan_table(plan).splitlines() == str(plan).splitlines(), plan_table(plan, auto).splitlines()[-1] == str(auto)
         (True, True)

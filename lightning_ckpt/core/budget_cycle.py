@@ -21,7 +21,9 @@ Example::
     >>> step = cycle.begin(BatchSize(tokens=64, length=16))  # nothing planned yet: measure this batch
     >>> step.measure, step.plan
     (True, None)
-    >>> plan = make_plan([LayerCost("l0", "Block", 100, 10, 40, 0, 50, 5)], outside_bytes=0, memory_budget=1.0)
+    >>> plan = make_plan([LayerCost("l0", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
+    ...                             offloadable_bytes=0, full_flops=50, selective_flops=5)],
+    ...                  outside_bytes=0, memory_budget=1.0)
     >>> cycle.planned(plan)
     >>> cycle.begin(BatchSize(tokens=48, length=12)).plan is plan  # covered by the 64-token measurement
     True

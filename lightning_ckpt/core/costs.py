@@ -6,7 +6,8 @@ The vocabulary the planner's parts share: :mod:`lightning_ckpt.core.measure` mak
 
 Example::
 
-    >>> cost = LayerCost("a", "Block", 100, 10, 40, 0, 50, 5)
+    >>> cost = LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+    ...                  full_flops=50, selective_flops=5)
     >>> cost.device_bytes("full"), cost.flops("full"), cost.flops("selective")
     (10, 50, 5)
 """
@@ -14,7 +15,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Literal, Optional, Union
 
 from lightning_ckpt.core.compress import Compress
@@ -33,10 +34,14 @@ Offload = Union[bool, Literal["auto"]]
 
 @dataclass(frozen=True)
 class LayerCost:
-    """What one matched layer holds for backward and costs to recompute, summed over its calls in a step."""
+    """What one matched layer holds for backward and costs to recompute, summed over its calls in a step.
+
+    ``name`` and ``cls`` are positional; every field after them is keyword-only (eight integers in a row are easy
+    to swap unseen)."""
 
     name: str
     cls: str
+    _: KW_ONLY
     none_bytes: int  # held un-checkpointed
     full_bytes: int  # held fully checkpointed: the layer's tensor inputs
     #: Held selectively checkpointed: inputs and kept matmul/attention outputs. Measured only where ``"selective"``
@@ -74,7 +79,8 @@ class LayerCost:
 
         Example::
 
-            >>> cost = LayerCost("a", "Block", 3000, 1000, 2000, 1000, 10, 1, input_sizes=(1000,),
+            >>> cost = LayerCost("a", "Block", none_bytes=3000, full_bytes=1000, selective_bytes=2000,
+            ...                  offloadable_bytes=1000, full_flops=10, selective_flops=1, input_sizes=(1000,),
             ...                  saved_sizes=(1000, 1500, 500))
             >>> cost.movable_bytes("none", min_bytes=1000), cost.movable_bytes("full", min_bytes=1000)
             (2500, 1000)
@@ -112,7 +118,9 @@ class LayerCost:
 
         Example::
 
-            >>> cost = LayerCost("a", "Block", 3000, 1000, 2000, 1000, 10, 1, bf16_bytes=500, fp8_bytes=258)
+            >>> cost = LayerCost("a", "Block", none_bytes=3000, full_bytes=1000, selective_bytes=2000,
+            ...                  offloadable_bytes=1000, full_flops=10, selective_flops=1, bf16_bytes=500,
+            ...                  fp8_bytes=258)
             >>> half = cost.compressed("bf16")
             >>> half.full_bytes, half.selective_bytes, half.offloadable_bytes, half.backward_peak, half.codec_bytes
             (500, 1500, 500, 3500, 3000)

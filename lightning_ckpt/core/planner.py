@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Optional, Union
 
@@ -157,7 +157,8 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
 
     Example::
 
-        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=50, selective_flops=5) for i in range(4)]
         >>> plan = make_plan(costs, outside_bytes=100, memory_budget=0.5)
         >>> plan.layers, plan.planned_bytes, plan.peak_bytes, plan.recompute_flops
         ({'l0': 'full', 'l1': 'full', 'l2': 'full', 'l3': 'none'}, 230, 230, 150)
@@ -165,6 +166,24 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
     The budget is 250 B; when ``l3``'s backward runs, the layers before it hold their choices and ``l3`` has its
     100 B alive (``backward_peak``), so ``l0``-``l2`` may hold 50 B at most: only ``"full"`` (10 B each) fits.
     """
+    modes, compress, profile, budget = _check_plan_arguments(memory_budget, modes, offload, device, host_memory,
+                                                             compress)
+    problem = _plan_problem(costs, outside_bytes, memory_budget, budget, modes, offload, profile, host_memory,
+                            min_bytes, head_bytes, head_peak_bytes, compress)
+    chosen = _solve_plan(problem)
+    if chosen is None:
+        raise ValueError(_out_of_reach_message(problem))
+    return _build_plan(problem, chosen, outside_ops)
+
+
+def _check_plan_arguments(memory_budget: object, modes: Sequence[str], offload: Offload,
+                          device: Union[None, str, DeviceProfile], host_memory: Optional[int],
+                          compress: Optional[Compress],
+                          ) -> tuple[tuple[str, ...], Optional[Compress], Optional[DeviceProfile], Union[float, int]]:
+    """:func:`make_plan`'s settings checked, in this order: ``modes``, ``offload``, ``compress``, ``device`` and
+    ``memory_budget``; returns the modes, the compression, the device profile and the budget (a fraction or bytes)
+    as understood. Raises ``ValueError`` for a setting not understood, ``memory_budget=None``, ``offload="auto"``
+    without a profile or a ``host_memory`` that is not bytes."""
     modes = validate_modes(modes)
     validate_offload(offload)
     compress = validate_compress(compress)
@@ -179,44 +198,89 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
     if host_memory is not None and (not isinstance(host_memory, int) or host_memory < 0):
         raise ValueError(f"`host_memory` must be bytes (an int >= 0) or None (half of the free host memory), got"
                          f" {host_memory!r}.")
+    return modes, compress, profile, budget  # type: ignore[return-value]  # no "auto" without allow_auto
+
+
+@dataclass(frozen=True)
+class _PlanProblem:
+    """What :func:`make_plan` solves: its checked settings, the costs as planned and the budget in bytes."""
+
+    costs: list[LayerCost]  # as planned: on the profile's device (inputs movable to the host), compressed
+    exact: list[LayerCost]  # the same before compression (for the hint when the budget is out of reach)
+    outside_bytes: int
+    memory_budget: object  # as passed (for the message when it is out of reach)
+    modes: tuple[str, ...]
+    offload: Offload
+    profile: Optional[DeviceProfile]
+    host_memory: Optional[int]  # bytes offloaded tensors may take (set whenever something may be offloaded)
+    min_bytes: int
+    head_bytes: int
+    head_peak_bytes: int
+    compress: Optional[Compress]
+    transients: list[int]  # each layer's backward peak less what the backward freed before it (the head's bytes)
+    baseline: int  # activation bytes held without checkpointing
+    baseline_peak: int  # the step's activation peak without checkpointing
+    budget_bytes: int  # the bound on the planned peak
+    windows: list[tuple[float, float]]  # the compute each layer's offload copies may hide behind (none untimed)
+
+
+def _plan_problem(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: object, budget: Union[float, int],
+                  modes: tuple[str, ...], offload: Offload, profile: Optional[DeviceProfile],
+                  host_memory: Optional[int], min_bytes: int, head_bytes: int, head_peak_bytes: int,
+                  compress: Optional[Compress]) -> _PlanProblem:
+    """:func:`make_plan`'s checked settings (:func:`_check_plan_arguments`) made into what it solves: the costs on
+    the profile's device and compressed, half of the free host memory where ``host_memory`` is ``None`` and
+    something may be offloaded, the peak without checkpointing and ``budget`` (parsed ``memory_budget``) in bytes."""
     if profile is not None:  # measured on the CPU or on fake tensors, planned for the profile's device
         costs = [replace(c, offloadable_bytes=c.full_bytes) for c in costs]
-    exact, costs = costs, [c.compressed(compress) for c in costs]
+    exact, costs = list(costs), [c.compressed(compress) for c in costs]
     if offload and host_memory is None:
         host_memory = psutil.virtual_memory().available // 2
     # While the layers' backward runs, the head's and the loss's saved tensors are gone already.
     transients = layer_transients(costs, head_bytes)
-    baseline = outside_bytes + sum(c.none_bytes for c in costs)
     baseline_peak = outside_bytes + held_peak([c.none_bytes for c in costs], transients, head=head_peak_bytes)
-    budget_bytes = int(budget * baseline_peak) if isinstance(budget, float) else budget
-    windows = transfer_windows(costs, profile) if profile is not None else [(0.0, 0.0)] * len(costs)
-    timed = profile is not None
+    return _PlanProblem(
+        costs=costs, exact=exact, outside_bytes=outside_bytes, memory_budget=memory_budget, modes=modes,
+        offload=offload, profile=profile, host_memory=host_memory, min_bytes=min_bytes, head_bytes=head_bytes,
+        head_peak_bytes=head_peak_bytes, compress=compress,
+        transients=transients, baseline=outside_bytes + sum(c.none_bytes for c in costs), baseline_peak=baseline_peak,
+        budget_bytes=int(budget * baseline_peak) if isinstance(budget, float) else budget,
+        windows=transfer_windows(costs, profile) if profile is not None else [(0.0, 0.0)] * len(costs))
+
+
+def _solve_plan(problem: _PlanProblem) -> Optional[list[LayerOption]]:
+    """The cheapest option per layer whose peak fits ``problem.budget_bytes`` (fewest FLOPs, or least predicted time
+    with a profile); ``None`` where none fits. ``offload="auto"`` is solved with ``False`` and ``True`` as well, and
+    the cheapest of the three kept (the first of equals: ``"auto"``'s own)."""
+    timed = problem.profile is not None
 
     def chosen_for(value: Offload) -> Optional[list[LayerOption]]:
-        options = [layer_options(c, modes, value, device=profile, window=w, min_bytes=min_bytes)
-                   for c, w in zip(costs, windows)]
-        return choose(options, baseline - budget_bytes, timed, host_memory if value else None, transients,
-                      head_peak_bytes)
+        options = [layer_options(c, problem.modes, value, device=problem.profile, window=w,
+                                 min_bytes=problem.min_bytes) for c, w in zip(problem.costs, problem.windows)]
+        return choose(options, problem.baseline - problem.budget_bytes, timed,
+                      problem.host_memory if value else None, problem.transients, problem.head_peak_bytes)
 
     # "auto" chooses among supersets of the other two; trying them as well makes "never worse than either" exact
     # whatever the quantisation and the host-memory bisection lose.
+    offload = problem.offload
     tried = [chosen_for(v) for v in (("auto", False, True) if offload == "auto" else (offload,))]
     found = [chosen for chosen in tried if chosen is not None]
-    if not found:
-        raise ValueError(_impossible_message(costs, outside_bytes, baseline_peak, budget_bytes, memory_budget, modes, offload,
-                                             host_memory, min_bytes, head_bytes, head_peak_bytes)
-                         + _compress_hint(exact, compress, outside_bytes, budget_bytes, modes, offload, min_bytes,
-                                          head_bytes, head_peak_bytes))
-    chosen = min(found, key=lambda c: sum(o.cost(timed) for o in c))  # the first of equals: "auto"'s own
-    newest = kept_on_device(chosen)
+    return min(found, key=lambda c: sum(o.cost(timed) for o in c)) if found else None
+
+
+def _build_plan(problem: _PlanProblem, chosen: Sequence[LayerOption],
+                outside_ops: Sequence[OpRecord]) -> CheckpointPlan:
+    """The :class:`CheckpointPlan` of one option per layer (:func:`_solve_plan`): the choices, the bytes held at the
+    end of the forward and at the peak, the recompute, what is offloaded and, with a profile, the step time."""
+    costs, outside_bytes, offload = problem.costs, problem.outside_bytes, problem.offload
     return CheckpointPlan(
         layers={c.name: o.choice for c, o in zip(costs, chosen)},
-        baseline_bytes=baseline,
-        baseline_peak_bytes=baseline_peak,
-        planned_bytes=outside_bytes + sum(o.device_bytes for o in chosen) + newest,
-        peak_bytes=outside_bytes + held_peak([o.device_bytes for o in chosen], transients, [o.host_bytes for o in chosen],
-                                             head_peak_bytes),
-        budget_bytes=budget_bytes,
+        baseline_bytes=problem.baseline,
+        baseline_peak_bytes=problem.baseline_peak,
+        planned_bytes=outside_bytes + sum(o.device_bytes for o in chosen) + kept_on_device(chosen),
+        peak_bytes=outside_bytes + held_peak([o.device_bytes for o in chosen], problem.transients,
+                                             [o.host_bytes for o in chosen], problem.head_peak_bytes),
+        budget_bytes=problem.budget_bytes,
         recompute_flops=sum(o.flops for o in chosen),
         outside_bytes=outside_bytes,
         planned_host_bytes=sum(o.host_bytes for o in chosen),
@@ -224,9 +288,19 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
         costs=list(costs),
         kept_ops={c.name: list(o.keep) for c, o in zip(costs, chosen) if o.choice == "ops"},
         offloaded=[c.name for c, o in zip(costs, chosen) if o.host_bytes or (offload is True and o.choice != "none")],
-        compress=compress,
-        **_step_seconds(costs, outside_ops, chosen, profile),
+        compress=problem.compress,
+        **_step_seconds(costs, outside_ops, chosen, problem.profile),
     )
+
+
+def _out_of_reach_message(problem: _PlanProblem) -> str:
+    """Why no plan fits ``problem.budget_bytes`` and what would (:func:`_impossible_message`), with the compression
+    that would reach it (:func:`_compress_hint`)."""
+    p = problem
+    return (_impossible_message(p.costs, p.outside_bytes, p.baseline_peak, p.budget_bytes, p.memory_budget, p.modes,
+                                p.offload, p.host_memory, p.min_bytes, p.head_bytes, p.head_peak_bytes)
+            + _compress_hint(p.exact, p.compress, p.outside_bytes, p.budget_bytes, p.modes, p.offload, p.min_bytes,
+                             p.head_bytes, p.head_peak_bytes))
 
 
 def _step_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord], chosen: Sequence[LayerOption],
@@ -309,7 +383,8 @@ def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str
 
     Example::
 
-        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=50, selective_flops=5) for i in range(4)]
         >>> predict(costs, 100, {"l0": "full", "l2": "full"})  # every 2nd layer
         (320, 100)
     """
@@ -327,7 +402,8 @@ def predict_peak(costs: Sequence[LayerCost], outside_bytes: int, choices: Mappin
 
     Example::
 
-        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=50, selective_flops=5) for i in range(4)]
         >>> predict_peak(costs, 100, {"l0": "full", "l2": "full"})  # l3's backward: 100 + 10 + 100 + 10 held, its 100
         320
     """
@@ -348,7 +424,8 @@ def predict_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord],
 
         >>> from lightning_ckpt.core.op_curve import OpRecord
         >>> ops = (OpRecord("aten.mm.default", 64, 10**9, 96),)
-        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 10**9, 0, ops=ops) for i in range(2)]
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=10**9, selective_flops=0, ops=ops) for i in range(2)]
         >>> device = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e12, host_bandwidth=1e9)
         >>> predict_seconds(costs, (), {"l0": "full"}, device)  # 3 forwards of 2 ms, and 1 ms recomputed
         (0.007, 0.006)

@@ -4,7 +4,8 @@ activation peak (:func:`solve`, :func:`choose`, :func:`held_peak`). Plain PyTorc
 
 Example::
 
-    >>> a = LayerCost("a", "Block", 100, 10, 40, 0, full_flops=50, selective_flops=5)
+    >>> a = LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+    ...               full_flops=50, selective_flops=5)
     >>> [o.choice for o in solve([layer_options(a), layer_options(a)], 120)]
     ['selective', 'selective']
 """
@@ -82,7 +83,8 @@ def layer_options(cost: LayerCost, modes: Sequence[str] = PLAN_MODES, offload: O
 
     Example::
 
-        >>> cost = LayerCost("a", "Block", 100, 10, 40, 0, full_flops=50, selective_flops=5)
+        >>> cost = LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                  full_flops=50, selective_flops=5)
         >>> [(o.choice, o.device_bytes, o.flops) for o in layer_options(cost)]
         [('none', 100, 0), ('full', 10, 50), ('selective', 40, 5)]
     """
@@ -203,7 +205,9 @@ def layer_transients(costs: Sequence[LayerCost], head_bytes: int = 0) -> list[in
 
     Example::
 
-        >>> layer_transients([LayerCost("a", "B", 100, 10, 40, 0, 50, 5, transient_bytes=150)], head_bytes=20)
+        >>> cost = LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                  full_flops=50, selective_flops=5, transient_bytes=150)
+        >>> layer_transients([cost], head_bytes=20)
         [130]
     """
     return [c.backward_peak - head_bytes for c in costs]
@@ -314,8 +318,10 @@ def cheapest_choices(costs: Sequence[LayerCost], need_bytes: int, modes: Sequenc
 
     Example::
 
-        >>> a = LayerCost("a", "Block", 100, 10, 40, 0, full_flops=50, selective_flops=5)
-        >>> b = LayerCost("b", "Block", 100, 10, 40, 0, full_flops=80, selective_flops=8)
+        >>> a = LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...               full_flops=50, selective_flops=5)
+        >>> b = LayerCost("b", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...               full_flops=80, selective_flops=8)
         >>> cheapest_choices([a, b], 120)  # 60 + 60 bytes for 5 + 8 FLOPs
         ['selective', 'selective']
         >>> cheapest_choices([a, b], 150)  # 90 + 60 for 50 + 8 is cheaper than 60 + 90 for 5 + 80

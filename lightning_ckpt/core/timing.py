@@ -5,7 +5,8 @@ adds, predicted on a :class:`~lightning_ckpt.core.device_profile.DeviceProfile` 
 Example::
 
     >>> device = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9)
-    >>> layer_seconds(LayerCost("a", "Block", 100, 10, 40, 0, full_flops=10**6, selective_flops=0), device)
+    >>> layer_seconds(LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+    ...                         full_flops=10**6, selective_flops=0), device)
     0.001
 """
 
@@ -37,7 +38,8 @@ def extra_seconds(cost: LayerCost, choice: Choice, keep: Sequence[int], device: 
 
         >>> from lightning_ckpt.core.op_curve import OpRecord
         >>> ops = (OpRecord("aten.mm.default", 64, 10**6, 96), OpRecord("aten.gelu.default", 64, 16, 128))
-        >>> cost = LayerCost("a", "Block", 128, 32, 96, 0, 10**6 + 16, 16, ops=ops)
+        >>> cost = LayerCost("a", "Block", none_bytes=128, full_bytes=32, selective_bytes=96, offloadable_bytes=0,
+        ...                  full_flops=10**6 + 16, selective_flops=16, ops=ops)
         >>> device = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e9, host_bandwidth=1e9, op_overhead=1e-6)
         >>> [round(1e9 * extra_seconds(cost, c, (0,), device)) for c in ("none", "full", "ops")]  # ns
         [0, 3128, 5128]
@@ -87,7 +89,8 @@ def transfer_windows(costs: Sequence[LayerCost], device: DeviceProfile) -> list[
     Example::
 
         >>> device = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9)
-        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, full_flops=10**6, selective_flops=0) for i in range(2)]
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=10**6, selective_flops=0) for i in range(2)]
         >>> transfer_windows(costs, device)  # 1 ms forward, 2 ms backward behind layer 0; nothing behind layer 1
         [(0.001, 0.002), (0.0, 0.0)]
     """

@@ -84,7 +84,8 @@ def host_bytes(costs: Sequence[LayerCost], layers: Mapping[str, str], moved: Uni
 
     Example::
 
-        >>> costs = [LayerCost(f"l{i}", "Block", 2**20, 2**16, 2**18, 2**16, 50, 5) for i in range(4)]
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=2**20, full_bytes=2**16, selective_bytes=2**18,
+        ...                    offloadable_bytes=2**16, full_flops=50, selective_flops=5) for i in range(4)]
         >>> host_bytes(costs, {"l0": "full", "l2": "full"}, True), host_bytes(costs, {}, ["l1"])  # inputs; all l1 saves
         (131072, 1048576)
     """
@@ -214,7 +215,8 @@ def planner_front(main: Measurement, offload: Offload, lowest: int, points: int 
 
         >>> from lightning_ckpt.commands.plan.measure import Measurement
         >>> from lightning_ckpt.core.planner import LayerCost
-        >>> costs = [LayerCost(f"l{i}", "Block", 100, 10, 40, 0, 50, 5) for i in range(4)]
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=50, selective_flops=5) for i in range(4)]
         >>> front = planner_front(Measurement(8, costs, 100), False, 230, 4)  # peaks of 230, 320, 410 and 500 B
         >>> [(p["peak_bytes"], p["recompute_flops"]) for p in front]  # at 320: l0-l2 selective (3 x 40 B), l3 plain
         [(230, 150), (320, 15), (380, 10), (500, 0)]
