@@ -377,6 +377,13 @@ def gpt_fsdp_checkpointed() -> dict[str, Any]:
     return {**result, "checkpointed": callback.checkpointed_layers}
 
 
+def gpt_fsdp_fp8() -> dict[str, Any]:
+    seed_everything(0)
+    callback = GradientCheckpointing(compress="fp8")
+    result = _fit_gpt(SeededGPT(**GPT_ARGS), "fsdp_ckpt", [callback])
+    return {**result, "checkpointed": callback.checkpointed_layers}
+
+
 def gpt_fsdp_checkpointed_configure_model() -> dict[str, Any]:
     seed_everything(0)
     callback = GradientCheckpointing(layer_cls=Block)
@@ -625,7 +632,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     f.__name__: f
     for f in (ddp_two_heads_reference, ddp_two_heads_checkpointed, ddp_two_heads_reentrant, fsdp_two_heads_checkpointed,
               ddp_two_heads_reentrant_default_flags, ddp_static_reference, ddp_static_reentrant, gpt_ddp_reference,
-              gpt_fsdp_plain, gpt_fsdp_checkpointed, gpt_fsdp_checkpointed_configure_model,
+              gpt_fsdp_plain, gpt_fsdp_checkpointed, gpt_fsdp_fp8, gpt_fsdp_checkpointed_configure_model,
               gpt_model_parallel_with_callback, gpt_fsdp_bf16, gpt_fsdp_two_epochs_saving, gpt_fsdp_resumed,
               gpt_fsdp_sharded_saving, gpt_fsdp_sharded_resumed, ddp_two_heads_one_device_per_node,
               gpt_fsdp_one_device_per_node,

@@ -32,7 +32,7 @@ from lightning_ckpt.strategies.fsdp import mixed_precision_policy
 SCENARIOS = [
     "ddp_two_heads_reference", "ddp_two_heads_checkpointed", "ddp_two_heads_reentrant", "fsdp_two_heads_checkpointed",
     "ddp_two_heads_reentrant_default_flags", "ddp_static_reference", "ddp_static_reentrant",
-    "gpt_ddp_reference", "gpt_fsdp_plain", "gpt_fsdp_checkpointed", "gpt_fsdp_checkpointed_configure_model",
+    "gpt_ddp_reference", "gpt_fsdp_plain", "gpt_fsdp_checkpointed", "gpt_fsdp_fp8", "gpt_fsdp_checkpointed_configure_model",
     "gpt_model_parallel_with_callback", "gpt_fsdp_bf16", "gpt_fsdp_two_epochs_saving", "gpt_fsdp_resumed",
     "gpt_fsdp_sharded_saving", "gpt_fsdp_sharded_resumed", "placement_checks",
 ]
@@ -300,6 +300,21 @@ def test_fsdp_trains_to_the_weights_of_ddp_without_checkpointing(runs, scenario)
     for rank in (0, 1):
         assert_same_weights(result[rank]["weights"], reference[rank]["weights"], rtol=1e-5, atol=1e-6)
     assert_same_weights(result[0]["weights"], result[1]["weights"], rtol=0, atol=0)
+
+
+def test_fsdp_with_fp8_inputs_trains_close_to_exact_checkpointing_with_the_same_collectives(runs):
+    """compress='fp8' under FSDP2: every rank checkpoints inside its units as without it, the collectives are the
+    same, the ranks end bit-equal, and the weights move as exact checkpointing moves them, close but not equal."""
+    exact, fp8 = ok(runs, "gpt_fsdp_checkpointed"), ok(runs, "gpt_fsdp_fp8")
+    assert fp8[0]["checkpointed"] == GPT_BLOCKS
+    assert_checkpointing_inside_units(fp8, GPT_BLOCKS)
+    assert [r["counts"] for r in fp8] == [r["counts"] for r in exact]
+    assert_same_weights(fp8[0]["weights"], fp8[1]["weights"], rtol=0, atol=0)
+    start = SeededGPT(**GPT_ARGS).state_dict()
+    moved = torch.cat([(fp8[0]["weights"][k] - start[k]).flatten() for k in start])
+    exact_moved = torch.cat([(exact[0]["weights"][k] - start[k]).flatten() for k in start])
+    assert not torch.equal(moved, exact_moved)
+    assert float(torch.nn.functional.cosine_similarity(moved.double(), exact_moved.double(), dim=0)) > 0.99
 
 
 def test_fsdp_collectives_per_step_are_the_same_with_and_without_checkpointing(runs):
