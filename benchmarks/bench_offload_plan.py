@@ -25,7 +25,8 @@ from lightning_ckpt.core.profiling import format_bytes
 from lightning_ckpt.demos import Block, Transformer
 
 PRESETS = ("l4", "h100-pcie", "h100-sxm", "gh200")
-BUDGETS = (0.5, 0.25, 0.1)
+# Fractions of the step's activation peak without checkpointing; every layer checkpointed reaches 11.9% (10.6% offloaded)
+BUDGETS = (0.5, 0.25, 0.125)
 HOST = 64 << 30
 LAYERS, WIDTH, HEADS, SEQ, BATCH, VOCAB = 12, 1024, 16, 1024, 4, 8192
 
