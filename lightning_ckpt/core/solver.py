@@ -262,9 +262,8 @@ def choose(options: Sequence[Sequence[LayerOption]], need_bytes: int, timed: boo
     The bisection is a Lagrangian relaxation: where host memory binds, its choice can cost up to about one layer's
     cost more than the best that fits.
     """
-    plain = sum(o[0].device_bytes for o in options)
-    allowed = plain - need_bytes
-    need, previous = need_bytes, None
+    allowed = sum(o[0].device_bytes for o in options) - need_bytes
+    need = need_bytes
     for _ in range(8):  # `need` only grows, by the offloaded bytes still on the device: a few rounds settle it
         chosen = _within_host(options, need, timed, host_memory, transients, head)
         if chosen is None:
@@ -272,9 +271,7 @@ def choose(options: Sequence[Sequence[LayerOption]], need_bytes: int, timed: boo
         over = held_peak([c.device_bytes for c in chosen], transients, [c.host_bytes for c in chosen], head) - allowed
         if over <= 0:
             return chosen
-        if chosen == previous:  # it frees more than `need` on paper: ask for `over` past what it frees, or it repeats
-            need = plain - sum(c.device_bytes for c in chosen)
-        need, previous = need + over, chosen
+        need += over
     return None
 
 
