@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import two_ranks
 from lightning_ckpt.core.budget import (
     AUTO_MEMORY_FRACTION,
     AutoBudget,
@@ -74,14 +75,7 @@ def test_a_rank_packs_each_layer_then_the_outside_bytes_then_the_figures():
 
 
 def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device():
-    mine = Measurement([LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
-                                  full_flops=50, selective_flops=5),
-                        LayerCost("b", "B", none_bytes=200, full_bytes=5, selective_bytes=30, offloadable_bytes=0,
-                                  full_flops=60, selective_flops=6)], 7)
-    # the other rank: per layer its 10 integers, then the bytes offload would move un-checkpointed and checkpointed;
-    # then 13 outside, 4 of them after the layers, 60 made by their backward
-    other_row = ([120, 8, 45, 0, 40, 9, 1, 300, 4, 2, 130, 0] + [150, 12, 20, 0, 70, 1, 1, 0, 6, 3, 180, 0] + [13, 4, 60]
-                 + [900, 50, 9])
+    mine, other_row = two_ranks()
     gathered = torch.tensor([pack_costs(mine, [1000, 40, 11], min_bytes=DEFAULT_MIN_BYTES), other_row])
     measured, figures = combine_costs(gathered, mine)
     assert [(c.name, c.none_bytes, c.full_bytes, c.selective_bytes, c.full_flops, c.selective_flops)

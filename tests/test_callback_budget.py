@@ -16,6 +16,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from helpers import two_ranks
 from lightning_ckpt import GradientCheckpointing
 import lightning_ckpt.callbacks.gradient_checkpointing as callback_module
 from lightning_ckpt.core.budget import AUTO_MEMORY_FRACTION, Measurement, combine_costs, pack_costs
@@ -271,13 +272,7 @@ class FakeGather:
 
 def test_ranks_are_gathered_as_rows_and_combined():
     """The callback's part: this rank's row gathered with the others'; the arithmetic is tested in test_budget.py."""
-    mine = Measurement([LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
-                                  full_flops=50, selective_flops=5),
-                        LayerCost("b", "B", none_bytes=200, full_bytes=5, selective_bytes=30, offloadable_bytes=0,
-                                  full_flops=60, selective_flops=6)], 7)
-    # per layer its 10 integers and 2 moved sizes (test_budget.py has the layout), then 3 outside figures, then 3 more
-    other_row = ([120, 8, 45, 0, 40, 9, 1, 300, 4, 2, 130, 0] + [150, 12, 20, 0, 70, 1, 1, 0, 6, 3, 180, 0] + [13, 4, 60]
-                 + [900, 50, 9])
+    mine, other_row = two_ranks()
     measured, figures = callback_module._combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])
     expected = combine_costs(torch.tensor([pack_costs(mine, [1000, 40, 11]), other_row]), mine)
     assert (measured, figures) == expected and figures == [900, 50, 11]
