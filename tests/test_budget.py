@@ -152,3 +152,20 @@ def test_a_timed_plan_summary_adds_the_predicted_step_time():
     line = plan_summary(plan, 0.5)
     assert plan.predicted_step_seconds is not None
     assert line.endswith(f"recomputed per step; {plan.step_time_text()}") and "on stand-in" in line
+
+
+def test_a_measuring_step_that_held_fp8_inputs_is_taken_apart_at_the_compressed_width():
+    """Two layers whose fp32 inputs are 400 B (104 B as fp8); the step held 2 x 104 + 50 outside. Its peak is the
+    last layer's backward: 104 held below it, 50 outside, and that layer's 1000 B alive plus its 104 B copy."""
+    costs = [LayerCost(f"l{i}", "Block", none_bytes=1000, full_bytes=400, selective_bytes=700, offloadable_bytes=0,
+                       full_flops=50, selective_flops=5, fp8_bytes=104, transient_bytes=1000) for i in range(2)]
+    measured = Measurement.from_held_bytes(costs, held_bytes=258, compress="fp8")
+    assert (measured.outside_bytes, measured.layer_bytes, measured.held_bytes) == (50, 208, 258)
+    assert measured.peak_bytes == 50 + 104 + 1000 + 104
+    assert [c.full_bytes for c in measured.costs] == [400, 400]  # kept exact: the planner compresses them itself
+    exact = Measurement.from_held_bytes(costs, held_bytes=258)
+    assert (exact.outside_bytes, exact.layer_bytes) == (0, 800)  # read at full width, the outside would be lost
+    mine, other_row = two_ranks()
+    mine = Measurement(mine.costs, 7, compress="fp8")
+    combined, _ = combine_costs(torch.tensor([pack_costs(mine, [1000, 40, 8]), other_row]), mine)
+    assert combined.compress == "fp8"  # every rank measured that way

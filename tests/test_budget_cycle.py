@@ -142,13 +142,13 @@ def fit(callbacks=(), lengths=LENGTHS, model=None, **trainer_kwargs) -> VaryingG
     return model
 
 
-def step_peak(length: int, full: bool) -> int:
+def step_peak(length: int, full: bool, compress=None) -> int:
     """The activation peak of a forward and backward of a fresh model on a batch of ``length`` (plain, or every block
-    fully checkpointed), counted by ``benchmarks/_peak.py``."""
+    fully checkpointed, its inputs held under ``compress``), counted by ``benchmarks/_peak.py``."""
     seed_everything(0)
     model = VaryingGPT()
     if full:
-        apply_checkpointing(model)
+        apply_checkpointing(model, compress=compress)
     x, y = varying_batches([length])[0]
     return counted_peak(model, lambda: torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
 
@@ -196,6 +196,30 @@ def test_a_byte_budget_holds_on_every_batch_and_short_batches_run_a_cheaper_plan
     assert callback.plan is callback.plans[256]  # the latest batch's (length 48, bucket 256)
     a, b = model.state_dict(), reference.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_budget_only_compression_reaches_holds_on_every_batch_measuring_steps_included(reference):
+    exact_floor, fp8_floor = step_peak(64, full=True), step_peak(64, full=True, compress="fp8")
+    budget = (exact_floor + fp8_floor) // 2  # below every block fully checkpointed with exact inputs
+    with pytest.raises(ValueError, match=r"least reachable.* Or compress="):
+        fit([GradientCheckpointing(memory_budget=budget)])
+    callback, counted = GradientCheckpointing(memory_budget=budget, compress="fp8"), StepPeaks()
+    model = fit([callback, counted])
+
+    assert len(counted.peaks) == len(LENGTHS)
+    # every step, the measuring ones too (they run fully checkpointed, compressed as the plans are)
+    for length, held, peak in zip(LENGTHS, model.held, counted.peaks):
+        assert peak <= budget * 1.02, (length, held is None, peak, budget)
+    assert max(counted.peaks) > fp8_floor  # the budget is used, not undercut by checkpointing more than needed
+    assert {plan.compress for plan in callback.plans.values()} == {"fp8"}
+    # the backward saw fp8 copies: the weights moved close to the exact run's, not equal
+    seed_everything(0)
+    start = VaryingGPT().state_dict()  # the weights both runs started from
+    a, b = model.state_dict(), reference.state_dict()
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+    moved = torch.cat([(a[k] - start[k]).flatten() for k in a if a[k].is_floating_point()])
+    moved_exact = torch.cat([(b[k] - start[k]).flatten() for k in a if a[k].is_floating_point()])
+    assert torch.nn.functional.cosine_similarity(moved, moved_exact, dim=0) > 0.99
 
 
 def test_a_plan_made_on_a_short_first_batch_would_break_the_budget_on_a_long_one():

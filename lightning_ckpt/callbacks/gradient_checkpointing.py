@@ -225,8 +225,8 @@ class GradientCheckpointing(Callback):
             options.pop("offload")  # the plan's own, which it was solved for
             options.pop("compress")
             names = self.plan.apply(pl_module, **options)
-        else:  # measuring: every layer, full, exact (the step's held bytes are counted at full width)
-            names = apply_checkpointing(pl_module, **{**options, "offload": False, "compress": None})
+        else:  # measuring: every layer, full, compressed as asked (so it holds no more than the plans can)
+            names = apply_checkpointing(pl_module, **{**options, "offload": False})
         if names != self.checkpointed_layers:
             self.checkpointed_layers = names
             shown = ", ".join(names) if len(names) <= 8 else ", ".join(names[:8]) + ", ..."
@@ -332,7 +332,8 @@ class GradientCheckpointing(Callback):
             recorder.measure_head(loss)
         recorder.__exit__(None, None, None)
         costs = recorder.costs()
-        measured = RankMeasurement.from_held_bytes(costs, recorder.held_bytes, recorder.head_bytes, recorder.head_peak_bytes)
+        measured = RankMeasurement.from_held_bytes(costs, recorder.held_bytes, recorder.head_bytes, recorder.head_peak_bytes,
+                                                   self._settings["compress"])
         if recorder.held_bytes < measured.layer_bytes:
             rank_zero_warn("GradientCheckpointing: the bytes held outside the checkpointed layers could not be measured"
                            " (other saved-tensor hooks were entered after this callback's); the plan counts them as 0."

@@ -19,6 +19,7 @@ from typing import Optional, Union
 
 import torch
 
+from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES, engine_for
 from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, held_peak, layer_transients
 from lightning_ckpt.core.profiling import format_bytes, format_flops, optimizer_state_bytes, tensor_bytes
@@ -58,12 +59,15 @@ class RankMeasurement:
     outside_bytes: int  # held for backward outside the measured layers (embeddings, head, loss)
     head_bytes: int = 0  # of those, what the step saved after the last layer (head, loss)
     head_peak_bytes: int = 0  # what the head's and loss's backward makes alive at once (the logits' gradient)
+    #: How the measuring step held the layers' inputs (its layers ran with this ``compress``); ``costs`` stay exact.
+    compress: Optional[Compress] = None
 
     @classmethod
     def from_held_bytes(cls, costs: Sequence[LayerCost], held_bytes: int, head_bytes: int = 0,
-                        head_peak_bytes: int = 0) -> RankMeasurement:
+                        head_peak_bytes: int = 0, compress: Optional[Compress] = None) -> RankMeasurement:
         """From the bytes the whole (fully checkpointed) step held: what the layers do not hold is outside them
-        (``head_bytes`` of it saved after the last layer; the head's backward makes ``head_peak_bytes``).
+        (``head_bytes`` of it saved after the last layer; the head's backward makes ``head_peak_bytes``). With
+        ``compress`` the step held the layers' inputs compressed, and that is what is taken off.
 
         Never negative: where the step's count is short (other saved-tensor hooks), the outside counts as 0.
 
@@ -75,13 +79,13 @@ class RankMeasurement:
             0
         """
         costs = list(costs)
-        outside = max(0, held_bytes - sum(c.full_bytes for c in costs))
-        return cls(costs, outside, min(outside, head_bytes), head_peak_bytes)
+        outside = max(0, held_bytes - sum(c.compressed(compress).full_bytes for c in costs))
+        return cls(costs, outside, min(outside, head_bytes), head_peak_bytes, compress)
 
     @property
     def layer_bytes(self) -> int:
-        """Bytes the layers hold fully checkpointed (as in the measuring step)."""
-        return sum(c.full_bytes for c in self.costs)
+        """Bytes the layers hold fully checkpointed (as in the measuring step, compressed with ``compress``)."""
+        return sum(c.full_bytes for c in self._as_measured())
 
     @property
     def held_bytes(self) -> int:
@@ -100,8 +104,12 @@ class RankMeasurement:
             >>> RankMeasurement(costs, outside_bytes=30, head_bytes=20).peak_bytes  # 10 outside, 10 + 10 held, 150
             180
         """
-        transients = layer_transients(self.costs, self.head_bytes)
-        return self.outside_bytes + held_peak([c.full_bytes for c in self.costs], transients, head=self.head_peak_bytes)
+        costs = self._as_measured()
+        transients = layer_transients(costs, self.head_bytes)
+        return self.outside_bytes + held_peak([c.full_bytes for c in costs], transients, head=self.head_peak_bytes)
+
+    def _as_measured(self) -> list[LayerCost]:
+        return [c.compressed(self.compress) for c in self.costs]
 
 
 # ------------------------------------------------------------------------------------------ combined over ranks
@@ -164,7 +172,7 @@ def combine_costs(gathered: torch.Tensor, measured: RankMeasurement) -> tuple[Ra
         *ints, moved_none, moved_full = combined[i * width:(i + 1) * width]
         costs.append(LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, ints)), saved_sizes=(moved_none,),
                                input_sizes=(moved_full,)))
-    return RankMeasurement(costs, *combined[n_costs - 3:n_costs]), combined[n_costs:]
+    return RankMeasurement(costs, *combined[n_costs - 3:n_costs], measured.compress), combined[n_costs:]
 
 
 # ------------------------------------------------------------------------------------------ memory_budget="auto"
