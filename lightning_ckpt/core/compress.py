@@ -37,8 +37,6 @@ Example::
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
@@ -46,7 +44,6 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_ckpt.core import offload
 from lightning_ckpt.core.profiling import report_held, storage_key, tensor_bytes
@@ -191,38 +188,7 @@ def decompress_tensor(data: torch.Tensor, scale: Optional[torch.Tensor], shape: 
         return out
 
 
-class _SharedCopies:
-    """The compressed copy of each storage view saved in this process, while it is alive and unchanged, so that a
-    tensor saved by several layers (a mask, a rotary table) is compressed and held once."""
-
-    def __init__(self) -> None:
-        self._copies: dict[tuple[Any, ...], tuple[StorageWeakRef, int, weakref.ref[_Compressed]]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[Any, ...], tensor: torch.Tensor) -> Optional[_Compressed]:
-        with self._lock:
-            entry = self._copies.get(key)
-        if entry is None:
-            return None
-        storage, version, ref = entry
-        packed = ref()
-        if packed is None or storage.expired() or version != tensor._version:
-            return None
-        return packed
-
-    def put(self, key: tuple[Any, ...], tensor: torch.Tensor, packed: _Compressed) -> None:
-        with self._lock:
-            self._copies[key] = (StorageWeakRef(tensor.untyped_storage()), tensor._version, weakref.ref(packed))
-        weakref.finalize(packed, self._drop, key)
-
-    def _drop(self, key: tuple[Any, ...]) -> None:
-        with self._lock:
-            entry = self._copies.get(key)
-            if entry is not None and entry[2]() is None:  # not a newer copy put under the same key since
-                del self._copies[key]
-
-
-_shared = _SharedCopies()
+_shared: offload.SavedCopies[_Compressed] = offload.SavedCopies()  # a storage saved by several layers: compressed once
 
 
 def _hold(tensor: Optional[torch.Tensor], group: Optional[int], origin: Optional[torch.Tensor] = None) -> Any:
@@ -248,8 +214,7 @@ def _share(held: Any, group: Optional[int]) -> None:
 def _pack(tensor: torch.Tensor, compress: Compress, group: Optional[int]) -> Any:
     if not compressible(tensor, compress):
         return _hold(tensor, group)
-    key = offload.view_key(tensor)
-    packed = _shared.get(key, tensor)
+    packed = _shared.get(tensor)
     if packed is not None:
         _share(packed.data, group)
         _share(packed.scale, group)
@@ -257,7 +222,7 @@ def _pack(tensor: torch.Tensor, compress: Compress, group: Optional[int]) -> Any
     data, scale = compress_tensor(tensor, compress)
     packed = _Compressed(_hold(data, group, tensor), _hold(scale, group, tensor), tensor.shape, tensor.stride(),
                          tensor.dtype)
-    _shared.put(key, tensor, packed)
+    _shared.put(tensor, packed)
     return packed
 
 

@@ -12,7 +12,8 @@ device in backward. The copies run on a side stream so that they overlap compute
   inputs of the checkpointed layer before it in the same graph; the compute stream waits on that copy's
   event only when it needs the tensor, and the engine holds the copy's destination until the copy is done,
   even when backward stops early (an exception, ``autograd.grad`` over part of the graph);
-- a storage that several layers save (a mask, Transformers' ``position_embeddings``) is copied once each way;
+- a storage that several layers save (a mask, Transformers' ``position_embeddings``) is copied once each way
+  (:class:`SavedCopies` finds the first copy while the tensor is alive and unchanged);
 - tensors come back with their own strides (channels-last stays channels-last);
 - host buffers come from a :class:`HostPool` that is reused across steps and grows to the largest step; what it
   drops, and what :func:`release_all` frees, is unpinned (not left in torch's caching host allocator);
@@ -52,7 +53,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Generic, Optional, Protocol, TypeVar, Union
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -61,8 +62,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_ckpt.core.profiling import report_held
 
 __all__ = ["DEFAULT_LAG", "DEFAULT_MIN_BYTES", "DeviceStreams", "HostPool", "OffloadEngine", "OffloadStats",
-           "OffloadToHost", "Streams", "default_engine", "engine_for", "is_parameter", "next_group", "pack_saved",
-           "pinned_size", "release_all", "unpack_saved", "use_engine", "view_key"]
+           "OffloadToHost", "SavedCopies", "Streams", "default_engine", "engine_for", "is_parameter", "next_group",
+           "pack_saved", "pinned_size", "release_all", "unpack_saved", "use_engine", "view_key"]
 
 DEFAULT_MIN_BYTES = 1 << 20
 """Tensors smaller than this stay on the device: copying them costs more than it saves."""
@@ -332,7 +333,6 @@ class _Handle:
         self.flight = flight
         self.ready: Optional[tuple[torch.Tensor, Any]] = None
         self.users = 1
-        self.key: tuple[Any, ...] = ()  # its `_shared` key, set once its copy has started
 
     def __del__(self) -> None:
         try:
@@ -372,10 +372,9 @@ class OffloadEngine:
       dict is empty once no graph holds a handle.
     - ``_previous``: group -> the latest earlier group whose inputs lie behind its own in the autograd graph, i.e. the
       layer backward reaches next in the same graph; set at pack, it goes with the group's ``_groups`` entry.
-    - ``_shared``: view key (:func:`view_key`) -> (storage weak reference, the tensor's version at pack, weak
-      reference to its handle), so that a later save of the same view, still alive and unchanged, shares that handle's
-      host copy. An entry goes when its handle dies, or is replaced by a later pack of the same view; one whose storage
-      died or changed meanwhile is ignored. Empty once no graph holds a handle.
+    - ``_shared``: the handle of each view packed (:class:`SavedCopies`), so that a later save of the same view,
+      still alive and unchanged, shares that handle's host copy. An entry goes when its handle dies, or is replaced by
+      a later pack of the same view. Empty once no graph holds a handle.
     - ``_newest``: the largest group packed so far (``-1`` before any); it only grows.
     - ``handle.ready``: ``None``, or ``(device tensor, event)`` once bringing it back has started (a host->device
       copy, or the still-held ``source`` with no event), by a prefetch or by its own unpack. Unpack hands it out
@@ -417,7 +416,7 @@ class OffloadEngine:
         self._landing: list[tuple[torch.Tensor, Any]] = []
         self._groups: dict[int, list[weakref.ref[_Handle]]] = {}
         self._previous: dict[int, int] = {}
-        self._shared: dict[tuple[Any, ...], tuple[StorageWeakRef, int, weakref.ref[_Handle]]] = {}
+        self._shared: SavedCopies[_Handle] = SavedCopies()
         self._newest = -1
 
     def pack(self, tensor: torch.Tensor, group: int, origin: Optional[torch.Tensor] = None) -> Union[torch.Tensor, _Handle]:
@@ -434,7 +433,7 @@ class OffloadEngine:
         report_held(tensor, "offloaded")
         with self._lock:
             self._link(tensor if origin is None else origin, group)
-            shared = self._shared_handle(tensor)
+            shared = self._shared.get(tensor)
             if shared is not None:
                 self._share(shared, group)
                 return shared
@@ -453,8 +452,7 @@ class OffloadEngine:
             # holding it makes the lifetime explicit, bounded by `lag`, and checkable on the fake backend.
             self._in_flight.append(flight)
             self._groups.setdefault(group, []).append(weakref.ref(handle))
-            handle.key = view_key(tensor)
-            self._shared[handle.key] = (StorageWeakRef(tensor.untyped_storage()), tensor._version, weakref.ref(handle))
+            self._shared.put(tensor, handle)
             self.stats.offloaded_bytes += nbytes
             self.stats.to_host_copies += 1
         return handle
@@ -542,16 +540,6 @@ class OffloadEngine:
             self._previous[group] = max(found, self._previous.get(group, found))
         node.metadata[_GROUP_TAG] = group
 
-    def _shared_handle(self, tensor: torch.Tensor) -> Optional[_Handle]:
-        entry = self._shared.get(view_key(tensor))
-        if entry is None:
-            return None
-        storage, version, ref = entry
-        handle = ref()
-        if handle is None or storage.expired() or version != tensor._version:
-            return None
-        return handle
-
     def _prepare_group(self, group: int) -> None:
         for ref in self._groups.get(group, []):
             handle = ref()
@@ -588,9 +576,6 @@ class OffloadEngine:
                     if not refs:
                         del self._groups[group]
                         self._previous.pop(group, None)
-            entry = self._shared.get(handle.key)
-            if entry is not None and entry[2]() in (None, handle):
-                del self._shared[handle.key]
             flight = handle.flight
             flight.keep = False
             if flight.source is not None and self.streams.done(flight.event):
@@ -613,6 +598,65 @@ def view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     """
     return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
             tuple(tensor.stride()), tensor.dtype)
+
+
+_V = TypeVar("_V")
+
+
+class SavedCopies(Generic[_V]):
+    """The copy made of each saved view (:func:`view_key`), found again while the tensor is alive and unchanged, so
+    that a tensor saved by several layers (a mask, a rotary table) is copied and held once.
+
+    Entries hold their copies weakly; a copy's entry goes when the copy dies (unless a newer one replaced it). A view
+    whose storage was freed (its address may be reused) or changed in place since (its version) gets nothing.
+    Thread-safe: backward may run on autograd's threads.
+
+    Example::
+
+        >>> copies = SavedCopies()
+        >>> x = torch.zeros(4)
+        >>> copy = x.clone()
+        >>> copies.put(x, copy)
+        >>> copies.get(x) is copy, copies.get(x[1:])
+        (True, None)
+        >>> _ = x.add_(1)  # changed in place: the copy is stale
+        >>> copies.get(x), len(copies)
+        (None, 1)
+        >>> del copy
+        >>> len(copies)
+        0
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[Any, ...], tuple[StorageWeakRef, int, weakref.ref[_V]]] = {}
+        # Reentrant: a copy's death (and so `_drop`) can come from garbage collection while the lock is held.
+        self._lock = threading.RLock()
+
+    def get(self, tensor: torch.Tensor) -> Optional[_V]:
+        """The copy put for ``tensor``'s view, if it is alive and the view's storage alive and unchanged since."""
+        with self._lock:
+            entry = self._entries.get(view_key(tensor))
+        if entry is None:
+            return None
+        storage, version, ref = entry
+        copy = ref()
+        return None if copy is None or storage.expired() or version != tensor._version else copy
+
+    def put(self, tensor: torch.Tensor, copy: _V) -> None:
+        """Remember ``copy`` (weakly) as ``tensor``'s, as the tensor is now."""
+        key = view_key(tensor)
+        ref = weakref.ref(copy, functools.partial(self._drop, key))
+        with self._lock:
+            self._entries[key] = (StorageWeakRef(tensor.untyped_storage()), tensor._version, ref)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _drop(self, key: tuple[Any, ...], ref: weakref.ref[_V]) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[2] is ref:  # not a newer copy put under the same key since
+                del self._entries[key]
 
 
 def _latest_tagged(start: Any, group: int) -> Optional[int]:
