@@ -20,6 +20,7 @@ from lightning_ckpt.core.fake_streams import FakeStreams
 from lightning_ckpt.core.offload import OffloadEngine, use_engine
 from lightning_ckpt.core.planner import CheckpointPlan, make_plan, measure_step, plan_checkpointing, predict_seconds
 from lightning_ckpt.core.profiling import SavedTensorCounter, count_cost
+from lightning_ckpt.core.solver import LayerOption, choose, held_peak
 
 N_LAYER, WIDTH, BATCH = 6, 64, 32
 
@@ -192,3 +193,29 @@ def test_offload_auto_without_a_profile_on_the_cpu_asks_for_a_device():
     auto = plan_checkpointing(net, lambda: loss_of(net), 0.5, MLPBlock, offload="auto", device=profile(1e9),
                               host_memory=1 << 40)
     assert auto.offload == "auto" and auto.device == "test 1e+09 B/s"
+
+
+def test_a_choice_that_frees_more_on_paper_than_asked_is_repaired_not_refused():
+    """Three layers of 100 B, each may recompute (10 B, 50 FLOPs) or offload (0 B on the device, 100 B on the host,
+    free). Asked to free 1 B (299 B allowed): offloading one layer frees 100 B on paper, but the engine keeps the
+    newest offloaded layer on the device, so it holds 300 B. Asking for the 1 B over, round after round, brought
+    that choice back until the rounds ran out, and choose() returned None. By hand: offload two layers and keep the
+    last, 100 B + the newest offloaded 100 B = 200 B, 0 FLOPs."""
+    a = [LayerOption("none", 100, 0), LayerOption("full", 10, 50), LayerOption("none", 0, 0, host_bytes=100)]
+    chosen = choose([a, a, a], 1)
+    assert chosen == [a[2], a[2], a[0]]
+    assert held_peak([o.device_bytes for o in chosen], (), [o.host_bytes for o in chosen]) == 200
+
+
+@pytest.mark.parametrize("bandwidth", [1e8, 1e9])
+def test_a_looser_budget_never_gets_a_slower_auto_plan(measured, bandwidth):
+    """Budgets from 0.28 to 1.0 of the peak: each one planned is as fast as the tighter one before it, or faster,
+    and none is refused where a tighter one was planned. (Before the repair above, 0.54 got no "auto" choice and
+    fell back to recomputing: slower than 0.52, which offloaded.)"""
+    seconds = []
+    for budget in [i / 100 for i in range(28, 101, 2)]:
+        try:
+            seconds.append(plan(measured, budget, "auto", bandwidth, host_memory=1 << 40).predicted_step_seconds)
+        except ValueError:
+            assert seconds == [], budget  # refused, though a tighter budget was planned
+    assert seconds and all(b <= a for a, b in zip(seconds, seconds[1:])), seconds

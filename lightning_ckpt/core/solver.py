@@ -248,7 +248,11 @@ def choose(options: Sequence[Sequence[LayerOption]], need_bytes: int, timed: boo
     Host memory is a second constraint: each host byte is priced (a Lagrange multiplier, found by bisection) until
     the choice fits, so what no longer fits in host memory is recomputed instead. The offload engine keeps the newest
     offloaded layer's tensors on the device as well (backward needs them first), so those bytes are freed only on
-    paper; when that breaks the budget the choice is made again, asked to free that much more.
+    paper; when that breaks the budget the choice is made again, asked to free that much more (at most 8 rounds).
+    Where that finds nothing (a choice that frees more than asked on paper comes back unchanged until the rounds run
+    out), the repair is run once more, each round asking for the bytes over past what the last choice frees on
+    paper, so that it cannot come back: a choice that fits is returned wherever either finds one, and the first
+    repair's choice wherever it finds one.
 
     Example::
 
@@ -258,20 +262,34 @@ def choose(options: Sequence[Sequence[LayerOption]], need_bytes: int, timed: boo
         [('none', 100), ('none', 100), ('none', 100)]
         >>> [(o.choice, o.host_bytes) for o in choose([a, a, a], 150, host_memory=100)]  # one offload would free 0
         [('full', 0), ('full', 0), ('none', 0)]
+        >>> [(o.choice, o.host_bytes) for o in choose([a, a, a], 1)]  # one offload frees 100 on paper, 0 for real
+        [('none', 100), ('none', 100), ('none', 0)]
 
     The bisection is a Lagrangian relaxation: where host memory binds, its choice can cost up to about one layer's
     cost more than the best that fits.
     """
-    allowed = sum(o[0].device_bytes for o in options) - need_bytes
-    need = need_bytes
-    for _ in range(8):  # `need` only grows, by the offloaded bytes still on the device: a few rounds settle it
-        chosen = _within_host(options, need, timed, host_memory, transients, head)
-        if chosen is None:
-            return None
-        over = held_peak([c.device_bytes for c in chosen], transients, [c.host_bytes for c in chosen], head) - allowed
-        if over <= 0:
-            return chosen
-        need += over
+    plain = sum(o[0].device_bytes for o in options)
+    allowed = plain - need_bytes
+    tried: dict[int, Optional[list[LayerOption]]] = {}  # by `need`: the second repair does not solve twice
+
+    def within(need: int) -> Optional[list[LayerOption]]:
+        if need not in tried:
+            tried[need] = _within_host(options, need, timed, host_memory, transients, head)
+        return tried[need]
+
+    for past_paper in (False, True):  # the second repair only where the first finds nothing
+        need = need_bytes
+        for _ in range(8):  # `need` only grows, by the offloaded bytes still on the device: a few rounds settle it
+            chosen = within(need)
+            if chosen is None:
+                break
+            over = held_peak([c.device_bytes for c in chosen], transients, [c.host_bytes for c in chosen],
+                             head) - allowed
+            if over <= 0:
+                return chosen
+            if past_paper:  # past what this choice frees on paper (it may free more than `need`): it cannot repeat
+                need = max(need, plain - sum(c.device_bytes for c in chosen))
+            need += over
     return None
 
 
