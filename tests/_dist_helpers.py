@@ -542,21 +542,23 @@ VARYING_LENGTHS = ([4, 16, 8, 16], [16, 4, 8, 8])
 The largest over ranks: 16, 16, 8, 16."""
 
 
-def _fit_varying(strategy: Any, memory_budget: Optional[int]) -> dict[str, Any]:
+def _fit_varying(strategy: Any, memory_budget: Optional[int], compress: Optional[str] = None) -> dict[str, Any]:
     """Batches whose lengths differ between ranks and steps, under a byte budget (``None``: without the callback)."""
     seed_everything(0)
     rank = int(os.environ["LOCAL_RANK"])
-    callback = GradientCheckpointing(memory_budget=memory_budget) if memory_budget is not None else None
+    callback = (GradientCheckpointing(memory_budget=memory_budget, compress=compress) if memory_budget is not None
+                else None)
     record = RecordCheckpointedPerBatch()
     model = SeededGPT(**{**GPT_ARGS, "n_layer": 4})
     batches = []
     for step, length in enumerate(VARYING_LENGTHS[rank]):
         seqs = counting_sequences(4, length + 1, GPT_ARGS["vocab_size"], seed=10 * step + rank)
         batches.append((seqs[:, :-1], seqs[:, 1:]))
+    initial = full_weights(model)
     trainer = _trainer(strategy, [callback, record] if callback is not None else [record], max_steps=4,
                        use_distributed_sampler=False)
     trainer.fit(model, DataLoader(batches, batch_size=None))
-    result: dict[str, Any] = {"seen": record.seen, "weights": full_weights(model)}
+    result: dict[str, Any] = {"seen": record.seen, "weights": full_weights(model), "initial": initial}
     if callback is not None:
         result["plans"] = {bucket: plan.state_dict() for bucket, plan in callback.plans.items()}
     return result
@@ -564,6 +566,10 @@ def _fit_varying(strategy: Any, memory_budget: Optional[int]) -> dict[str, Any]:
 
 def ddp_budget_varying_lengths() -> dict[str, Any]:
     return _fit_varying(CheckpointingDDPStrategy(), 300_000)
+
+
+def ddp_budget_varying_lengths_fp8() -> dict[str, Any]:
+    return _fit_varying(CheckpointingDDPStrategy(), 300_000, compress="fp8")
 
 
 def ddp_budget_varying_lengths_reference() -> dict[str, Any]:
@@ -638,7 +644,8 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
               gpt_fsdp_one_device_per_node,
               placement_checks, ddp_memory_budget_ranks_differ, fsdp_memory_budget_ranks_differ,
               fsdp_memory_budget_reference, fsdp_recorder_layer_not_a_unit, model_parallel_2d_checkpointed,
-              ddp_budget_varying_lengths, ddp_budget_varying_lengths_reference, fsdp_budget_varying_lengths,
+              ddp_budget_varying_lengths, ddp_budget_varying_lengths_fp8, ddp_budget_varying_lengths_reference,
+              fsdp_budget_varying_lengths,
               fsdp_budget_varying_lengths_reference)
 }
 

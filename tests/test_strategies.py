@@ -466,6 +466,7 @@ def budget_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict
     return run_scenarios([("ddp_memory_budget_ranks_differ", {}), ("fsdp_memory_budget_ranks_differ", {}),
                           ("fsdp_memory_budget_reference", {}), ("fsdp_recorder_layer_not_a_unit", {}),
                           ("ddp_budget_varying_lengths", {}), ("ddp_budget_varying_lengths_reference", {}),
+                          ("ddp_budget_varying_lengths_fp8", {}),
                           ("fsdp_budget_varying_lengths", {}), ("fsdp_budget_varying_lengths_reference", {})],
                          tmp_path_factory.mktemp("budget_runs"))
 
@@ -532,6 +533,22 @@ def test_ranks_whose_lengths_differ_agree_on_each_step_s_size_and_train_as_witho
     for rank in (0, 1):
         assert_same_weights(rank0["weights"] if rank == 0 else rank1["weights"], reference[rank]["weights"],
                             rtol=0, atol=0 if strategy == "ddp" else 1e-5)
+
+
+def test_compressed_ranks_whose_lengths_differ_plan_alike_and_stay_bit_equal(budget_runs):
+    """compress='fp8' with the lengths above: the ranks measure the same steps (compressed) and solve the same fp8
+    plans; DDP's all-reduce keeps them bit-equal; the weights move close to the exact run's, not equal to them."""
+    rank0, rank1 = ok(budget_runs, "ddp_budget_varying_lengths_fp8")
+    exact = ok(budget_runs, "ddp_budget_varying_lengths")[0]
+    assert rank0["plans"] == rank1["plans"] and sorted(rank0["plans"]) == [32, 64]
+    assert {plan["compress"] for plan in rank0["plans"].values()} == {"fp8"}
+    assert rank0["seen"] == rank1["seen"] and rank0["seen"][0] == rank0["seen"][2] == [f"model.blocks.{i}" for i in range(4)]
+    assert_same_weights(rank0["weights"], rank1["weights"], rtol=0, atol=0)
+    start = ok(budget_runs, "ddp_budget_varying_lengths_reference")[0]["initial"]
+    moved = torch.cat([(rank0["weights"][k] - start[k]).flatten() for k in start])
+    moved_exact = torch.cat([(exact["weights"][k] - start[k]).flatten() for k in start])
+    assert not torch.equal(moved, moved_exact)
+    assert torch.nn.functional.cosine_similarity(moved.double(), moved_exact.double(), dim=0) > 0.99
 
 
 def test_measuring_layers_that_are_not_their_own_fsdp_unit_is_refused_with_what_to_do(budget_runs):
