@@ -710,7 +710,8 @@ def four_layers(offloadable: int) -> list[LayerCost]:
                                 "about 22% of the current size would fit"]),
     # nothing to offload: offload=True reaches the same 230 B
     (0, ("full", "selective"), ["but the least reachable is 230 B (46.0%)", "at least 0.460 (or 230 bytes)",
-                                "; offload=True would not help here", "about 22% of the current size would fit"]),
+                                "; offload=True would not help here (the layer inputs are in CPU memory, there is no"
+                                " device memory for it to free)", "about 22% of the current size would fit"]),
     # selective only: 100 + 3 x 40 + 100 = 320 B, 64.0%; offload=True: 100 + 3 x 34 + 100 + 6 = 308 B, 61.6%;
     # 50 / 320 = 15.6%: 16%.
     (6, ("selective",), ["but the least reachable is 320 B (64.0%)", "at least 0.640 (or 320 bytes);",
@@ -729,6 +730,15 @@ def test_out_of_reach_budget_message_gives_the_least_reachable_and_what_would_fi
         assert figure in message, (figure, message)
     assert ("allow modes" in message) == ("full" not in modes)
     assert "offload='auto'" not in message, message
+
+
+def test_out_of_reach_budget_message_says_why_offload_would_not_help_one_layer():
+    """One layer, its 6 B of inputs movable: offloaded, they are the newest offloaded layer's, kept on the device for
+    its backward; the floor stays 100 B outside + its 100 B backward = 200 B either way."""
+    with pytest.raises(ValueError) as info:
+        make_plan(four_layers(6)[:1], 100, 0.1)
+    assert ("least reachable is 200 B" in str(info.value) and "offload=True would not help here (what sets the floor"
+            " is a layer's backward, whose inputs come back to the device for it)" in str(info.value)), str(info.value)
 
 
 def test_host_memory_short_message_gives_the_budget_and_the_host_memory():

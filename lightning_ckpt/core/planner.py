@@ -478,7 +478,10 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
         if with_offload < minimum:
             text += f"; or offload=True, which reaches {format_bytes(with_offload)} ({_pct(with_offload, baseline)})"
         else:
-            text += "; offload=True would not help here (the layer inputs are in host memory already)"
+            why = ("the layer inputs are in CPU memory, there is no device memory for it to free"
+                   if not any(c.offloadable_bytes for c in costs) else
+                   "what sets the floor is a layer's backward, whose inputs come back to the device for it")
+            text += f"; offload=True would not help here ({why})"
     if offload != "auto" and least("auto") < min(minimum, least(True)):
         text += f"; or offload='auto' with a device profile, which can reach {format_bytes(least('auto'))}"
     if "full" not in modes:
