@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
+import torch
 
 from lightning_ckpt.commands.compare.variants import PLANNED, VARIANTS, compress_of
 from lightning_ckpt.core.device_profile import DeviceProfile
@@ -312,6 +313,9 @@ def first_step_difference(baseline: Mapping[str, Any], other: Mapping[str, Any],
         >>> [first_step_difference(ref, {"loss": 1.0, "grads": {"w": torch.tensor([1.0, g])}}, 1e-3, 1e-6, 0.999)[2]
         ...  for g in (-2.01, -1.0)]  # cosine 0.999999 and 0.949 to [1, -2]
         [None, 'gradient of w (cosine below 0.999)']
+        >>> first_step_difference({"loss": 1.0, "grads": {"w": torch.zeros(2)}},  # a gradient that should be zero
+        ...                       {"loss": 1.0, "grads": {"w": torch.tensor([1.0, 0.0])}}, 1e-3, 1e-6, 0.999)[2]
+        'gradient of w (cosine below 0.999)'
     """
     loss_diff = abs(other["loss"] - baseline["loss"])
     ref, got = baseline["grads"], other["grads"]
@@ -324,7 +328,9 @@ def first_step_difference(baseline: Mapping[str, Any], other: Mapping[str, Any],
         grad_diff = max(grad_diff, diff)
         scale = float(g_ref.abs().max()) if g_ref.numel() else 0.0
         if min_cosine is not None:
-            close = diff <= atol or _cosine(got[name], g_ref) >= min_cosine
+            cosine = float(torch.nn.functional.cosine_similarity(got[name].flatten().double(),
+                                                                 g_ref.flatten().double(), dim=0))
+            close = diff <= atol or cosine >= min_cosine
         else:
             close = diff <= atol + rtol * scale
         if problem is None and not close:
@@ -332,12 +338,6 @@ def first_step_difference(baseline: Mapping[str, Any], other: Mapping[str, Any],
     if problem is None and not loss_diff <= atol + rtol * abs(baseline["loss"]):
         problem = "loss"
     return loss_diff, grad_diff, problem
-
-
-def _cosine(a: Any, b: Any) -> float:
-    a, b = a.flatten().double(), b.flatten().double()
-    norms = float(a.norm() * b.norm())
-    return float(a @ b) / norms if norms else 1.0
 
 
 @dataclass(frozen=True)
