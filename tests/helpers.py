@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_ckpt.core.budget import RankMeasurement
@@ -67,3 +68,15 @@ def two_ranks() -> tuple[RankMeasurement, list[int]]:
     other_row = ([120, 8, 45, 0, 40, 9, 1, 300, 4, 2, 130, 0] + [150, 12, 20, 0, 70, 1, 1, 0, 6, 3, 180, 0] + [13, 4, 60]
                  + [900, 50, 9])
     return mine, other_row
+
+
+def assert_moved_alike(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                       start: dict[str, torch.Tensor], least_cosine: float = 0.99) -> None:
+    """``weights`` moved from ``start`` about as ``reference`` did (the cosine of the two changes above
+    ``least_cosine``), but not to the same values: what a run whose backward saw compressed inputs does next to an
+    exact one."""
+    keys = [k for k in start if start[k].is_floating_point()]
+    moved = torch.cat([(weights[k] - start[k]).flatten() for k in keys]).double()
+    moved_reference = torch.cat([(reference[k] - start[k]).flatten() for k in keys]).double()
+    assert not torch.equal(moved, moved_reference)
+    assert float(F.cosine_similarity(moved, moved_reference, dim=0)) > least_cosine

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist_helpers import GPT_ARGS, MLPBlock, RecordTraining, SeededGPT, TwoHeads, run_as_nodes, run_scenarios
+from helpers import assert_moved_alike
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, StrategyRegistry
 from torch import nn
@@ -310,11 +311,7 @@ def test_fsdp_with_fp8_inputs_trains_close_to_exact_checkpointing_with_the_same_
     assert_checkpointing_inside_units(fp8, GPT_BLOCKS)
     assert [r["counts"] for r in fp8] == [r["counts"] for r in exact]
     assert_same_weights(fp8[0]["weights"], fp8[1]["weights"], rtol=0, atol=0)
-    start = SeededGPT(**GPT_ARGS).state_dict()
-    moved = torch.cat([(fp8[0]["weights"][k] - start[k]).flatten() for k in start])
-    exact_moved = torch.cat([(exact[0]["weights"][k] - start[k]).flatten() for k in start])
-    assert not torch.equal(moved, exact_moved)
-    assert float(torch.nn.functional.cosine_similarity(moved.double(), exact_moved.double(), dim=0)) > 0.99
+    assert_moved_alike(fp8[0]["weights"], exact[0]["weights"], SeededGPT(**GPT_ARGS).state_dict())
 
 
 def test_fsdp_collectives_per_step_are_the_same_with_and_without_checkpointing(runs):
@@ -545,10 +542,7 @@ def test_compressed_ranks_whose_lengths_differ_plan_alike_and_stay_bit_equal(bud
     assert rank0["seen"] == rank1["seen"] and rank0["seen"][0] == rank0["seen"][2] == [f"model.blocks.{i}" for i in range(4)]
     assert_same_weights(rank0["weights"], rank1["weights"], rtol=0, atol=0)
     start = ok(budget_runs, "ddp_budget_varying_lengths_reference")[0]["initial"]
-    moved = torch.cat([(rank0["weights"][k] - start[k]).flatten() for k in start])
-    moved_exact = torch.cat([(exact["weights"][k] - start[k]).flatten() for k in start])
-    assert not torch.equal(moved, moved_exact)
-    assert torch.nn.functional.cosine_similarity(moved.double(), moved_exact.double(), dim=0) > 0.99
+    assert_moved_alike(rank0["weights"], exact["weights"], start)
 
 
 def test_measuring_layers_that_are_not_their_own_fsdp_unit_is_refused_with_what_to_do(budget_runs):
