@@ -1,5 +1,6 @@
 """Models nobody on this project wrote, built from configs (no downloads): Transformers' Llama (with PEFT LoRA)
-and litgpt's GPT train exactly as without checkpointing; caches and a model's own checkpointing are handled."""
+and litgpt's GPT train exactly as without checkpointing; caches and a model's own checkpointing are handled; fp8
+compressed checkpoints stay close to exact ones and their plans hold their budgets."""
 
 from __future__ import annotations
 
@@ -341,3 +342,52 @@ def test_an_offload_auto_plan_on_real_models_trains_exactly_and_moves_what_it_pl
     newest = next(c.movable_bytes(plan.layers[c.name], 1) for c in reversed(plan.costs) if c.name in plan.offloaded)
     assert saved.bytes + newest == pytest.approx(plan.planned_bytes, rel=0.05)
     assert kept_on_device([]) == 0
+
+
+@pytest.mark.parametrize("case", sorted(PLAN_CASES))
+def test_fp8_inputs_on_real_models_keep_the_forward_and_buffers_and_bring_gradients_close(case):
+    """compress='fp8' on models nobody here wrote, every matched layer checkpointed, against exact checkpointing:
+    the loss bit-equal and buffers (BatchNorm statistics) equal after two steps, the gradients close but not equal,
+    and less held for backward. Close: the cosine of all of them >= 0.999, the issue's target for transformers;
+    the BatchNorm CNN gets 0.9985 (its recompute normalises the rounded inputs by their own batch statistics), held
+    to 0.998."""
+    least_cosine = 0.998 if case == "batchnorm cnn" else 0.999
+    runs = {}
+    for compress in (None, "fp8"):
+        model, loss_fn, layer_cls = PLAN_CASES[case]()
+        apply_checkpointing(model, layer_cls=layer_cls, compress=compress)
+        torch.manual_seed(0)
+        with SavedTensorCounter(exclude=model.parameters()) as saved:
+            loss_fn(model)
+        results = [loss_and_grads(model, loss_fn) for _ in range(2)]
+        runs[compress] = (results, {n: b.clone() for n, b in model.named_buffers()}, saved.bytes)
+    (exact, exact_buffers, exact_held), (fp8, fp8_buffers, fp8_held) = runs[None], runs["fp8"]
+    for (loss, grads), (exact_loss, exact_grads) in zip(fp8, exact):
+        assert torch.equal(loss, exact_loss)
+        got, want = (torch.cat([g[n].flatten() for n in sorted(exact_grads)]).double() for g in (grads, exact_grads))
+        assert not torch.equal(got, want)
+        assert float(nn.functional.cosine_similarity(got, want, dim=0)) >= least_cosine
+    assert all(torch.equal(fp8_buffers[n], b) for n, b in exact_buffers.items())
+    assert fp8_held < exact_held
+
+
+@pytest.mark.parametrize("case", sorted(PLAN_CASES))
+def test_an_fp8_plan_on_real_models_predicts_its_peak_and_holds_its_budget(case):
+    """plan_checkpointing(..., compress='fp8') at a budget below what exact full checkpointing reaches: the applied
+    plan's activation peak, counted without the package's counters, is within the budget, and the prediction is at
+    or above it by at most 15% (it counts each layer's compressed copy in its backward whatever the choice; on the
+    BatchNorm CNN, whose small layers make that copy a larger share, 12% over)."""
+    from lightning_ckpt import plan_checkpointing
+
+    model, loss_fn, layer_cls = PLAN_CASES[case]()
+    exact_floor = plan_checkpointing(model, lambda: loss_fn(model), 1.0, layer_cls=layer_cls)
+    with pytest.raises(ValueError, match="least reachable is") as info:
+        plan_checkpointing(model, lambda: loss_fn(model), 0.01, layer_cls=layer_cls)
+    least = int(str(info.value).split("(or ")[1].split(" bytes")[0])  # what exact inputs reach at best
+    plan = plan_checkpointing(model, lambda: loss_fn(model), least - 1, layer_cls=layer_cls, compress="fp8")
+    assert plan.compress == "fp8" and exact_floor.compress is None
+    plan.apply(model)
+    torch.manual_seed(0)
+    peak = counted_peak(model, lambda: loss_fn(model))
+    assert peak <= plan.peak_bytes <= 1.15 * peak, (plan.peak_bytes, peak)
+    assert peak <= plan.budget_bytes
