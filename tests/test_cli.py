@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -52,3 +53,40 @@ def test_console_script_dispatches_compare_to_its_own_parser(tmp_path):
     assert proc.returncode == 2  # argparse's usage error, not LightningCLI's
     assert "lightning-ckpt compare: error: --config" in proc.stderr and "missing.yaml: no such file" in proc.stderr
     assert ARGS_WARNING not in proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# Budgets as LightningCLI users write them
+# ------------------------------------------------------------------------------------------------
+
+
+def budget_config(tmp_path: Path, budget: object) -> Path:
+    """tiny.yaml with its GradientCheckpointing given ``memory_budget: budget`` (and no every_n_layers)."""
+    config = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+    init_args = config["trainer"]["callbacks"][0]["init_args"]
+    init_args.pop("every_n_layers")
+    init_args["memory_budget"] = budget
+    path = tmp_path / "budget.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("budget", [5555996, "5555996"])
+def test_a_whole_number_budget_in_yaml_is_bytes_for_fit_and_plan(tmp_path, budget):
+    """jsonargparse hands ``memory_budget: 5555996`` to the callback as the float 5555996.0: it must plan for 5,555,996
+    bytes, in ``fit`` (the callback's plan) and in ``plan`` (plan.json), not refuse it as a fraction out of range."""
+    from lightning_ckpt import GradientCheckpointing
+    from lightning_ckpt.commands.cli_builder import run_cli
+    from lightning_ckpt.commands.plan import main as plan_main
+
+    config = budget_config(tmp_path, budget)
+    cli = run_cli(["fit", "--config", str(config), "--trainer.max_steps=2", "--trainer.logger=false",
+                   "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+                   f"--trainer.default_root_dir={tmp_path}"])
+    callback = next(cb for cb in cli.trainer.callbacks if isinstance(cb, GradientCheckpointing))
+    assert cli.trainer.global_step == 2
+    assert callback.plan is not None and callback.plan.budget_bytes == 5555996
+
+    assert plan_main(["--config", str(config), "--output-dir", str(tmp_path / "plan")]) == 0
+    report = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert report["memory_budget"] == 5555996 and report["plan"]["budget_bytes"] == 5555996

@@ -266,8 +266,12 @@ CASES: dict[str, Case] = {
         "core.selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=1.5), ValueError,
         "`memory_budget=1.5`", "Pass None, a fraction", "a fraction must be in (0, 1]"),
     "budget bytes": Case(
-        "core.selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=0), ValueError,
+        "core.selection._checked_bytes", lambda: GradientCheckpointing(memory_budget=0), ValueError,
         "`memory_budget=0`", "Pass None, a fraction", "bytes must be positive"),
+    "budget under 1 KiB": Case(
+        "core.selection._checked_bytes", lambda: GradientCheckpointing(memory_budget=1), ValueError,
+        "`memory_budget=1`", "pass a float such as 1.0 or 0.5; for bytes pass '1KiB' or more",
+        "under the least byte budget of 1024 B"),
     "budget text": Case(
         "core.selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget="50%"), ValueError,
         "`memory_budget='50%'`", "bytes such as '2GiB' or 500_000_000", "is not understood. Pass None"),

@@ -86,13 +86,28 @@ def test_a_class_that_matches_nothing_names_the_likely_block():
 
 @pytest.mark.parametrize(
     ("budget", "parsed"),
-    [(None, None), (0.25, 0.25), (1.0, 1.0), (500_000_000, 500_000_000), ("2GiB", 2 * 2**30), ("1.5 MB", 1_500_000)],
+    [(None, None), (0.25, 0.25), (1.0, 1.0), (500_000_000, 500_000_000), ("2GiB", 2 * 2**30), ("1.5 MB", 1_500_000),
+     ("2GB", 2_000_000_000), (1024, 1024), ("1KiB", 1024), ("2kB", 2000)],
 )
 def test_memory_budget_forms(budget, parsed):
     assert parse_memory_budget(budget) == parsed
 
 
-@pytest.mark.parametrize("budget", ["lots", "2 parsecs", 0.0, 1.5, -3, 0, True, [1]])
+@pytest.mark.parametrize("given", [5555996.0, "5555996", 5_555_996, "5555996B"])
+def test_a_whole_number_budget_is_bytes_whatever_type_the_parser_hands_over(given):
+    """YAML and LightningCLI turn ``memory_budget: 5555996`` into the float 5555996.0: still bytes, as an int."""
+    parsed = parse_memory_budget(given)
+    assert parsed == 5555996 and type(parsed) is int
+    assert GradientCheckpointing(memory_budget=given).memory_budget == given
+
+
+@pytest.mark.parametrize("budget", [1, 512, 1023.0, "1000B", "1kB"])
+def test_a_byte_budget_under_1kib_is_refused_naming_the_fraction_and_the_bytes_forms(budget):
+    with pytest.raises(ValueError, match=r"under the least byte budget of 1024 B.*such as 1\.0 or 0\.5.*'1KiB'"):
+        GradientCheckpointing(memory_budget=budget)
+
+
+@pytest.mark.parametrize("budget", ["lots", "2 parsecs", 0.0, 1.5, 2048.5, -3, 0, True, [1]])
 def test_memory_budget_not_understood(budget):
     with pytest.raises((ValueError, TypeError), match="memory_budget.*Pass None"):
         GradientCheckpointing(memory_budget=budget)

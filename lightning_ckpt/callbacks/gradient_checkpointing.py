@@ -98,7 +98,8 @@ class GradientCheckpointing(Callback):
             ``memory_budget``, ``"auto"`` lets the plan choose per layer what lives in host memory (see below).
         mode: ``"full"`` recomputes the whole layer; ``"selective"`` keeps matmul/attention outputs.
         memory_budget: let the callback choose: a fraction of the activation bytes held without checkpointing
-            (``0.5``), bytes (``"2GiB"``), or ``"auto"`` (what fits the accelerator). The first training step
+            (``0.5``), bytes (``"2GiB"``, ``"2GB"`` = 2e9, or a whole number: ``5555996`` from YAML too), or ``"auto"``
+            (what fits the accelerator). The first training step
             runs fully checkpointed and measures each layer; from the next batch on, the cheapest plan that
             fits (fewest recomputed FLOPs; each layer ``"none"``, ``"full"`` or ``"selective"``) is applied.
             Replaces ``every_n_layers`` and ``mode``. With ``memory_budget="auto"`` or ``offload="auto"`` the

@@ -188,7 +188,7 @@ def _check_plan_arguments(memory_budget: object, modes: Sequence[str], offload: 
     validate_offload(offload)
     compress = validate_compress(compress)
     profile = resolve_device(device)
-    budget = parse_memory_budget(memory_budget)
+    budget = parse_memory_budget(memory_budget, min_bytes=1)  # any scale: the 1 KiB floor is for what users type
     if budget is None:
         raise ValueError("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as '2GiB'.")
     if offload == "auto" and profile is None:

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 LayerClass = Union[str, type[nn.Module]]
 LayerClassArg = Union[LayerClass, Sequence[LayerClass], None]
 
+#: The least byte budget :func:`parse_memory_budget` takes from a user: 1 KiB.
+MIN_BUDGET_BYTES = 1024
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -157,20 +159,28 @@ def is_inside(name: str, outer: str) -> bool:
     return outer == "" or name.startswith(outer + ".")
 
 
-def parse_memory_budget(budget: object, allow_auto: bool = False) -> float | int | str | None:
-    """Parse ``memory_budget``: ``None``, a fraction in (0, 1], bytes as an int, or a string like ``"2GiB"``.
+def parse_memory_budget(budget: object, allow_auto: bool = False, min_bytes: int = MIN_BUDGET_BYTES
+                        ) -> float | int | str | None:
+    """Parse ``memory_budget``: ``None``, a fraction in (0, 1], bytes as a whole number, or a string like ``"2GiB"``.
 
-    Returns a float for a fraction and an int for bytes. With ``allow_auto`` (the Lightning callback, which
+    Returns a float for a fraction and an int for bytes. A whole number is bytes whatever type it arrives as: YAML
+    and LightningCLI hand ``5555996`` over as the float ``5555996.0``, so a float with no fractional part above 1 is
+    bytes too (``1.0`` is the whole activation memory). Units are decimal (``kB``, ``MB``, ``GB``: powers of 1000) or
+    binary (``KiB``, ``MiB``, ``GiB``: powers of 1024). Bytes under ``min_bytes`` (1 KiB) are refused: a small whole
+    number is almost always a fraction written without its point. With ``allow_auto`` (the Lightning callback, which
     knows the device), ``"auto"`` is accepted and returned as is: what fits the accelerator's memory.
 
     Example::
 
-        >>> parse_memory_budget("2GiB"), parse_memory_budget(0.25), parse_memory_budget("auto", allow_auto=True)
-        (2147483648, 0.25, 'auto')
+        >>> parse_memory_budget("2GiB"), parse_memory_budget("2GB"), parse_memory_budget(0.25)
+        (2147483648, 2000000000, 0.25)
+        >>> parse_memory_budget(5555996.0), parse_memory_budget("5555996"), parse_memory_budget("auto", allow_auto=True)
+        (5555996, 5555996, 'auto')
     """
     if budget is None:
         return None
-    hint = "Pass None, a fraction of the un-checkpointed activation memory such as 0.25, or bytes such as '2GiB' or 500_000_000."
+    hint = ("Pass None, a fraction of the un-checkpointed activation memory such as 0.25, or bytes such as '2GiB' or"
+            " 500_000_000 (KiB, MiB, GiB are powers of 1024; kB, MB, GB powers of 1000).")
     if isinstance(budget, str) and budget.strip().lower() == "auto":
         if allow_auto:
             return "auto"
@@ -178,19 +188,29 @@ def parse_memory_budget(budget: object, allow_auto: bool = False) -> float | int
                          f" the accelerator's memory. {hint}")
     if isinstance(budget, bool):
         raise TypeError(f"`memory_budget={budget!r}` is not understood. {hint}")
+    if isinstance(budget, float) and budget > 1.0 and budget.is_integer():
+        budget = int(budget)
     if isinstance(budget, float):
         if 0.0 < budget <= 1.0:
             return budget
-        raise ValueError(f"`memory_budget={budget!r}`: a fraction must be in (0, 1]. {hint}")
+        raise ValueError(f"`memory_budget={budget!r}`: a fraction must be in (0, 1]; bytes are a whole number. {hint}")
     if isinstance(budget, int):
-        if budget > 0:
-            return budget
-        raise ValueError(f"`memory_budget={budget!r}`: bytes must be positive. {hint}")
+        return _checked_bytes(budget, budget, min_bytes, hint)
     if isinstance(budget, str):
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", budget)
         if match and match.group(2).lower() in _BYTE_UNITS:
-            value = int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
-            if value > 0:
-                return value
+            return _checked_bytes(budget, int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()]), min_bytes,
+                                  hint)
         raise ValueError(f"`memory_budget={budget!r}` is not understood. {hint}")
     raise TypeError(f"`memory_budget={budget!r}` is not understood. {hint}")
+
+
+def _checked_bytes(given: object, value: int, min_bytes: int, hint: str) -> int:
+    """``value`` (the bytes ``given`` stands for) if it is at least ``min_bytes``, else a ``ValueError``."""
+    if value <= 0:
+        raise ValueError(f"`memory_budget={given!r}`: bytes must be positive. {hint}")
+    if value < min_bytes:
+        raise ValueError(f"`memory_budget={given!r}` means {value} B, under the least byte budget of {min_bytes} B."
+                         f" For a fraction of the activation memory pass a float such as 1.0 or 0.5; for bytes pass"
+                         f" '1KiB' or more.")
+    return value
