@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.commands.cli import run_cli
+from lightning_ckpt.commands.plan import main as plan_main
 from lightning_ckpt.demos import GPT, CountingDataModule
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -21,7 +23,14 @@ EXPECTED = {
     "configure_model.yaml": ["model.blocks.0", "model.blocks.2", "model.blocks.4", "model.blocks.6"],
     "tiny.yaml": ["model.blocks.0", "model.blocks.2"],
     "hf_lora.yaml": [f"model.base_model.model.model.layers.{i}" for i in range(4)],
+    "hf_vit.yaml": [f"model.vit.encoder.layer.{i}" for i in range(4)],
 }
+#: Every layer the planner matches in each config (its repeated block, or the callback's ``layer_cls``).
+MATCHED = {name: [f"model.blocks.{i}" for i in range(4 if name == "tiny.yaml" else 8)] for name in EXPECTED}
+MATCHED.update({name: EXPECTED[name] for name in ("hf_lora.yaml", "hf_vit.yaml")})
+#: The configs whose model cannot be built under fake tensors: PEFT's adapters swap weights, ViT's init reads values.
+#: The error each raises there (its message varies with what ran before in the process).
+NOT_FAKE = {"hf_lora.yaml": "RuntimeError: ", "hf_vit.yaml": "DataDependentOutputException: aten._local_scalar_dense"}
 
 
 def test_every_config_is_covered():
@@ -41,6 +50,27 @@ def test_config_parses_and_trains_two_steps(name, tmp_path):
     else:
         assert [c.checkpointed_layers for c in callbacks] == [EXPECTED[name]]
         assert callbacks[0].compress == ("fp8" if name.endswith("_fp8.yaml") else None)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_plan_runs_on_every_shipped_config_and_says_when_it_measured_for_real(name, tmp_path, capsys):
+    """``lightning-ckpt plan`` on each shipped config: a plan over every matched layer; a model that cannot be built
+    under fake tensors is measured with real tensors, and stdout says why."""
+    assert plan_main(["--config", str(CONFIGS / name), "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert [layer["name"] for layer in report["layers"]] == MATCHED[name]
+    assert report["fake"] is False and set(report["plan"]["layers"]) == set(MATCHED[name])
+    said = f"plan: the model cannot be built under fake tensors ({NOT_FAKE.get(name)}"
+    assert (said in out) == (name in NOT_FAKE), out
+    assert ("; measuring with real tensors (its size checked on the meta device first)" in out) == (name in NOT_FAKE)
+
+
+def test_plan_with_fake_on_a_model_fake_tensors_cannot_build_exits_2_saying_what_to_do(capsys):
+    assert plan_main(["--config", str(CONFIGS / "hf_vit.yaml"), "--fake"]) == 2
+    err = capsys.readouterr().err
+    assert f"the model cannot be built under fake tensors ({NOT_FAKE['hf_vit.yaml']}" in err
+    assert "run plan without --fake on a machine that has the config's accelerator" in err
 
 
 def test_example_loss_falls_quickly():

@@ -829,6 +829,9 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
            " unknown variant'); test_compare calls it directly"),
     "commands.arguments.parse_bytes_arg": (
         1, "the command turns it into a usage error (usage error 'plan, device memory')"),
+    "commands.plan._build_without_fake": (
+        2, "main prints them as 'plan: …' with exit status 2; test_configs asserts the --fake one on the ViT config (the"
+           " other needs a model too large for this machine that fake tensors cannot build)"),
     "commands.plan.measure.build": (
         1, "the command plans with fake tensors when the accelerator is missing; only `build` called alone raises it"
            " (test_plan_command)"),

@@ -1,4 +1,5 @@
-"""A Hugging Face causal LM with LoRA adapters (PEFT) as a LightningModule, and token data made in memory.
+"""A Hugging Face causal LM with LoRA adapters (PEFT) and a ViT image classifier as LightningModules, and their
+data made in memory.
 
 The most common real case for checkpointing: fine-tune a Transformers model with PEFT, base weights
 frozen. The model is a tiny Llama built from a ``LlamaConfig`` (nothing is downloaded) in
@@ -23,7 +24,7 @@ import lightning.pytorch as pl
 import peft
 import torch
 import transformers
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt.demos import counting_sequences
 
@@ -110,3 +111,57 @@ class TokenDataModule(pl.LightningDataModule):
         h = self.hparams
         return DataLoader(counting_sequences(h.num_samples, h.seq_len, h.vocab_size, h.seed), batch_size=h.batch_size,
                           shuffle=True)
+
+
+class ViTClassifier(pl.LightningModule):
+    """A ``ViTForImageClassification`` built from a ``ViTConfig`` in ``__init__`` (its ``trunc_normal_`` init reads
+    values, so it cannot be built under fake tensors: ``lightning-ckpt plan`` measures it for real).
+
+    Batches are ``(pixel_values [batch, channels, size, size], labels [batch])``; the encoder layers are
+    ``model.vit.encoder.layer.<i>`` from the LightningModule.
+
+    Example::
+
+        >>> module = ViTClassifier(num_layers=2)
+        >>> module(torch.zeros(3, 3, 32, 32)).shape
+        torch.Size([3, 10])
+    """
+
+    def __init__(self, image_size: int = 32, patch_size: int = 8, hidden_size: int = 64, num_layers: int = 4,
+                 num_heads: int = 4, intermediate_size: int = 128, num_labels: int = 10, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        config = transformers.ViTConfig(image_size=image_size, patch_size=patch_size, hidden_size=hidden_size,
+                                        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                                        intermediate_size=intermediate_size, num_labels=num_labels)
+        self.model = transformers.ViTForImageClassification(config)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixel_values).logits
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        pixel_values, labels = batch
+        loss = self.model(pixel_values=pixel_values, labels=labels).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class ImageDataModule(pl.LightningDataModule):
+    """Batches of ``(images, labels)``: random images whose label is the brightest of ``num_labels`` horizontal
+    bands, so a classifier has something to learn."""
+
+    def __init__(self, image_size: int = 32, num_labels: int = 10, batch_size: int = 8, num_samples: int = 256,
+                 seed: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self) -> DataLoader:
+        h = self.hparams
+        generator = torch.Generator().manual_seed(h.seed)
+        images = torch.rand(h.num_samples, 3, h.image_size, h.image_size, generator=generator)
+        bands = torch.stack([band.mean(dim=(1, 2, 3)) for band in images.chunk(h.num_labels, dim=2)], dim=1)
+        return DataLoader(TensorDataset(images, bands.argmax(dim=1)), batch_size=h.batch_size, shuffle=True,
+                          generator=generator)

@@ -32,6 +32,10 @@ with ``accelerator="cpu", devices=1`` for planning, the precision kept (``bf16-m
 to bfloat16): PyTorch built without CUDA cannot run autograd on fake CUDA tensors, so the step runs CPU kernels'
 shape and dtype rules, and the report says which attention kernel ran and how the target's may differ.
 
+A model that fake tensors cannot build (PEFT's adapters swap weights; a ViT's ``trunc_normal_`` init reads a value)
+is measured with real tensors instead, its size first checked on the meta device, and stdout says why; with
+``--fake`` or without the config's accelerator it is an error that says where to run instead.
+
 Static memory is one device's share. The command launches no process: the trainer is built for one device
 without a strategy, and the configured ``trainer.strategy``, ``devices`` and ``num_nodes`` only say how static
 memory is divided (:func:`~lightning_ckpt.commands.plan.measure.sharding_of`). Under the package's ``fsdp_ckpt``,
@@ -235,7 +239,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``lightning-ckpt plan --config X.yaml [--memory-budget 0.3] [--device-memory 80GiB] [--lengths 512,2048]
     [--fake]``; the exit status."""
     args = _parse(sys.argv[1:] if argv is None else argv)
-    built = _build(args)
+    try:
+        built = _build(args)
+    except ValueError as err:
+        print(f"plan: {err}", file=sys.stderr)
+        return 2
     if built.offload == "auto" and args.device is None:
         print("plan: offload 'auto' prices offload against recompute in time on a device: pass --device NAME (a preset"
               f" such as {PRESET_NAMES[0]}) or --device auto, or --offload true/false.", file=sys.stderr)
@@ -258,7 +266,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _build(args: argparse.Namespace) -> Built:
     """The config built for measuring: under fake tensors when asked, when the configured accelerator is missing
-    here or when the static memory would not fit this machine (each said on stdout); ``--offload`` applied."""
+    here or when the static memory would not fit this machine (each said on stdout); ``--offload`` applied.
+
+    A model that cannot be built under fake tensors (PEFT's adapters swap weights, which fake tensors refuse; a
+    ViT's ``trunc_normal_`` init reads a value) is measured for real when that is allowed, its size checked on the
+    meta device first, and stdout says why. Raises ``ValueError`` when only fake tensors would do."""
     fake = args.fake
     target = configured_accelerator(args.config, args.cli_args)
     if not accelerator_available(target):
@@ -266,18 +278,40 @@ def _build(args: argparse.Namespace) -> Built:
             print(f"plan: the config's accelerator {target!r} is not available here; planning for it with fake tensors"
                   " on the CPU (no memory allocated).", flush=True)
         fake = True
-    built = build(args.config, fake=True, cli_args=args.cli_args)
-    if not fake and would_not_fit(built):
-        print(f"plan: the weights, gradients and optimizer state would not fit this machine's {built.device} memory;"
-              " measuring with fake tensors (no memory allocated).", flush=True)
-        fake = True
-    if not fake:
-        built = build(args.config, fake=False, cli_args=args.cli_args, seed_banner=False)
+    try:
+        built = build(args.config, fake=True, cli_args=args.cli_args)
+    except Exception as err:  # whatever the model's own code raises under fake tensors
+        built = _build_without_fake(args, fake, err)
+    else:
+        if not fake and would_not_fit(built):
+            print(f"plan: the weights, gradients and optimizer state would not fit this machine's {built.device}"
+                  " memory; measuring with fake tensors (no memory allocated).", flush=True)
+            fake = True
+        if not fake:
+            built = build(args.config, fake=False, cli_args=args.cli_args, seed_banner=False)
     if args.offload is not None:
         built.offload = {"true": True, "false": False, "auto": "auto"}[args.offload]
     if args.compress is not None:
         built.compress = None if args.compress == "none" else args.compress
     return built
+
+
+def _build_without_fake(args: argparse.Namespace, fake: bool, err: Exception) -> Built:
+    """The config built for real after ``err`` stopped its build under fake tensors, if the accelerator is here, no
+    ``--fake`` was asked and the model fits (checked on the meta device)."""
+    while (err.__cause__ or err.__context__) is not None:  # jsonargparse wraps the model's own error
+        err = err.__cause__ or err.__context__
+    why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if fake:
+        raise ValueError(f"the model cannot be built under fake tensors ({why}), which --fake or a missing"
+                         " accelerator needs; run plan without --fake on a machine that has the config's accelerator")
+    sized = build(args.config, fake=False, meta=True, cli_args=args.cli_args, seed_banner=False)
+    if would_not_fit(sized):
+        raise ValueError(f"the model cannot be built under fake tensors ({why}) and its weights, gradients and"
+                         " optimizer state would not fit this machine's memory; run plan on a machine with more memory")
+    print(f"plan: the model cannot be built under fake tensors ({why}); measuring with real tensors (its size"
+          " checked on the meta device first).", flush=True)
+    return build(args.config, fake=False, cli_args=args.cli_args, seed_banner=False)
 
 
 @dataclass

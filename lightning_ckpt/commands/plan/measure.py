@@ -268,7 +268,7 @@ def _seed_banner(shown: bool) -> Iterator[None]:
         logger.removeFilter(drop)
 
 
-def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: bool = True) -> Built:
+def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: bool = True, meta: bool = False) -> Built:
     """Build the config's model (with ``configure_model`` run and the trainer's precision applied), data and
     checkpointing settings; under ``FakeTensorMode`` when ``fake`` (no memory is allocated for weights or
     activations). ``cli_args`` are LightningCLI overrides.
@@ -277,7 +277,9 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
     and num_nodes only say how static memory is sharded (``sharding``). When the configured accelerator is not
     available here, ``fake`` must be on: the trainer is then built with ``accelerator="cpu"`` too
     (:data:`PLANNING_TRAINER`), its precision kept, and ``planned_for`` says so. ``seed_banner=False`` drops
-    Lightning's "Seed set to N" line (the config's ``seed_everything``) for a build after the first.
+    Lightning's "Seed set to N" line (the config's ``seed_everything``) for a build after the first. ``meta=True``
+    (not with ``fake``) builds the weights on the meta device: sizes and dtypes only, for :func:`would_not_fit` on a
+    model that cannot be built under fake tensors.
     """
     target = configured_accelerator(config, cli_args)
     planned_for = None if accelerator_available(target) else target
@@ -285,7 +287,8 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
         raise ValueError(f"plan: the config asks for accelerator={target!r}, which this machine does not have; plan"
                          " for it with --fake (nothing is allocated) or run on a machine that has it.")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else None
-    context = fake_mode if fake_mode is not None else nullcontext()
+    context: AbstractContextManager[Any] = (fake_mode if fake_mode is not None
+                                            else torch.device("meta") if meta else nullcontext())
     configured = ["--config", str(config), *cli_args]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
@@ -301,9 +304,9 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
     module = cli.model
     device = cli.trainer.strategy.root_device
     precision = cli.trainer.precision_plugin
-    with context, (nullcontext() if fake else torch.device(device)):
+    with context, (nullcontext() if fake or meta else torch.device(device)):
         module.configure_model()
-        if any(t.device != device for t in (*module.parameters(), *module.buffers())):
+        if not meta and any(t.device != device for t in (*module.parameters(), *module.buffers())):
             module.to(device)
         precision.convert_module(module)  # "bf16-true" and the like: weights in that dtype, as Lightning does
     module.train()
