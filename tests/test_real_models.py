@@ -344,14 +344,13 @@ def test_an_offload_auto_plan_on_real_models_trains_exactly_and_moves_what_it_pl
     assert kept_on_device([]) == 0
 
 
-@pytest.mark.parametrize("case", sorted(PLAN_CASES))
-def test_fp8_inputs_on_real_models_keep_the_forward_and_buffers_and_bring_gradients_close(case):
-    """compress='fp8' on models nobody here wrote, every matched layer checkpointed, against exact checkpointing:
-    the loss bit-equal and buffers (BatchNorm statistics) equal after two steps, the gradients close but not equal,
-    and less held for backward. Close: the cosine of all of them >= 0.999, the issue's target for transformers;
-    the BatchNorm CNN gets 0.9985 (its recompute normalises the rounded inputs by their own batch statistics), held
-    to 0.998."""
-    least_cosine = 0.998 if case == "batchnorm cnn" else 0.999
+#: The models whose layers fp8 compresses: the BatchNorm CNN's layers keep their inputs exact under fp8.
+FP8_CASES = sorted(set(PLAN_CASES) - {"batchnorm cnn"})
+
+
+def _exact_and_fp8_runs(case: str) -> dict:
+    """Two steps of the case with every matched layer checkpointed, exact and under fp8: per compress, the
+    (loss, gradients) of each step, the buffers after them and the bytes held for backward by the first forward."""
     runs = {}
     for compress in (None, "fp8"):
         model, loss_fn, layer_cls = PLAN_CASES[case]()
@@ -361,17 +360,55 @@ def test_fp8_inputs_on_real_models_keep_the_forward_and_buffers_and_bring_gradie
             loss_fn(model)
         results = [loss_and_grads(model, loss_fn) for _ in range(2)]
         runs[compress] = (results, {n: b.clone() for n, b in model.named_buffers()}, saved.bytes)
+    return runs
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_fp8_inputs_on_real_models_keep_the_forward_and_buffers_and_bring_gradients_close(case):
+    """compress='fp8' on models nobody here wrote, every matched layer checkpointed, against exact checkpointing:
+    the loss bit-equal and buffers equal after two steps, the gradients close but not equal, and less held for
+    backward. Close: the cosine of all of them >= 0.999, the issue's target for transformers."""
+    runs = _exact_and_fp8_runs(case)
     (exact, exact_buffers, exact_held), (fp8, fp8_buffers, fp8_held) = runs[None], runs["fp8"]
     for (loss, grads), (exact_loss, exact_grads) in zip(fp8, exact):
         assert torch.equal(loss, exact_loss)
         got, want = (torch.cat([g[n].flatten() for n in sorted(exact_grads)]).double() for g in (grads, exact_grads))
         assert not torch.equal(got, want)
-        assert float(nn.functional.cosine_similarity(got, want, dim=0)) >= least_cosine
+        assert float(nn.functional.cosine_similarity(got, want, dim=0)) >= 0.999
     assert all(torch.equal(fp8_buffers[n], b) for n, b in exact_buffers.items())
     assert fp8_held < exact_held
 
 
-@pytest.mark.parametrize("case", sorted(PLAN_CASES))
+def test_fp8_keeps_the_inputs_of_batchnorm_layers_exact_and_says_so_once(caplog, monkeypatch):
+    """A layer with BatchNorm re-normalises its rounded inputs in the recompute (the issue measured a step-1 gradient
+    cosine of 0.964 on a ResNet-style CNN): under fp8 its inputs are kept exact, so the CNN trains bit-equal to exact
+    checkpointing and holds as much, and the log says so once however often the layers are wrapped."""
+    from lightning_ckpt import plan_checkpointing
+    from lightning_ckpt.core import wrapping
+
+    monkeypatch.setattr(wrapping, "_said", set())  # said once per process: start this test's process afresh
+    with caplog.at_level(logging.INFO, logger="lightning_ckpt"):
+        runs = _exact_and_fp8_runs("batchnorm cnn")
+        model, _, layer_cls = PLAN_CASES["batchnorm cnn"]()
+        apply_checkpointing(model, layer_cls=layer_cls, compress="fp8")  # wrapped again: nothing more said
+    (exact, exact_buffers, exact_held), (fp8, fp8_buffers, fp8_held) = runs[None], runs["fp8"]
+    for (loss, grads), (exact_loss, exact_grads) in zip(fp8, exact):
+        assert torch.equal(loss, exact_loss)
+        assert all(torch.equal(grads[n], g) for n, g in exact_grads.items())
+    assert all(torch.equal(fp8_buffers[n], b) for n, b in exact_buffers.items())
+    assert fp8_held == exact_held
+    said = [r.getMessage() for r in caplog.records if "keeps the inputs of ConvBlock layers exact" in r.getMessage()]
+    assert len(said) == 1 and "compress='bf16'" in said[0]
+    model, loss_fn, layer_cls = PLAN_CASES["batchnorm cnn"]()  # the planner prices those inputs exact too
+    with pytest.raises(ValueError, match="least reachable is") as info:
+        plan_checkpointing(model, lambda: loss_fn(model), 0.01, layer_cls=layer_cls)
+    least = int(str(info.value).split("(or ")[1].split(" bytes")[0])  # what exact inputs reach at best
+    assert plan_checkpointing(model, lambda: loss_fn(model), least, layer_cls=layer_cls, compress="fp8").peak_bytes == least
+    with pytest.raises(ValueError, match=f"least reachable is .*\\(or {least} bytes\\)"):
+        plan_checkpointing(model, lambda: loss_fn(model), least - 1, layer_cls=layer_cls, compress="fp8")
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
 def test_an_fp8_plan_on_real_models_predicts_its_peak_and_holds_its_budget(case):
     """plan_checkpointing(..., compress='fp8') at a budget below what exact full checkpointing reaches: the applied
     plan's activation peak, counted without the package's counters, is within the budget, and the prediction is at

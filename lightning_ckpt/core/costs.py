@@ -113,8 +113,8 @@ class LayerCost:
         """The costs with the inputs held under ``compress``: what a checkpointed choice (full, selective, ops)
         holds, and offload moves, shrinks by what compressing the inputs saves; ``"none"`` is unchanged. The backward
         peak grows by the compressed copy, alive next to the decompressed inputs until the layer's backward ends
-        (counted whatever the choice: the bound stays safe). Costs already compressed (``codec_bytes`` set) come
-        back as they are.
+        (counted whatever the choice: the bound stays safe). Costs already compressed (``codec_bytes`` set), and
+        costs whose inputs compress to no fewer bytes (kept exact), come back as they are.
 
         Example::
 
@@ -124,10 +124,15 @@ class LayerCost:
             >>> half = cost.compressed("bf16")
             >>> half.full_bytes, half.selective_bytes, half.offloadable_bytes, half.backward_peak, half.codec_bytes
             (500, 1500, 500, 3500, 3000)
+            >>> exact = replace(cost, fp8_bytes=1000)  # inputs kept exact under fp8: no copy, no codec passes
+            >>> exact.compressed("fp8") is exact
+            True
         """
         if compress is None or self.codec_bytes:
             return self
         held = (self.bf16_bytes if compress == "bf16" else self.fp8_bytes) or self.full_bytes
+        if held == self.full_bytes:  # nothing to compress (or kept exact: BatchNorm under fp8): no copy, no passes
+            return self
         saved = self.full_bytes - held
         ratio = held / self.full_bytes if self.full_bytes else 1.0
         return replace(self, full_bytes=held, selective_bytes=self.selective_bytes - saved,

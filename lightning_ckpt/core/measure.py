@@ -34,7 +34,7 @@ from lightning_ckpt.core.layer_state import buffers_restored
 from lightning_ckpt.core.op_curve import OpRecord, add_records, op_records
 from lightning_ckpt.core.placement import fsdp2
 from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS
-from lightning_ckpt.core.compress import held_bytes
+from lightning_ckpt.core.compress import held_bytes, layer_compress
 from lightning_ckpt.core.profiling import (
     LiveBytes,
     OpCostMode,
@@ -341,7 +341,7 @@ class LayerCostRecorder:
         totals.full_bytes += full
         totals.offloadable_bytes += tensor_bytes(t for t in inputs_held if t.device.type != "cpu")
         totals.bf16_bytes += held_bytes(inputs_held, "bf16")
-        totals.fp8_bytes += held_bytes(inputs_held, "fp8")
+        totals.fp8_bytes += held_bytes(inputs_held, "fp8") if layer_compress(layer, "fp8") else full
         totals.calls += 1
         key = None if self._sharded else _rerun_key(layer, args, kwargs, excluded)
         rerun = self._reruns.get(key) if key is not None else None

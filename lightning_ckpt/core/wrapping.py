@@ -22,7 +22,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 
 import torch
@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from lightning_ckpt.core.compress import Compress, CompressSaved, check_compress, validate_compress
+from lightning_ckpt.core.compress import Compress, CompressSaved, check_compress, layer_compress, validate_compress
 from lightning_ckpt.core.layer_state import CallState, LayerState
 from lightning_ckpt.core.offload import OffloadToHost, engine_for
 from lightning_ckpt.core.policies import selective_context_fn
@@ -300,17 +300,33 @@ def apply_checkpointing(
     check_compress(compress, {p.device for _, layer in selected for p in layer.parameters()})
     selected = _without_layers_checkpointed_elsewhere(module, selected)
     check_no_nesting(module, [name for name, _ in selected])
-    for _, layer in selected:
+    exact = [name for name, layer in selected if layer_compress(layer, compress) != compress]
+    for name, layer in selected:
+        layer_options = replace(options, compress=None) if name in exact else options
         if is_checkpointed(layer):
-            layer.forward.options = options
+            layer.forward.options = layer_options
         else:
             original = layer.__dict__.get("forward")
-            layer.forward = CheckpointedForward(layer, options, original)
+            layer.forward = CheckpointedForward(layer, layer_options, original)
+    for cls in sorted({type(layer).__name__ for name, layer in selected if name in exact}):
+        _say_once(f"lightning_ckpt: compress={compress!r} keeps the inputs of {cls} layers exact: they hold BatchNorm,"
+                  " whose recompute would normalise the rounded inputs by their own batch statistics (compress='bf16'"
+                  " holds them at half width).")
     if options.offload:
         _warn_if_offload_does_nothing([layer for _, layer in selected])
     names = [name for name, _ in selected]
     turn_off_caches(module, names)
     return names
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """Log ``message`` at INFO, once per process: a model re-planned many times says it once."""
+    if message not in _said:
+        _said.add(message)
+        log.info(message)
 
 
 _warned_offload_on_cpu = False
