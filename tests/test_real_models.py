@@ -68,15 +68,22 @@ def assert_same(result, ref, atol: float) -> None:
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_hf_llama_with_its_default_cache_trains_exactly_and_the_cache_comes_back(use_reentrant, caplog):
+def test_hf_llama_with_its_default_cache_trains_exactly_and_the_cache_comes_back(use_reentrant, caplog, monkeypatch):
+    from lightning_ckpt.core import say_once
+
+    monkeypatch.setattr(say_once, "_said", set())  # said once per process: start this test's process afresh
     ref = loss_and_grads(llama())
     model = llama()
     assert model.config.use_cache is True
     with caplog.at_level(logging.INFO, logger="lightning_ckpt"):
         names = apply_checkpointing(model, use_reentrant=use_reentrant)
+        for _ in range(3):  # re-applied, as each new plan does: the cache and the detected class said once a run
+            remove_checkpointing(model)
+            apply_checkpointing(model, use_reentrant=use_reentrant)
     assert names == LAYERS
     assert model.config.use_cache is False
     assert sum("use_cache" in r.getMessage() for r in caplog.records) == 1
+    assert sum("detected the repeated layer class" in r.getMessage() for r in caplog.records) == 1
     assert_same(loss_and_grads(model), ref, atol=1e-6)
     assert remove_checkpointing(model) == LAYERS
     assert model.config.use_cache is True
@@ -384,9 +391,9 @@ def test_fp8_keeps_the_inputs_of_batchnorm_layers_exact_and_says_so_once(caplog,
     cosine of 0.964 on a ResNet-style CNN): under fp8 its inputs are kept exact, so the CNN trains bit-equal to exact
     checkpointing and holds as much, and the log says so once however often the layers are wrapped."""
     from lightning_ckpt import plan_checkpointing
-    from lightning_ckpt.core import wrapping
+    from lightning_ckpt.core import say_once
 
-    monkeypatch.setattr(wrapping, "_said", set())  # said once per process: start this test's process afresh
+    monkeypatch.setattr(say_once, "_said", set())  # said once per process: start this test's process afresh
     with caplog.at_level(logging.INFO, logger="lightning_ckpt"):
         runs = _exact_and_fp8_runs("batchnorm cnn")
         model, _, layer_cls = PLAN_CASES["batchnorm cnn"]()

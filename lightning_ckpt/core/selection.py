@@ -20,6 +20,8 @@ from typing import Union
 
 from torch import nn
 
+from lightning_ckpt.core.say_once import say_once
+
 __all__ = ["LayerClass", "LayerClassArg", "class_path", "detect_block_class", "import_class", "is_inside",
            "layer_classes", "parse_memory_budget", "resolve_layer_classes", "select_layers", "validate_every_n_layers"]
 
@@ -136,7 +138,7 @@ def layer_classes(module: nn.Module, layer_cls: LayerClassArg) -> tuple[type[nn.
     classes = resolve_layer_classes(layer_cls)
     if classes is None:
         classes = (detect_block_class(module),)
-        log.info("lightning_ckpt: detected the repeated layer class %s", class_path(classes[0]))
+        say_once(log, f"lightning_ckpt: detected the repeated layer class {class_path(classes[0])}")
     return classes
 
 

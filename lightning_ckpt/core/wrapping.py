@@ -34,6 +34,7 @@ from lightning_ckpt.core.compress import Compress, CompressSaved, check_compress
 from lightning_ckpt.core.layer_state import CallState, LayerState
 from lightning_ckpt.core.offload import OffloadToHost, engine_for
 from lightning_ckpt.core.policies import selective_context_fn
+from lightning_ckpt.core.say_once import say_once
 from lightning_ckpt.core.selection import (
     LayerClassArg,
     class_path,
@@ -309,7 +310,7 @@ def apply_checkpointing(
             original = layer.__dict__.get("forward")
             layer.forward = CheckpointedForward(layer, layer_options, original)
     for cls in sorted({type(layer).__name__ for name, layer in selected if name in exact}):
-        _say_once(f"lightning_ckpt: compress={compress!r} keeps the inputs of {cls} layers exact: they hold BatchNorm,"
+        say_once(log, f"lightning_ckpt: compress={compress!r} keeps the inputs of {cls} layers exact: they hold BatchNorm,"
                   " whose recompute would normalise the rounded inputs by their own batch statistics (compress='bf16'"
                   " holds them at half width).")
     if options.offload:
@@ -317,16 +318,6 @@ def apply_checkpointing(
     names = [name for name, _ in selected]
     turn_off_caches(module, names)
     return names
-
-
-_said: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    """Log ``message`` at INFO, once per process: a model re-planned many times says it once."""
-    if message not in _said:
-        _said.add(message)
-        log.info(message)
 
 
 _warned_offload_on_cpu = False
@@ -382,9 +373,9 @@ def turn_off_caches(module: nn.Module, names: Sequence[str]) -> list[nn.Module]:
             owner.__dict__[_CACHE_FLAG] = True
             config.use_cache = False
             changed.append(owner)
-            log.info("lightning_ckpt: turned off `config.use_cache` of %s while its layers are checkpointed (the"
-                     " recompute must not see a cache that forward filled); removing checkpointing turns it back on.",
-                     type(owner).__name__)
+            say_once(log, f"lightning_ckpt: turned off `config.use_cache` of {type(owner).__name__} while its layers"
+                          " are checkpointed (the recompute must not see a cache that forward filled); removing"
+                          " checkpointing turns it back on.")
     return changed
 
 
