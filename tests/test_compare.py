@@ -535,9 +535,12 @@ def test_compare_tiny_config_writes_table_json_and_plot(tmp_path, capsys):
         assert rows[name]["activations"] == format_bytes(activations[name] * GIB)
         assert re.fullmatch(r"\d+\.\d [KM]iB", rows[name]["activations"])
     assert f"2 layers checkpointed, activations {format_bytes(activations['every_2nd'] * GIB)}, median" in printed
-    saved = activations["none"] - activations["every_layer"]
-    percent = 100 * saved / activations["none"]
+    # memory saved is that of the step's activation peak (what a budget bounds), not of what the forward leaves held
+    peaks = {v["name"]: v["activation_peak_gib"] for v in written["variants"]}
+    saved = peaks["none"] - peaks["every_layer"]
+    percent = 100 * saved / peaks["none"]
     assert rows["every_layer"]["memory saved"] == f"{format_bytes(saved * GIB)} ({percent:.0f}%)"
+    assert percent < 100 * (activations["none"] - activations["every_layer"]) / activations["none"]
 
     assert [v["name"] for v in written["variants"]] == FIXED
     assert all(v["timed_steps"] == 3 for v in written["variants"])
@@ -606,9 +609,11 @@ def test_compare_planned_variant_fits_the_budget(tmp_path, capsys):
     written = json.loads((out / "compare.json").read_text())
     activations = {v["name"]: v["activations_gib"] for v in written["variants"]}
     planned = written["variants"][2]
-    # the plan holds from step 2: the timed steps (after 1 warm-up step) are within the budget
-    assert activations["every_layer"] <= planned["timed_memory_gib"] <= 0.5 * activations["none"] * 1.02
-    assert planned["timed_memory_gib"] <= planned["activations_gib"]
+    # the plan holds from step 2: the timed steps' activation peak (after 1 warm-up step) is within the budget, a
+    # fraction of the peak without checkpointing
+    peaks = {v["name"]: v["activation_peak_gib"] for v in written["variants"]}
+    assert peaks["every_layer"] <= planned["timed_memory_gib"] <= 0.5 * peaks["none"]
+    assert planned["timed_memory_gib"] <= planned["activation_peak_gib"]
     assert rows["planned"]["activations"] == format_bytes(planned["activations_gib"] * GIB)
     assert 1 <= int(rows["planned"]["layers"]) <= 4
     # predicted on this CPU, measured (the default): the plan's own layers; any recompute costs time

@@ -17,10 +17,11 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ckpt import GradientCheckpointing
+from lightning_ckpt import GradientCheckpointing, apply_checkpointing
 import lightning_ckpt.callbacks.memory_monitor as monitor_module
 from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
 from lightning_ckpt.core.memory_stats import (
+    ACTIVATION_PEAK,
     ACTIVATIONS,
     ACTIVATIONS_OFFLOADED,
     GIB,
@@ -35,10 +36,12 @@ from lightning_ckpt.core.memory_stats import (
 )
 from lightning_ckpt.core.fake_streams import FakeStreams
 from lightning_ckpt.core.offload import OffloadEngine, default_engine, use_engine
+from lightning_ckpt.core.profiling import format_bytes
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequences
 
 VOCAB, SEQ, BATCH = 32, 16, 8
-ALWAYS = {HOST_RSS, ACTIVATIONS, ACTIVATIONS_OFFLOADED, SAMPLES_PER_SEC, TOKENS_PER_SEC, STEP_SEC, RECOMPUTE_FLOPS_SHARE}
+ALWAYS = {HOST_RSS, ACTIVATIONS, ACTIVATIONS_OFFLOADED, ACTIVATION_PEAK, SAMPLES_PER_SEC, TOKENS_PER_SEC, STEP_SEC,
+          RECOMPUTE_FLOPS_SHARE}
 DEVICE_KEYS = {PEAK_ALLOCATED, PEAK_RESERVED}
 
 
@@ -365,3 +368,39 @@ def test_gather_returns_only_after_the_process_group_let_go_of_its_tensors(monke
     assert released.is_set()  # it waited for the "worker"
     assert local._use_count() == 1
     assert torch.equal(gathered, torch.tensor([[1.0, 2.0], [2.0, 3.0]], dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------------
+# Reports that state the peak
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpointing", [dict(every_n_layers=2), dict(memory_budget="600KiB")])
+def test_summary_states_the_step_s_activation_peak_as_an_independent_count_finds_it(tmp_path, checkpointing, caplog):
+    """The summary's activation peak, the budget ratio and the "outweigh"/"largest part" line are the step's peak
+    (forward and backward), within 5% of ``benchmarks/_peak.py``'s count of the same step, not the bytes the forward
+    leaves held (which the issue found reported as "0.91x the memory_budget" where the peak was 0.958x)."""
+    from helpers import counted_peak
+
+    seed_everything(0)
+    model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_embd=32, n_head=2, dropout=0.0)
+    monitor, ckpt = MemoryMonitor(), GradientCheckpointing(**checkpointing)
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, [ckpt, monitor], max_steps=3).fit(model, data())
+    summary = monitor.summary
+    idx, targets = next(iter(data().train_dataloader()))
+    if ckpt.plan is not None:  # the fit's checkpointing is undone at its end: count the same step again by hand
+        ckpt.plan.apply(model)
+    else:
+        apply_checkpointing(model, layer_cls=Block, every_n_layers=2)
+    counted = counted_peak(model.train(), lambda: F.cross_entropy(model(idx).flatten(0, 1), targets.flatten()))
+    assert summary["activation_peak_bytes"] == pytest.approx(counted, rel=0.05)
+    assert summary["activation_peak_bytes"] > summary["activation_bytes"]  # the two figures differ: which is stated
+    printed = next(r.getMessage() for r in caplog.records if "MemoryMonitor summary" in r.getMessage())
+    peak = format_bytes(summary["activation_peak_bytes"])
+    assert f"peak activations:   {peak} at the step's peak (forward and backward)" in printed
+    assert f"activations at the step's peak ({peak})" in printed.replace("Activations at", "activations at")
+    if "memory_budget" in checkpointing:
+        budget = 600 * 1024
+        assert summary["budget_bytes"] == budget and summary["activation_peak_bytes"] <= budget
+        assert f"{summary['activation_peak_bytes'] / budget:.2f}x the memory_budget of 600.0 KiB, which bounds" in printed

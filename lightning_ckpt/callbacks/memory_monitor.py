@@ -28,6 +28,7 @@ from lightning_ckpt.callbacks.gradient_checkpointing import find_checkpointing_c
 from lightning_ckpt.core.memory_stats import (
     ActivationProbe,
     FlopProbe,
+    PeakProbe,
     all_gather_released,
     device_peak_bytes,
     format_summary,
@@ -62,6 +63,11 @@ class MemoryMonitor(Callback):
     - ``memory/activations_gib``: bytes held for backward at the end of the training forward, parameters not
       counted, counted with saved-tensor hooks on the logging step; ``memory/activations_offloaded_gib``: the part
       that ``GradientCheckpointing(offload=True)`` keeps in host memory instead.
+    - ``memory/activation_peak_gib``: the step's activation peak, forward and backward (recomputes and activation
+      gradients included, parameters' gradients not), the figure a ``memory_budget`` bounds. Counted by
+      :class:`~lightning_ckpt.core.memory_stats.PeakProbe`, a Python dispatch mode that slows the step it counts: on
+      the second optimizer step (the first runs a budget's measuring) and on the steps that count FLOPs (below);
+      logging steps in between repeat the last count.
     - ``throughput/samples_per_sec``, ``throughput/tokens_per_sec`` (when ``length_fn`` is given or the batch's main
       tensor holds token ids ``[batch, seq]``), ``time/step_sec``: averages over the steps since the last log,
       validation excluded.
@@ -76,8 +82,9 @@ class MemoryMonitor(Callback):
     The device is synchronised only on logging steps (and once at the end of fit). One step is one optimizer step, so
     with gradient accumulation the activations are the largest of the step's micro-batches.
 
-    At the end of fit it prints (rank zero) peak memory, peak activations, samples/s and a breakdown into parameters,
-    gradients, optimizer state and activations, saying so when checkpointing cannot help. Without a logger it only
+    At the end of fit it prints (rank zero) peak memory, peak activations (the step's activation peak, which a
+    ``memory_budget`` bounds and is compared with, and what the forward leaves held), samples/s and a breakdown into
+    parameters, gradients, optimizer state and activations at their peak, saying so when checkpointing cannot help. Without a logger it only
     prints that summary. The last logged values are in ``metrics`` (this rank's, before reduction, in
     ``local_metrics``) and the summary in ``summary``.
 
@@ -116,6 +123,7 @@ class MemoryMonitor(Callback):
         self.summary: dict[str, Any] = {}
         self._probe = ActivationProbe()
         self._flops = FlopProbe()
+        self._peak = PeakProbe()
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -139,6 +147,9 @@ class MemoryMonitor(Callback):
         self._flops.take()
         self._recompute_share: Optional[float] = None
         self._flops_counted_at: Optional[int] = None
+        self._step_peak: Optional[int] = None  # this optimizer step's activation peak, when counted
+        self._last_peak: Optional[int] = None  # the latest counted, repeated on logging steps in between
+        self._most_peak: Optional[int] = None  # the largest counted, for the summary
 
     def _elapsed(self) -> float:
         assert self._t0 is not None
@@ -165,6 +176,8 @@ class MemoryMonitor(Callback):
             self._probe.start(pl_module.parameters())
         if self._counts_flops(trainer):
             self._flops.start()
+        if trainer.global_step + 1 == 2 or self._counts_flops(trainer):
+            self._peak.start()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._record_activations()
@@ -173,6 +186,7 @@ class MemoryMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         self._flops.stop()  # forward and backward only
+        self._record_peak(pl_module)
         if self._gradient_bytes is None:
             self._gradient_bytes = tensor_bytes(p.grad for p in pl_module.parameters())
 
@@ -181,15 +195,19 @@ class MemoryMonitor(Callback):
     ) -> None:
         self._record_activations()  # when the step returned no loss, there was no backward
         self._flops.stop()
+        self._record_peak(pl_module)
         if trainer.global_step == self._last_step:
             return  # accumulating gradients: not an optimizer step yet
         self._steps += trainer.global_step - self._last_step
         self._last_step = trainer.global_step
         if self._step_activations is not None:
             self._peak_activations = max(self._peak_activations, self._step_activations)
+        if self._step_peak is not None:
+            self._last_peak = self._step_peak
+            self._most_peak = max(self._most_peak or 0, self._step_peak)
         if self._is_log_step(trainer.global_step) and trainer.loggers:
             self._log(trainer)
-        self._step_activations = None
+        self._step_activations = self._step_peak = None
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._t0 is not None and not trainer.sanity_checking:
@@ -201,20 +219,22 @@ class MemoryMonitor(Callback):
             self._pause_start = None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._probe.stop()
-        self._flops.stop()
+        self._stop_probes()
         if self._t0 is None:
             return
         self.summary = self._summarize(trainer, pl_module)
         rank_zero_info(format_summary(self.summary))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._probe.stop()
-        self._flops.stop()
+        self._stop_probes()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_probes()
+
+    def _stop_probes(self) -> None:
         self._probe.stop()
         self._flops.stop()
+        self._peak.stop()
 
     # ------------------------------------------------------------------ measuring
 
@@ -249,6 +269,11 @@ class MemoryMonitor(Callback):
             return self.length_fn(batch)
         return tokens_in_batch(batch) or 0
 
+    def _record_peak(self, pl_module: pl.LightningModule) -> None:
+        counted = self._peak.stop(pl_module.parameters())
+        if counted is not None:  # with gradient accumulation, the largest micro-batch's
+            self._step_peak = max(self._step_peak or 0, counted)
+
     def _record_activations(self) -> None:
         counted = self._probe.stop()
         if counted is not None:
@@ -280,6 +305,7 @@ class MemoryMonitor(Callback):
             device_peaks=peaks,
             activations=self._step_activations,
             recompute_share=self._recompute_share,
+            activation_peak=self._last_peak,
         )
 
     def _log(self, trainer: pl.Trainer) -> None:
@@ -301,6 +327,7 @@ class MemoryMonitor(Callback):
             optimizers=trainer.optimizers,
             gradient_bytes=self._gradient_bytes,
             activations=self._peak_activations,
+            activation_peak=self._most_peak,
             peak_host_rss=max(self._peak_rss, host_peak_rss_bytes()),
             peak_device=self._peak_device if peaks is not None else None,
             samples=int(self._samples),

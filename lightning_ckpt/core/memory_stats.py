@@ -24,6 +24,7 @@ import psutil
 import torch
 
 from lightning_ckpt.core.profiling import (
+    LiveBytes,
     OpCostMode,
     SavedTensorCounter,
     format_bytes,
@@ -46,6 +47,7 @@ PEAK_RESERVED = "memory/peak_reserved_gib"
 HOST_RSS = "memory/host_rss_gib"
 ACTIVATIONS = "memory/activations_gib"
 ACTIVATIONS_OFFLOADED = "memory/activations_offloaded_gib"
+ACTIVATION_PEAK = "memory/activation_peak_gib"
 SAMPLES_PER_SEC = "throughput/samples_per_sec"
 TOKENS_PER_SEC = "throughput/tokens_per_sec"
 STEP_SEC = "time/step_sec"
@@ -59,6 +61,7 @@ REDUCTIONS: dict[str, str] = {
     HOST_RSS: "max",
     ACTIVATIONS: "max",
     ACTIVATIONS_OFFLOADED: "max",
+    ACTIVATION_PEAK: "max",
     SAMPLES_PER_SEC: "sum",
     TOKENS_PER_SEC: "sum",
     STEP_SEC: "max",
@@ -68,7 +71,8 @@ REDUCTIONS: dict[str, str] = {
 METRIC_KEYS = tuple(REDUCTIONS)
 #: Byte counts of the end-of-fit summary (ints after :func:`reduce_summary`); the other figures are rates.
 SUMMARY_BYTE_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_host_rss_bytes", "activation_bytes",
-                     "offloaded_activation_bytes", "parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
+                     "offloaded_activation_bytes", "activation_peak_bytes", "parameter_bytes", "gradient_bytes",
+                     "optimizer_state_bytes")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,6 +250,41 @@ class ActivationProbe:
         return counter.bytes, counter.offloaded_bytes
 
 
+class PeakProbe:
+    """The step's activation peak: the most bytes alive at once, forward and backward (recomputes and activation
+    gradients included), of the storages made between ``start`` (a training batch starts) and ``stop`` (its backward
+    is done), the gradients of ``parameters`` left out. This is the figure a memory budget bounds
+    (:attr:`~lightning_ckpt.core.plan.CheckpointPlan.peak_bytes`). Counting puts every op through a Python dispatch
+    mode (:class:`~lightning_ckpt.core.profiling.LiveBytes`), which slows the step counted.
+
+    Example::
+
+        >>> x, weight = torch.randn(1024), torch.nn.Parameter(torch.ones(1024))  # made before: not counted
+        >>> probe = PeakProbe()
+        >>> probe.start()
+        >>> (x * weight).sum().backward()
+        >>> probe.stop([weight])  # x * weight (4096 B) and its sum (4 B); the weight's gradient left out
+        4100
+    """
+
+    def __init__(self) -> None:
+        self._mode: Optional[LiveBytes] = None
+
+    def start(self) -> None:
+        """Enter a fresh count (dropping one still running)."""
+        self.stop()
+        self._mode = LiveBytes()
+        self._mode.__enter__()
+
+    def stop(self, parameters: Iterable[torch.Tensor] = ()) -> Optional[int]:
+        """Leave the count; return its peak without the storages of ``parameters``' gradients, if one was running."""
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return None
+        mode.__exit__(None, None, None)
+        return mode.peak(exclude=[p.grad for p in parameters if p.grad is not None])
+
+
 class RecomputeCostMode(OpCostMode):
     """Count a step's FLOPs as the planner does (:class:`~lightning_ckpt.core.profiling.OpCostMode`: torch's formulas for
     matmul, convolution and attention, one per output element for every other op) and, apart, those of checkpoint's
@@ -336,10 +375,12 @@ def interval_metrics(
     device_peaks: Optional[tuple[int, int]] = None,
     activations: Optional[tuple[int, int]] = None,
     recompute_share: Optional[float] = None,
+    activation_peak: Optional[int] = None,
 ) -> dict[str, float]:
     """One rank's logged figures over an interval (GiB, per second), keyed as :data:`REDUCTIONS`; figures not
     measured (``None``) or not a number are left out. Bytes: ``device_peaks`` is ``(allocated, reserved)``,
-    ``activations`` ``(held, offloaded)``; one batch is one optimizer step.
+    ``activations`` ``(held, offloaded)`` at the end of the forward, ``activation_peak`` the step's activation peak
+    (:class:`PeakProbe`); one batch is one optimizer step.
 
     Example::
 
@@ -362,6 +403,8 @@ def interval_metrics(
     values[STEP_SEC] = 1.0 / batches_per_sec
     if recompute_share is not None:
         values[RECOMPUTE_FLOPS_SHARE] = recompute_share
+    if activation_peak is not None:
+        values[ACTIVATION_PEAK] = activation_peak / GIB
     return {key: value for key, value in values.items() if not math.isnan(value)}
 
 
@@ -435,6 +478,7 @@ def local_summary(
     optimizers: Iterable[torch.optim.Optimizer],
     gradient_bytes: Optional[int],
     activations: tuple[int, int],
+    activation_peak: Optional[int] = None,
     peak_host_rss: int,
     peak_device: Optional[tuple[int, int]] = None,
     samples: int,
@@ -443,7 +487,8 @@ def local_summary(
 ) -> dict[str, float]:
     """One rank's end-of-fit figures, as floats (NaN: not measured), in the order that :func:`reduce_summary` reads.
 
-    ``activations`` is the peak ``(held, offloaded)`` bytes, ``peak_device`` the peak ``(allocated, reserved)``
+    ``activations`` is the peak ``(held, offloaded)`` bytes at the end of a forward, ``activation_peak`` the largest
+    activation peak of a step counted (``None``: none counted), ``peak_device`` the peak ``(allocated, reserved)``
     (``None`` without allocator statistics), ``gradient_bytes`` those of the gradients seen at an optimizer step
     (``None``: none seen); ``samples`` and ``tokens`` (``None``: not counted) over ``elapsed`` seconds of training.
 
@@ -463,6 +508,7 @@ def local_summary(
         "peak_host_rss_bytes": float(peak_host_rss),
         "activation_bytes": float(activations[0]),
         "offloaded_activation_bytes": float(activations[1]),
+        "activation_peak_bytes": float(activation_peak) if activation_peak is not None else math.nan,
         "parameter_bytes": float(tensor_bytes(parameters)),
         "gradient_bytes": float(gradient_bytes or 0),
         "optimizer_state_bytes": float(optimizer_state_bytes(optimizers)),
@@ -506,20 +552,24 @@ ABOUT_EQUAL = 0.9
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
-    """The end-of-fit report of :class:`~lightning_ckpt.callbacks.memory_monitor.MemoryMonitor` as text.
+    r"""The end-of-fit report of :class:`~lightning_ckpt.callbacks.memory_monitor.MemoryMonitor` as text.
 
     Example::
 
         >>> print(format_summary({"steps": 10, "world_size": 1, "device": "cpu", "peak_allocated_bytes": None,
         ...     "peak_reserved_bytes": None, "peak_host_rss_bytes": 2**30, "activation_bytes": 2**29,
-        ...     "offloaded_activation_bytes": 0, "parameter_bytes": 2**20, "gradient_bytes": 2**20,
-        ...     "optimizer_state_bytes": 2**21, "samples_per_sec": 100.0, "tokens_per_sec": None,
-        ...     "chooser": "every_n_layers"}).splitlines()[-1])
-          Activations (512.0 MiB) are the largest part: checkpointing more layers (smaller `every_n_layers`) or `offload=True` shrinks them.
+        ...     "offloaded_activation_bytes": 0, "activation_peak_bytes": 3 * 2**28, "parameter_bytes": 2**20,
+        ...     "gradient_bytes": 2**20, "optimizer_state_bytes": 2**21, "samples_per_sec": 100.0,
+        ...     "tokens_per_sec": None, "chooser": "memory_budget", "budget_bytes": 2**30}).split("\n", 2)[2])
+          peak activations:   768.0 MiB at the step's peak (forward and backward), 0.75x the memory_budget of 1.0 GiB, which bounds that peak; 512.0 MiB held for backward at the end of the forward
+          throughput:         100.0 samples/s
+          memory breakdown: parameters 1.0 MiB, gradients 1.0 MiB, optimizer state 2.0 MiB, activations 768.0 MiB at the step's peak
+          Activations at the step's peak (768.0 MiB) are the largest part: a smaller `memory_budget` (or `offload=True`) shrinks them.
 
     ``chooser`` is how the run chose its checkpointed layers (``"memory_budget"``, ``"every_n_layers"`` or ``None``
-    without the callback), and ``budget_bytes`` (optional) the largest budget of its plans, which the peak is
-    compared with.
+    without the callback), and ``budget_bytes`` (optional) the largest budget of its plans, which the step's
+    activation peak (``activation_peak_bytes``) is compared with: that is what a budget bounds. Where no step's peak
+    was counted, the bytes held at the end of the forward stand in, and the report says which figure it gives.
     """
     ranks = f", {summary['world_size']} processes" if summary["world_size"] > 1 else ""
     lines = [f"MemoryMonitor summary ({summary['steps']} steps{ranks}):"]
@@ -531,10 +581,18 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(f"  peak device memory: n/a ({summary['device']} run); peak host RSS {rss}")
     offloaded = summary["offloaded_activation_bytes"]
     budget = summary.get("budget_bytes")
-    lines.append(f"  peak activations:   {_bytes(summary['activation_bytes'])} held for backward"
-                 + (f" (+ {_bytes(offloaded)} offloaded to host memory)" if offloaded else "")
-                 + (f", {summary['activation_bytes'] / budget:.2f}x the memory_budget of {_bytes(budget)}" if budget
-                    else ""))
+    peak = summary.get("activation_peak_bytes")
+    held = (f"{_bytes(summary['activation_bytes'])} held for backward at the end of the forward"
+            + (f" (+ {_bytes(offloaded)} offloaded to host memory)" if offloaded else ""))
+    if peak is not None:
+        lines.append(f"  peak activations:   {_bytes(peak)} at the step's peak (forward and backward)"
+                     + (f", {peak / budget:.2f}x the memory_budget of {_bytes(budget)}, which bounds that peak"
+                        if budget else "") + f"; {held}")
+    else:
+        lines.append(f"  peak activations:   {held}" + (f" (the step's peak, which the memory_budget of"
+                                                          f" {_bytes(budget)} bounds, was not counted)" if budget else ""))
+    activations, which = (peak, "at the step's peak") if peak is not None else (summary["activation_bytes"],
+                                                                               "held at the end of the forward")
     rate = summary["samples_per_sec"]
     tokens = summary.get("tokens_per_sec")
     lines.append(f"  throughput:         {rate:,.1f} samples/s" + (f", {tokens:,.0f} tokens/s" if tokens else "")
@@ -542,32 +600,34 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     per = " per process" if summary["world_size"] > 1 else ""
     lines.append(f"  memory breakdown{per}: parameters {_bytes(summary['parameter_bytes'])}, gradients"
                  f" {_bytes(summary['gradient_bytes'])}, optimizer state {_bytes(summary['optimizer_state_bytes'])},"
-                 f" activations {_bytes(summary['activation_bytes'])}")
+                 f" activations {_bytes(activations)} {which}")
     weights = summary["parameter_bytes"] + summary["gradient_bytes"] + summary["optimizer_state_bytes"]
-    lines.append("  " + weights_against_activations(weights, summary["activation_bytes"], summary.get("chooser")))
+    lines.append("  " + weights_against_activations(weights, activations, summary.get("chooser"), which))
     return "\n".join(lines)
 
 
-def weights_against_activations(weights: float, activations: float, chooser: Optional[str] = None) -> str:
+def weights_against_activations(weights: float, activations: float, chooser: Optional[str] = None,
+                                which: str = "at the step's peak") -> str:
     """Which is larger, ``weights`` (parameters, gradients and optimizer state) or ``activations`` (bytes, compared
     as they are, not as printed), and what shrinks it; "about equal" when the smaller is at least
-    :data:`ABOUT_EQUAL` of the larger. ``chooser`` is how the run chose its checkpointed layers.
+    :data:`ABOUT_EQUAL` of the larger. ``chooser`` is how the run chose its checkpointed layers; ``which`` says which
+    activation figure it is (the step's peak, or what the forward leaves held).
 
     Example::
 
         >>> weights_against_activations(2**24, 2**24).split(":")[0]  # the same 16 MiB: neither outweighs the other
-        'Parameters, gradients and optimizer state (16.0 MiB) are about equal to activations (16.0 MiB)'
-        >>> weights_against_activations(2**24, 2**20).split(":")[0]
-        'Parameters, gradients and optimizer state (16.0 MiB) outweigh activations (1.0 MiB)'
+        "Parameters, gradients and optimizer state (16.0 MiB) are about equal to activations at the step's peak (16.0 MiB)"
+        >>> weights_against_activations(2**24, 2**20, which="held at the end of the forward").split(":")[0]
+        'Parameters, gradients and optimizer state (16.0 MiB) outweigh activations held at the end of the forward (1.0 MiB)'
     """
     w, a = format_bytes(weights), format_bytes(activations)
     if min(weights, activations) >= ABOUT_EQUAL * max(weights, activations):
-        return (f"Parameters, gradients and optimizer state ({w}) are about equal to activations ({a}): both count."
-                f" For activations, {_ADVICE[chooser]} For the rest, {_SHARD}.")
+        return (f"Parameters, gradients and optimizer state ({w}) are about equal to activations {which} ({a}): both"
+                f" count. For activations, {_ADVICE[chooser]} For the rest, {_SHARD}.")
     if weights > activations:
-        return (f"Parameters, gradients and optimizer state ({w}) outweigh activations ({a}): checkpointing cannot"
-                f" shrink them. Instead, {_SHARD}.")
-    return f"Activations ({a}) are the largest part: {_ADVICE[chooser]}"
+        return (f"Parameters, gradients and optimizer state ({w}) outweigh activations {which} ({a}): checkpointing"
+                f" cannot shrink them. Instead, {_SHARD}.")
+    return f"Activations {which} ({a}) are the largest part: {_ADVICE[chooser]}"
 
 
 _SHARD = ("shard them across devices (FSDP, DeepSpeed ZeRO) or train fewer parameters (parameter-efficient tuning"

@@ -129,7 +129,10 @@ def _method(c: Comparison) -> str:
     """The paragraph on what is measured and how: memory, timing, throughput, time lost, the step-1 check."""
     on_device = c.baseline.peak_allocated_gib is not None
     memory_what = ("peak allocated device memory" if on_device else
-                   f"activations held for backward ({c.baseline.device} run: no device memory; host RSS shown)")
+                   f"the step's activation peak, forward and backward, counted on step 2 ({c.baseline.device} run:"
+                   " no device memory; host RSS shown)" if c.baseline.activation_peak_gib is not None else
+                   f"activations held for backward at the end of the forward ({c.baseline.device} run: no device"
+                   " memory, and no step's peak counted; host RSS shown)")
     return (
         f"Memory saved is measured on {memory_what}. {timing_text(c)} Step time is the median over the timed steps,"
         f" with its interquartile range (IQR); samples/s is the samples of one step over that median. Time lost is"
@@ -198,7 +201,8 @@ def _variant_json(r: VariantResult, base: VariantResult) -> dict[str, Any]:
     entry.update(
         checkpointed_layers=r.checkpointed_layers, device=r.device, peak_allocated_gib=r.peak_allocated_gib,
         peak_reserved_gib=r.peak_reserved_gib, host_rss_gib=r.host_rss_gib,
-        activations_gib=r.activations_gib, offloaded_gib=r.offloaded_gib, timed_memory_gib=r.timed_memory_gib,
+        activations_gib=r.activations_gib, offloaded_gib=r.offloaded_gib, activation_peak_gib=r.activation_peak_gib,
+        timed_memory_gib=r.timed_memory_gib,
         timed_steps=step.n,
         step_sec_median=step.median, step_sec_q1=step.q1, step_sec_q3=step.q3,
         samples_per_step=r.samples_per_step, tokens_per_step=r.tokens_per_step,

@@ -17,6 +17,7 @@ import torch
 from lightning_ckpt.commands.compare.variants import PLANNED, VARIANTS, compress_of
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.memory_stats import (
+    ACTIVATION_PEAK,
     ACTIVATIONS,
     ACTIVATIONS_OFFLOADED,
     HOST_RSS,
@@ -188,6 +189,7 @@ class VariantResult:
     host_rss_gib: float = math.nan
     activations_gib: float = math.nan
     offloaded_gib: float = 0.0
+    activation_peak_gib: Optional[float] = None  # the step's activation peak, forward and backward (None: not counted)
     step_times: list[list[float]] = field(default_factory=list)
     samples_per_step: float = math.nan  # of one optimizer step, all ranks together
     tokens_per_step: Optional[float] = None
@@ -207,8 +209,11 @@ class VariantResult:
 
     @property
     def memory_gib(self) -> float:
-        """The memory that checkpointing is meant to cut: device peak on an accelerator, else activations."""
-        return self.peak_allocated_gib if self.peak_allocated_gib is not None else self.activations_gib
+        """The memory that checkpointing is meant to cut: device peak on an accelerator, else the step's activation
+        peak, else (not counted) the activations held at the end of the forward."""
+        if self.peak_allocated_gib is not None:
+            return self.peak_allocated_gib
+        return self.activation_peak_gib if self.activation_peak_gib is not None else self.activations_gib
 
     @property
     def step(self) -> Spread:
@@ -262,7 +267,7 @@ def measurements(name: str, runs: Sequence[tuple[Sequence[Mapping[str, float]], 
         values = [r[rate] * r[STEP_SEC] for r in timed if rate in r and STEP_SEC in r]
         return float(np.median(values)) if values else None
 
-    memory_key = PEAK_ALLOCATED if peak(PEAK_ALLOCATED) is not None else ACTIVATIONS
+    memory_key = next(k for k in (PEAK_ALLOCATED, ACTIVATION_PEAK, ACTIVATIONS) if peak(k) is not None or k == ACTIVATIONS)
     timed_memory = [r[memory_key] for r in timed if memory_key in r]
     layers = list(result.get("checkpointed_layers", []))
     settings = VARIANTS.get(name)
@@ -284,6 +289,7 @@ def measurements(name: str, runs: Sequence[tuple[Sequence[Mapping[str, float]], 
         host_rss_gib=peak(HOST_RSS) or math.nan,
         activations_gib=peak(ACTIVATIONS) or 0.0,
         offloaded_gib=peak(ACTIVATIONS_OFFLOADED) or 0.0,
+        activation_peak_gib=peak(ACTIVATION_PEAK),
         step_times=[[r[STEP_SEC] for r in run_rows[warmup:]] for run_rows, _ in runs],
         samples_per_step=per_step(SAMPLES_PER_SEC) or math.nan,
         tokens_per_step=per_step(TOKENS_PER_SEC),
