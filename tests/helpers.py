@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -80,3 +81,11 @@ def assert_moved_alike(weights: dict[str, torch.Tensor], reference: dict[str, to
     moved_reference = torch.cat([(reference[k] - start[k]).flatten() for k in keys]).double()
     assert not torch.equal(moved, moved_reference)
     assert float(F.cosine_similarity(moved, moved_reference, dim=0)) > least_cosine
+
+
+def least_reachable_bytes(message: str) -> int:
+    """The least reachable budget in bytes from an out-of-reach error: "at least 0.347 (or 397440 bytes)" after a
+    fraction, "at least 397440 bytes (388.1 KiB)" after bytes."""
+    found = re.search(r"pass a budget of at least (?:\d+\.\d+ \(or )?(\d+) bytes", message)
+    assert found is not None, message
+    return int(found.group(1))

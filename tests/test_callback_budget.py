@@ -240,7 +240,7 @@ def test_an_impossible_budget_fails_before_any_weight_changes_and_leaves_the_mod
     model = RecordingGPT()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     callback = GradientCheckpointing(memory_budget=0.01)
-    with pytest.raises(ValueError, match=r"least reachable.*Nothing was applied.*budget of at least"):
+    with pytest.raises(ValueError, match=r"(?s)least reachable.*Nothing was applied.*budget of at least"):
         fit(model, [callback])
     assert model.calls == 1 and model.seen == [BLOCKS]  # the fully checkpointed first step, no backward after it
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -707,20 +707,20 @@ def four_layers(offloadable: int) -> list[LayerCost]:
     # peak without checkpointing, 0.460. offload=True: 3 x (10 - 6) on the device, and the newest offloaded layer's
     # 6 B back for l3's backward: 100 + 12 + 100 + 6 = 218 B, 43.6%. "auto" can do no better (moving all a layer
     # saves brings all of it back for its backward). 50 / 230 = 21.7%: about 22%.
-    (6, ("full", "selective"), ["but the least reachable is 230 B (46.0%), with every matched layer checkpointed;",
+    (6, ("full", "selective"), ["but the least reachable is 230 B (46.0%), with every matched layer checkpointed.",
                                 "the backward of `l3` sets that floor: it has 100 B alive at once",
-                                "To fit: pass a budget of at least 0.460 (or 230 bytes);",
-                                "; or offload=True, which reaches 218 B (43.6%);",
+                                "\n  To fit: pass a budget of at least 0.460 (or 230 bytes)\n",
+                                "\n  - or offload=True, which reaches 218 B (43.6%)\n",
                                 "about 22% of the current size would fit"]),
     # nothing to offload: offload=True reaches the same 230 B
     (0, ("full", "selective"), ["but the least reachable is 230 B (46.0%)", "at least 0.460 (or 230 bytes)",
-                                "; offload=True would not help here (the layer inputs are in CPU memory, there is no"
-                                " device memory for it to free)", "about 22% of the current size would fit"]),
+                                "\n  - (offload=True would not help here: the layer inputs are in CPU memory, there is"
+                                " no device memory for it to free)\n", "about 22% of the current size would fit"]),
     # selective only: 100 + 3 x 40 + 100 = 320 B, 64.0%; offload=True: 100 + 3 x 34 + 100 + 6 = 308 B, 61.6%;
     # 50 / 320 = 15.6%: 16%.
-    (6, ("selective",), ["but the least reachable is 320 B (64.0%)", "at least 0.640 (or 320 bytes);",
-                         "; or offload=True, which reaches 308 B (61.6%);",
-                         "; or allow modes=('full', 'selective');", "about 16% of the current size would fit"]),
+    (6, ("selective",), ["but the least reachable is 320 B (64.0%)", "at least 0.640 (or 320 bytes)\n",
+                         "\n  - or offload=True, which reaches 308 B (61.6%)\n",
+                         "\n  - or allow modes=('full', 'selective')\n", "about 16% of the current size would fit"]),
 ])
 def test_out_of_reach_budget_message_gives_the_least_reachable_and_what_would_fit(offloadable, modes, figures):
     with pytest.raises(ValueError) as info:
@@ -729,11 +729,23 @@ def test_out_of_reach_budget_message_gives_the_least_reachable_and_what_would_fi
     # 0.1 x 500 B = 50 B, 10.0% of the 500 B peak; the 100 B outside the layers stay whatever is checkpointed.
     assert message.startswith("`memory_budget=0.1` asks for an activation peak of at most 50 B (10.0% of the 500 B"
                               " peak without checkpointing)"), message
-    assert "; 100 B of it is outside the matched layers" in message, message
+    assert "\n  Floor: 100 B of it is outside the matched layers" in message, message
+    assert all(len(line) <= 240 for line in message.splitlines()), message  # a few short lines, not one long one
     for figure in figures:
         assert figure in message, (figure, message)
     assert ("allow modes" in message) == ("full" not in modes)
     assert "offload='auto'" not in message, message
+
+
+@pytest.mark.parametrize("budget", [50, "50B"])
+def test_out_of_reach_byte_budget_message_asks_for_bytes_not_a_fraction(budget):
+    """A byte budget holds at every length; a fraction means another budget at each: a user who gave bytes is told
+    the least reachable in bytes, on a line of its own."""
+    with pytest.raises(ValueError) as info:
+        make_plan(four_layers(6), 100, budget)
+    lines = str(info.value).splitlines()
+    assert lines[2] == "  To fit: pass a budget of at least 230 bytes (230 B)", lines
+    assert "0.460" not in str(info.value)
 
 
 def test_out_of_reach_budget_message_says_why_offload_would_not_help_one_layer():
@@ -741,7 +753,7 @@ def test_out_of_reach_budget_message_says_why_offload_would_not_help_one_layer()
     its backward; the floor stays 100 B outside + its 100 B backward = 200 B either way."""
     with pytest.raises(ValueError) as info:
         make_plan(four_layers(6)[:1], 100, 0.1)
-    assert ("least reachable is 200 B" in str(info.value) and "offload=True would not help here (what sets the floor"
+    assert ("least reachable is 200 B" in str(info.value) and "offload=True would not help here: what sets the floor"
             " is a layer's backward, whose inputs come back to the device for it)" in str(info.value)), str(info.value)
 
 
@@ -753,7 +765,7 @@ def test_host_memory_short_message_gives_the_budget_and_the_host_memory():
         make_plan(four_layers(6), 100, 0.45, offload=True, host_memory=17)
     message = str(info.value)
     assert message.startswith("`memory_budget=0.45` (225 B of activations) needs more than `host_memory=17` (17 B) of"
-                              " offloaded tensors. Nothing was applied. To fit: pass a larger `host_memory`"), message
+                              " offloaded tensors. Nothing was applied.\n  To fit: pass a larger `host_memory`"), message
     assert message.endswith("(bytes of host memory the offloaded tensors may use)."), message
     # host memory is short, not device memory: no advice to shrink the batch or checkpoint more layers
     assert "smaller batch" not in message and "layer_cls" not in message, message

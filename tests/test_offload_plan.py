@@ -12,6 +12,7 @@ import copy
 import math
 
 import pytest
+from helpers import least_reachable_bytes
 import torch
 from torch import nn
 
@@ -86,7 +87,7 @@ def every_layer_full_peak(measured) -> int:
     """The least peak without offload (every layer fully checkpointed), from the refusal of a budget of 1 byte."""
     with pytest.raises(ValueError, match="the least reachable is") as refused:
         plan(measured, 1, False)
-    return int(str(refused.value).split(" bytes)")[0].rsplit("(or ", 1)[1])
+    return least_reachable_bytes(str(refused.value))
 
 
 def test_a_budget_below_every_layer_checkpointed_needs_offload(measured):

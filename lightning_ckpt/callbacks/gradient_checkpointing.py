@@ -373,7 +373,7 @@ class GradientCheckpointing(Callback):
                              head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes,
                              compress=self._settings["compress"])
         except ValueError as err:
-            raise ValueError(f"{err} This was for a batch of {size} (the largest over ranks).") from None
+            raise ValueError(f"{err}\n  This was for a batch of {size} (the largest over ranks).") from None
         self._cycle.planned(plan)
         if trainer.is_global_zero:
             _report_plan(trainer, plan, self._settings["memory_budget"], auto, size)

@@ -36,6 +36,7 @@ from lightning_ckpt.core.memory_stats import (
     host_rss_bytes,
     interval_metrics,
     local_summary,
+    main_tensor,
     metrics_vector,
     reduce_metrics,
     reduce_summary,
@@ -66,8 +67,9 @@ class MemoryMonitor(Callback):
     - ``memory/activation_peak_gib``: the step's activation peak, forward and backward (recomputes and activation
       gradients included, parameters' gradients not), the figure a ``memory_budget`` bounds. Counted by
       :class:`~lightning_ckpt.core.memory_stats.PeakProbe`, a Python dispatch mode that slows the step it counts: on
-      the second optimizer step (the first runs a budget's measuring) and on the steps that count FLOPs (below);
-      logging steps in between repeat the last count.
+      each batch larger (its main tensor's shape, padding included) than every earlier one, on the second optimizer step (the first
+      runs a budget's measuring) and on the steps that count FLOPs (below); logging steps in between repeat the last
+      count.
     - ``throughput/samples_per_sec``, ``throughput/tokens_per_sec`` (when ``length_fn`` is given or the batch's main
       tensor holds token ids ``[batch, seq]``), ``time/step_sec``: averages over the steps since the last log,
       validation excluded.
@@ -150,6 +152,7 @@ class MemoryMonitor(Callback):
         self._step_peak: Optional[int] = None  # this optimizer step's activation peak, when counted
         self._last_peak: Optional[int] = None  # the latest counted, repeated on logging steps in between
         self._most_peak: Optional[int] = None  # the largest counted, for the summary
+        self._largest_batch = 0  # tokens (or samples) of the largest batch so far
 
     def _elapsed(self) -> float:
         assert self._t0 is not None
@@ -176,7 +179,9 @@ class MemoryMonitor(Callback):
             self._probe.start(pl_module.parameters())
         if self._counts_flops(trainer):
             self._flops.start()
-        if trainer.global_step + 1 == 2 or self._counts_flops(trainer):
+        main = main_tensor(batch)  # its shape, padding included, is what memory grows with (and reading it never syncs)
+        if (trainer.global_step + 1 == 2 or self._counts_flops(trainer)
+                or self._largest_yet(main.numel() if main is not None else 0)):
             self._peak.start()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -268,6 +273,12 @@ class MemoryMonitor(Callback):
         if self.length_fn is not None:
             return self.length_fn(batch)
         return tokens_in_batch(batch) or 0
+
+    def _largest_yet(self, size: int) -> bool:
+        """Whether a batch of ``size`` values in its main tensor is larger than every earlier one: its peak is
+        counted."""
+        larger, self._largest_batch = size > self._largest_batch, max(self._largest_batch, size)
+        return larger
 
     def _record_peak(self, pl_module: pl.LightningModule) -> None:
         counted = self._peak.stop(pl_module.parameters())

@@ -458,40 +458,37 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
         return _least_peak(costs, outside, modes, value, min_bytes, head_bytes, head_peak_bytes)
 
     minimum = least(offload)
-    text = (f"`memory_budget={memory_budget!r}` asks for an activation peak of at most {format_bytes(budget_bytes)}"
+    head = (f"`memory_budget={memory_budget!r}` asks for an activation peak of at most {format_bytes(budget_bytes)}"
             f" ({_pct(budget_bytes, baseline)} of the {format_bytes(baseline)} peak without checkpointing), but the least"
             f" reachable is {format_bytes(minimum)} ({_pct(minimum, baseline)}), with every matched layer checkpointed"
-            + (" or offloaded" if offload == "auto" else "")
-            + f"; {format_bytes(outside)} of it is outside the matched layers (embeddings, head, loss)"
-            + _floor_text(costs, [o.device_bytes for o in _smallest(costs, modes, offload, min_bytes)], outside - head_bytes,
-                          outside + head_peak_bytes)
-            + ". Nothing was applied.")
-    host_short = bool(offload) and minimum <= budget_bytes  # the device could hold it: host memory is what is short
-    if host_short:
-        text = (f"`memory_budget={memory_budget!r}` ({format_bytes(budget_bytes)} of activations) needs more than"
-                f" `host_memory={host_memory}` ({format_bytes(host_memory or 0)}) of offloaded tensors. Nothing was applied."
-                f" To fit: pass a larger `host_memory` (bytes of host memory the offloaded tensors may use)")
-    else:
-        text += f" To fit: pass a budget of at least {minimum / baseline:.3f} (or {minimum} bytes)"
+            + (" or offloaded" if offload == "auto" else "") + ". Nothing was applied.")
+    floor = (f"  Floor: {format_bytes(outside)} of it is outside the matched layers (embeddings, head, loss)"
+             + _floor_text(costs, [o.device_bytes for o in _smallest(costs, modes, offload, min_bytes)],
+                           outside - head_bytes, outside + head_peak_bytes) + ".")
+    if bool(offload) and minimum <= budget_bytes:  # the device could hold it: host memory is what is short
+        return (f"`memory_budget={memory_budget!r}` ({format_bytes(budget_bytes)} of activations) needs more than"
+                f" `host_memory={host_memory}` ({format_bytes(host_memory or 0)}) of offloaded tensors. Nothing was"
+                " applied.\n  To fit: pass a larger `host_memory` (bytes of host memory the offloaded tensors may use).")
+    in_bytes = not isinstance(parse_memory_budget(memory_budget, allow_auto=True, min_bytes=1), float)
+    ways = [f"  To fit: pass a budget of at least {minimum} bytes ({format_bytes(minimum)})" if in_bytes else
+            f"  To fit: pass a budget of at least {minimum / baseline:.3f} (or {minimum} bytes)"]
     if offload is False:
         with_offload = least(True)
         if with_offload < minimum:
-            text += f"; or offload=True, which reaches {format_bytes(with_offload)} ({_pct(with_offload, baseline)})"
+            ways.append(f"or offload=True, which reaches {format_bytes(with_offload)} ({_pct(with_offload, baseline)})")
         else:
             why = ("the layer inputs are in CPU memory, there is no device memory for it to free"
                    if not any(c.offloadable_bytes for c in costs) else
                    "what sets the floor is a layer's backward, whose inputs come back to the device for it")
-            text += f"; offload=True would not help here ({why})"
+            ways.append(f"(offload=True would not help here: {why})")
     if offload != "auto" and least("auto") < min(minimum, least(True)):
-        text += f"; or offload='auto' with a device profile, which can reach {format_bytes(least('auto'))}"
+        ways.append(f"or offload='auto' with a device profile, which can reach {format_bytes(least('auto'))}")
     if "full" not in modes:
-        text += "; or allow modes=('full', 'selective')"
-    if host_short:  # a smaller batch or more checkpointed layers are about device memory, which is not short
-        return text + "."
-    text += (f"; or a smaller batch or shorter sequences (activations grow about linearly with them: about"
-             f" {math.ceil(100 * budget_bytes / minimum)}% of the current size would fit); or checkpoint more of the"
-             " model by adding the classes outside the layers to `layer_cls`.")
-    return text
+        ways.append("or allow modes=('full', 'selective')")
+    ways.append(f"or a smaller batch or shorter sequences (activations grow about linearly with them: about"
+                f" {math.ceil(100 * budget_bytes / minimum)}% of the current size would fit)")
+    ways.append("or checkpoint more of the model by adding the classes outside the layers to `layer_cls`.")
+    return "\n".join([head, floor, ways[0], *(f"  - {way}" for way in ways[1:])])
 
 
 def _smallest(costs: Sequence[LayerCost], modes: Sequence[str], offload: Offload, min_bytes: int) -> list[LayerOption]:
@@ -524,11 +521,11 @@ def _compress_hint(exact: Sequence[LayerCost], compress: Optional[Compress], out
         return ""
     for kind in narrower:
         if least(kind) <= budget_bytes:
-            return (f" Or compress='{kind}' (the checkpointed layers' inputs held as {_WIDTH_TEXT[kind]}; gradients"
+            return (f"\n  - or compress='{kind}' (the checkpointed layers' inputs held as {_WIDTH_TEXT[kind]}; gradients"
                     f" close, not equal), which reaches {format_bytes(least(kind))}.")
     kind = narrower[-1]
-    return (f" compress='{kind}' (the checkpointed layers' inputs held as {_WIDTH_TEXT[kind]}) would reach"
-            f" {format_bytes(least(kind))}: not enough either.")
+    return (f"\n  - (compress='{kind}', the checkpointed layers' inputs held as {_WIDTH_TEXT[kind]}, would reach"
+            f" {format_bytes(least(kind))}: not enough either.)")
 
 
 _WIDTH_TEXT = {"bf16": "bfloat16, 2 bytes a value", "fp8": "float8 with a scale per 128 values, about 1 byte a value"}
