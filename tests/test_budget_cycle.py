@@ -332,3 +332,42 @@ def test_a_transformers_llama_on_batches_padded_per_batch_holds_a_byte_budget_on
     assert all(h <= budget for h in model.held if h is not None), (model.held, budget)
     short, long = callback.plans[32], callback.plans[256]  # 2 x 16 and 2 x 128 tokens
     assert short.recompute_flops == 0 < long.recompute_flops  # the short batches recompute nothing
+
+
+# ------------------------------------------------------------------------------------------- quiet logs
+
+
+class PlansSeen(Callback):
+    """The plan each training batch runs under (after the checkpointing callback's own batch start), and every plan
+    the callback has kept after each batch (a plan solved at a measuring step may be replaced before a batch runs it)."""
+
+    def __init__(self, callback: GradientCheckpointing) -> None:
+        self.callback, self.plans, self.made = callback, [], set()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.plans.append(self.callback.plan)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.made |= {id(plan) for plan in self.callback.plans.values()}
+
+
+def test_a_long_run_of_varying_lengths_logs_one_line_per_new_plan_and_none_per_switch(caplog):
+    """60 steps whose lengths are drawn long-tailed (8..64, the first ones short): one log line for each new plan
+    (its summary), and nothing when a batch switches to a plan made before or to a measuring step."""
+    import logging
+    import random
+
+    rng = random.Random(0)
+    lengths = [8, 12] + [min(64, max(8, int(rng.lognormvariate(3.0, 0.6)))) for _ in range(58)]
+    budget = (step_peak(64, full=False) + step_peak(64, full=True)) // 2
+    callback = GradientCheckpointing(memory_budget=budget)
+    seen = PlansSeen(callback)
+    with caplog.at_level(logging.INFO):
+        fit([callback, seen], lengths=lengths)
+    ours = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO
+            and r.getMessage().startswith(("GradientCheckpointing", "lightning_ckpt"))]
+    switches = sum(a is not b for a, b in zip(seen.plans, seen.plans[1:]))
+    assert 1 < len(seen.made) < switches  # plans are re-used: batches switch back and forth between them
+    plan_lines = [m for m in ours if m.startswith("GradientCheckpointing: batches up to")]
+    assert len(plan_lines) == len(seen.made)
+    assert len(ours) - len(plan_lines) <= 1, ours  # at most "detected the repeated layer class", once

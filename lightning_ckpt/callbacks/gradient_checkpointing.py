@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import psutil
@@ -228,10 +229,11 @@ class GradientCheckpointing(Callback):
             names = self.plan.apply(pl_module, **options)
         else:  # measuring: every layer, full, compressed as asked (so it holds no more than the plans can)
             names = apply_checkpointing(pl_module, **{**options, "offload": False})
-        if names != self.checkpointed_layers:
-            self.checkpointed_layers = names
+        if names != self.checkpointed_layers and self._settings["memory_budget"] is None:
+            # with a budget, the line each new plan logs says it (a switch between plans says nothing)
             shown = ", ".join(names) if len(names) <= 8 else ", ".join(names[:8]) + ", ..."
             rank_zero_info(f"GradientCheckpointing: checkpointing {len(names)} layers ({shown})")
+        self.checkpointed_layers = names
         return names
 
     def remove(self) -> None:
@@ -555,7 +557,8 @@ def _largest_over_ranks(strategy: Strategy, size: BatchSize) -> BatchSize:
 
 def _report_plan(trainer: pl.Trainer, plan: CheckpointPlan, memory_budget: object, auto: Optional[AutoBudget],
                  size: Optional[BatchSize] = None) -> None:
-    """One line in the log; the whole table to each logger that takes text, else to the log (info)."""
+    """One line in the log (info); the whole table to each logger that takes text, else to the log at debug level
+    (one line per new plan at info: a run of many lengths makes many plans)."""
     shape = f"batches up to {size}, " if size is not None else ""
     rank_zero_info(f"GradientCheckpointing: {shape}{plan_summary(plan, memory_budget, auto)}")
     table = (f"Planned for batches up to {size}\n" if size is not None else "") + plan_table(plan, auto)
@@ -567,7 +570,7 @@ def _report_plan(trainer: pl.Trainer, plan: CheckpointPlan, memory_budget: objec
                      trainer.global_step)
             sent = True
     if not sent:
-        rank_zero_info(f"GradientCheckpointing plan:\n{table}")
+        rank_zero_debug(f"GradientCheckpointing plan:\n{table}")
 
 
 def _layer_cls_as_paths(layer_cls: Any) -> Any:
