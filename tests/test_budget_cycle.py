@@ -331,3 +331,15 @@ def test_a_transformers_llama_on_batches_padded_per_batch_holds_a_byte_budget_on
     assert all(h <= budget for h in model.held if h is not None), (model.held, budget)
     short, long = callback.plans[32], callback.plans[256]  # 2 x 16 and 2 x 128 tokens
     assert short.recompute_flops == 0 < long.recompute_flops  # the short batches recompute nothing
+
+
+def test_a_re_planned_bucket_keeps_the_size_of_its_new_measurement_not_the_larger_of_both():
+    # (100, 25) and (90, 30) share bucket 128; neither covers the other. The re-plan was measured at (90, 30) only,
+    # so a batch of 100 tokens at length 30 is covered by neither measurement and must be measured again.
+    cycle, p1, p2 = BudgetCycle(), a_plan(10), a_plan(20)
+    assert cycle.begin(BatchSize(100, 25)).measure
+    cycle.planned(p1)
+    assert cycle.begin(BatchSize(90, 30)).measure  # longer than the plan's length
+    cycle.planned(p2)
+    assert cycle.sizes[128] == BatchSize(90, 30) and cycle.plans[128] is p2
+    assert cycle.begin(BatchSize(100, 30)).measure is True
