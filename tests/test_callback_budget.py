@@ -384,3 +384,19 @@ def test_the_user_s_own_saved_tensor_hooks_make_the_outside_bytes_unmeasurable_a
                                          r" them as 0"):
         run(HookedGPT, callbacks=[callback], max_steps=2)
     assert callback.plan.outside_bytes == 0
+
+
+def test_a_new_compress_setting_drops_the_plan_and_measures_again_on_the_next_batch():
+    # The plan counts each layer's inputs at the compressed width: one solved for exact inputs is wrong for fp8.
+    test_each_plan_setting_drops_the_plan_and_measures_again_on_the_next_batch("compress", "fp8")
+
+
+def test_every_constructor_option_either_drops_the_plan_or_is_listed_as_keeping_it():
+    import inspect
+
+    options = set(inspect.signature(GradientCheckpointing.__init__).parameters) - {"self"}
+    drops, keeps = callback_module._PLAN_SETTINGS, set(callback_module._KEEPS_PLAN)
+    assert not drops & keeps, drops & keeps
+    assert options - drops - keeps == set(), "a new option: add it to _PLAN_SETTINGS or to _KEEPS_PLAN with why"
+    assert (drops | keeps) - options == set()  # no stale names
+    assert all(callback_module._KEEPS_PLAN[name] for name in keeps)
