@@ -674,3 +674,15 @@ def test_compress_counts_every_settings_layer_inputs_compressed_and_the_plan_app
     exact_settings = {s["name"]: s for s in exact["settings"]}
     assert settings["every_layer"]["activation_bytes"] == exact_settings["every_layer"]["activation_bytes"] - saved
     assert settings["none"]["activation_bytes"] == exact_settings["none"]["activation_bytes"]
+
+
+def test_compress_fp8_counts_the_padded_last_group_of_an_input_that_is_not_a_multiple_of_128(tmp_path, capsys):
+    """tiny.yaml at batch 3, length 31, width 20: each block's input holds 3 x 31 x 20 = 1,860 fp32 values, as fp8
+    15 groups of 128 (the last padded with 60 zeros) and 15 scales: 15 x 128 + 15 x 4 = 1,980 B (not 1,860 + 60)."""
+    config = TINY.read_text().replace("block_size: 32", "block_size: 31").replace("n_embd: 32", "n_embd: 20")
+    config = config.replace("batch_size: 8", "batch_size: 3")
+    (tmp_path / "odd.yaml").write_text(config)
+    rc, out = run_plan(["--config", str(tmp_path / "odd.yaml"), "--compress", "fp8", "--fake"], tmp_path, capsys)
+    assert rc == 0, out.err
+    layers = json.loads((tmp_path / "plan.json").read_text())["layers"]
+    assert [(layer["name"], layer["full_bytes"]) for layer in layers] == [(name, 1_980) for name in LAYERS]
