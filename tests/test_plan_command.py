@@ -705,3 +705,17 @@ def test_lengths_peaks_are_exactly_those_predicted_from_a_measurement_at_each_le
                                     head_peak_bytes=m.head_peak_bytes) for name, layers in modes.items()}
         plan = make_plan(m.costs, m.outside_bytes, 0.5, head_bytes=m.head_bytes, head_peak_bytes=m.head_peak_bytes)
         assert {s["name"]: s["peak_bytes"] for s in entry["settings"]} == {**known, "plan": plan.peak_bytes}
+
+
+def test_lengths_are_measured_compressed_with_compress(tmp_path, capsys):
+    """--lengths 8,32 --compress fp8: 32 is the loader's own length, so its row is the main table's, fp8 inputs
+    included. Every layer full peaks in the last block's backward: fp8 takes 32,768 - 8,448 B off each of the three
+    blocks held before it and adds the last one's 8,448 B copy to its backward, 64,512 B less than exact inputs'
+    1,054,976 B: 990,464 B."""
+    rc, out = run_plan([*ARGS, "--fake", "--lengths", "8,32", "--compress", "fp8"], tmp_path, capsys)
+    assert rc == 0, out.err
+    data = json.loads((tmp_path / "plan.json").read_text())
+    peaks = {s["name"]: s["peak_bytes"] for s in data["lengths"][1]["settings"]}
+    assert peaks["every_layer"] == 990_464 == 1_054_976 - 3 * (32_768 - 8_448) + 8_448
+    assert peaks == {s["name"]: s["peak_bytes"] for s in data["settings"]}
+    assert [at["plan"]["compress"] for at in data["lengths"]] == ["fp8", "fp8"]
