@@ -371,3 +371,26 @@ def test_a_long_run_of_varying_lengths_logs_one_line_per_new_plan_and_none_per_s
     plan_lines = [m for m in ours if m.startswith("GradientCheckpointing: batches up to")]
     assert len(plan_lines) == len(seen.made)
     assert len(ours) - len(plan_lines) <= 1, ours  # at most "detected the repeated layer class", once
+
+
+def test_a_re_planned_bucket_keeps_the_size_of_its_new_measurement_not_the_larger_of_both():
+    # (100, 25) and (90, 30) share bucket 128; neither covers the other. The re-plan was measured at (90, 30) only,
+    # so a batch of 100 tokens at length 30 is covered by neither measurement and must be measured again.
+    cycle, p1, p2 = BudgetCycle(), a_plan(10), a_plan(20)
+    assert cycle.begin(BatchSize(100, 25)).measure
+    cycle.planned(p1)
+    assert cycle.begin(BatchSize(90, 30)).measure  # longer than the plan's length
+    cycle.planned(p2)
+    assert cycle.sizes[128] == BatchSize(90, 30) and cycle.plans[128] is p2
+    assert cycle.begin(BatchSize(100, 30)).measure is True
+
+
+def test_an_fp8_plan_counts_the_same_bytes_outside_the_layers_as_an_exact_one():
+    # The measuring step held the blocks' inputs as fp8 copies: taking exact-width inputs off its count would leave
+    # too little outside them. Embeddings, head and loss hold the same whether the blocks compress or not.
+    exact, fp8 = GradientCheckpointing(memory_budget=0.5), GradientCheckpointing(memory_budget=0.5, compress="fp8")
+    fit([exact], lengths=[64, 8])
+    fit([fp8], lengths=[64, 8])
+    assert sorted(exact.plans) == sorted(fp8.plans) == [32, 256]
+    assert [fp8.plans[b].outside_bytes for b in (256, 32)] == [exact.plans[b].outside_bytes for b in (256, 32)]
+    assert [exact.plans[b].outside_bytes for b in (256, 32)] == [104_996, 13_156]

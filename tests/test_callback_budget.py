@@ -386,3 +386,51 @@ def test_the_user_s_own_saved_tensor_hooks_make_the_outside_bytes_unmeasurable_a
                                          r" them as 0"):
         run(HookedGPT, callbacks=[callback], max_steps=2)
     assert callback.plan.outside_bytes == 0
+
+
+def test_a_new_compress_setting_drops_the_plan_and_measures_again_on_the_next_batch():
+    # The plan counts each layer's inputs at the compressed width: one solved for exact inputs is wrong for fp8.
+    test_each_plan_setting_drops_the_plan_and_measures_again_on_the_next_batch("compress", "fp8")
+
+
+def test_every_constructor_option_either_drops_the_plan_or_is_listed_as_keeping_it():
+    import inspect
+
+    options = set(inspect.signature(GradientCheckpointing.__init__).parameters) - {"self"}
+    drops, keeps = callback_module._PLAN_SETTINGS, set(callback_module._KEEPS_PLAN)
+    assert not drops & keeps, drops & keeps
+    assert options - drops - keeps == set(), "a new option: add it to _PLAN_SETTINGS or to _KEEPS_PLAN with why"
+    assert (drops | keeps) - options == set()  # no stale names
+    assert all(callback_module._KEEPS_PLAN[name] for name in keeps)
+
+
+class OneRank:
+    root_device = torch.device("cpu")
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.unsqueeze(0)
+
+
+def test_auto_takes_the_measuring_step_s_activation_peak_off_the_step_s_peak_not_its_held_bytes(monkeypatch):
+    """Device totals patched on the CPU: 10,000 B device, 4,000 B static, 6,000 B step peak. The fp8 measuring step
+    held 258 B (one layer's compressed inputs) but peaked at 1,258 B (its backward: 1,000 B alive next to the
+    258 B copy), so the step's other peak is 6,000 - 4,000 - 1,258 = 742 B and the budget 0.9 x 10,000 - 4,000 - 742."""
+    from types import SimpleNamespace
+
+    from lightning_ckpt.core.budget import AutoBudget, RankMeasurement
+    from lightning_ckpt.core.budget_cycle import BatchSize
+
+    monkeypatch.setattr(callback_module, "device_total_bytes", lambda device: 10_000)
+    monkeypatch.setattr(callback_module, "static_bytes", lambda module, optimizers: 4_000)
+    monkeypatch.setattr(callback_module, "device_peak_bytes", lambda device: (6_000, 6_000))
+    cost = LayerCost("l0", "Block", none_bytes=1000, full_bytes=1000, selective_bytes=1000, offloadable_bytes=0,
+                     full_flops=10, selective_flops=10, fp8_bytes=258)
+    measured = RankMeasurement([cost], outside_bytes=0, compress="fp8")
+    assert (measured.held_bytes, measured.peak_bytes) == (258, 1_258)
+    callback = GradientCheckpointing(memory_budget="auto", compress="fp8")
+    callback._measured = measured
+    callback._cycle.begin(BatchSize(64, 16))
+    trainer = SimpleNamespace(strategy=OneRank(), optimizers=[], is_global_zero=False)
+    callback._make_plan(trainer, pl_module=None)
+    assert (callback._auto.other_peak_bytes, callback.plan.budget_bytes) == (742, 4_258)
+    assert callback._auto == AutoBudget(10_000, 4_000, 742) and callback.plans[64] is callback.plan

@@ -280,3 +280,33 @@ def test_the_callback_trains_with_the_same_first_loss_and_close_gradients_and_sa
     assert min(cosine(got.grads[n], exact.grads[n]) for n in exact.grads) >= 0.999
     assert callback.compress == "fp8" and callback.state_dict()["settings"]["compress"] == "fp8"
     assert callback.checkpointed_layers == [f"model.blocks.{i}" for i in range(4)]
+
+
+def test_an_all_zero_fp8_group_comes_back_exactly_zero_next_to_a_scaled_one():
+    from lightning_ckpt.core.compress import compress_tensor, decompress_tensor
+
+    torch.manual_seed(0)
+    x = torch.cat([torch.zeros(128), torch.randn(128)]).view(2, 128)
+    data, scale = compress_tensor(x, "fp8")
+    y = decompress_tensor(data, scale, x.shape, x.stride(), x.dtype)
+    assert torch.equal(y[0], torch.zeros(128)), y[0, :4]
+    assert scale[0].item() == 1.0  # its absmax / 448 is 0, and 0 / 0 would be NaN
+    torch.testing.assert_close(y[1], fp8_by_hand(x[1:]).view(128), rtol=0, atol=0)
+
+
+def test_fp8_bytes_count_the_padding_of_the_last_group_and_one_scale_per_group():
+    # 750 values: 6 groups of 128 (768 bytes, the last one padded with 18 zeros) and 6 float32 scales
+    assert compressed_bytes(750, "fp8") == 6 * 128 + 6 * 4 == 792
+    assert compressed_bytes(768, "fp8") == 792 and compressed_bytes(769, "fp8") == 7 * 132
+    assert compressed_bytes(750, "bf16") == 1_500
+
+
+def test_offloaded_fp8_copies_are_prefetched_before_their_unpack():
+    """Four blocks, each offloading its input's fp8 values and scales (8 copies). The last block's values are fetched
+    by their own unpack, which brings its group's scales along (1 prefetched); each block's unpack starts the copies
+    of the block before it, which the engine links through the saved tensor they are copies of: the other 3 blocks'
+    6 copies are prefetched too, 7 in all (without that link only each block's scales are: 4)."""
+    with use_engine(OffloadEngine(FakeStreams(), min_bytes=0)) as engine:
+        model_loss_and_grads("fp8", offload=True)
+    assert engine.stats.to_host_copies == 8
+    assert engine.stats.prefetched == 7

@@ -180,3 +180,21 @@ def test_a_demo_gpt_measures_its_blocks_with_one_rerun(monkeypatch):
     alone, runs_alone = measured(model, Block, reuse=False, monkeypatch=monkeypatch, step=step)
     assert (runs, runs_alone) == (1, 6)
     assert costs == alone
+
+
+def _under_bf16_autocast(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", torch.bfloat16):
+        return layer(x)
+
+
+def test_a_layer_called_under_autocast_gets_its_own_figures(monkeypatch):
+    """The third layer runs under bf16 autocast: its weights, arguments and call are the others', but it saves
+    bf16. Per layer, 64 tokens: fp32 saves x (64 x 16 x 4 = 4,096 B), the fc1 output, dropout's mask and the fc2
+    input (64 x 32 x 4 = 8,192 B each): 28,672 B; under autocast the same at 2 bytes (2,048 + 3 x 4,096) and the
+    two weights' bf16 copies (2 x 1,024): 16,384 B."""
+    torch.manual_seed(0)
+    model = Stack([Layer() for _ in range(4)], calls={2: _under_bf16_autocast})
+    costs, runs = measured(model, Layer, reuse=True, monkeypatch=monkeypatch)
+    alone, _ = measured(model, Layer, reuse=False, monkeypatch=monkeypatch)
+    assert [c.none_bytes for c in costs] == [28_672, 28_672, 16_384, 28_672]
+    assert costs == alone and runs == 2

@@ -220,3 +220,18 @@ def test_a_looser_budget_never_gets_a_slower_auto_plan(measured, bandwidth):
         except ValueError:
             assert seconds == [], budget  # refused, though a tighter budget was planned
     assert seconds and all(b <= a for a, b in zip(seconds, seconds[1:])), seconds
+
+
+def test_an_fp8_plan_offloads_the_compressed_inputs_and_keeps_the_newest_on_the_device():
+    """Four layers whose 400 B inputs are 104 B as fp8; at 0.6 the plan checkpoints and offloads l0 and l1. The host
+    holds their fp8 copies, 2 x 104 = 208 B; the device l2's and l3's 1,000 B each plus l1's copy, the engine's newest,
+    still there: 2,104 B (offloading the exact 400 B would take more off the device than the layers hold)."""
+    from lightning_ckpt.core.costs import LayerCost
+
+    costs = [LayerCost(f"l{i}", "Block", none_bytes=1000, full_bytes=400, selective_bytes=600, offloadable_bytes=400,
+                       full_flops=50, selective_flops=5, fp8_bytes=104) for i in range(4)]
+    fp8 = make_plan(costs, 0, 0.6, modes=("full",), offload=True, compress="fp8", host_memory=10**6, min_bytes=0)
+    assert fp8.layers == {"l0": "full", "l1": "full", "l2": "none", "l3": "none"} and fp8.offloaded == ["l0", "l1"]
+    assert (fp8.host_bytes, fp8.planned_bytes) == (2 * 104, 2 * 1000 + 104)
+    exact = make_plan(costs, 0, 0.6, modes=("full",), offload=True, host_memory=10**6, min_bytes=0)
+    assert (exact.host_bytes, exact.planned_bytes) == (2 * 400, 2 * 1000 + 400)

@@ -519,6 +519,14 @@ def _validate(settings: Mapping[str, Any]) -> None:
 
 
 _PLAN_SETTINGS = {"layer_cls", "memory_budget", "offload", "use_reentrant", "checkpoint_kwargs", "compress"}
+# The constructor options a plan does not depend on, each with why (a test keeps the two sets covering them all).
+_KEEPS_PLAN = {
+    "every_n_layers": "refused with memory_budget other than 1, so a plan never used it",
+    "mode": "the plan chooses each layer's mode itself; `mode` applies only without memory_budget",
+    "preserve_rng_state": "saves the RNG states, not activations: the layers and their bytes stay the same",
+    "length_fn": "a plain attribute read per batch to size it, not a setting; set it before fit, as the sizes"
+                 " the plans were measured at are counted by it",
+}
 
 
 # --------------------------------------------------------------------------------------------- budget: the calls
