@@ -833,3 +833,25 @@ def test_an_offloaded_input_is_freed_on_its_device_once_its_copy_is_done():
         alive = live.alive() - y.untyped_storage().nbytes()
     assert engine.stats.offloaded_bytes == 4 * BATCH * SEQ * WIDTH * 4
     assert alive == engine.stats.offloaded_bytes  # the host copies, nothing on the "device"
+
+
+def test_a_free_buffer_more_than_twice_the_size_asked_for_is_not_reused():
+    # 4,096 B taken and given back; 512 B asked for next: the 4,096 B buffer would waste 3,584 B, so a new one is
+    # allocated, and the free one dropped (4,096 + 512 is over the 4,096 B the pool ever had in use at once).
+    pool = offload.HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    big = pool.take(4096)
+    pool.give(big)
+    small = pool.take(512)
+    assert (small is big, pool.allocations, pool.allocated_bytes) == (False, 2, 512)
+    pool.give(small)
+    assert pool.take(300) is small  # 512 B for 300 (rounded up to 512): within twice, reused
+
+
+def test_a_view_of_the_same_elements_as_another_dtype_gets_its_own_copy():
+    copies = offload.SavedCopies()
+    x = torch.zeros(4)
+    copy = x.clone()
+    copies.put(x, copy)
+    as_ints = x.view(torch.int32)  # same storage, offset, shape and strides: only the dtype differs
+    assert copies.get(x) is copy and copies.get(as_ints) is None
+    assert offload.view_key(as_ints) != offload.view_key(x)
