@@ -21,11 +21,13 @@ from lightning_ckpt.commands.compare.report import plot, prediction_text, render
 from lightning_ckpt.commands.compare.run import PERTURB_ENV, config_seed, read_monitor_csv, schedule, variant_config
 from lightning_ckpt.commands.compare.stats import (
     MIN_TIMED_STEPS,
+    TimeDifference,
     TimeModel,
     VariantResult,
     first_step_difference,
     measurements,
     predict_variants,
+    signed_percent,
     time_difference,
     _resampled_medians,
 )
@@ -654,3 +656,9 @@ def test_a_compressed_variants_gradient_close_in_direction_or_within_atol_passes
     assert first_step_difference(ref, near, 1e-3, 1e-6, min_cosine=0.999)[2] is None
     far = {"loss": 1.0, "grads": {"w": torch.tensor([1.0, -1.0]), "z": torch.zeros(2)}}  # cosine 0.949
     assert first_step_difference(ref, far, 1e-3, 1e-6, min_cosine=0.999)[2] == "gradient of w (cosine below 0.999)"
+
+
+def test_percentages_that_round_to_10_drop_their_decimal():
+    # One decimal under 10%, none from 10% on: 9.96% rounds to 10, so it is written "10", never "10.0".
+    assert [signed_percent(f) for f in (0.0994, -0.0996, 0.1, 0.234)] == ["+9.9%", "-10%", "+10%", "+23%"]
+    assert TimeDifference(0.80, 0.75, 0.9004, 30).describe() == "-20% (-25% to -10%), faster"
