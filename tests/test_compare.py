@@ -21,12 +21,15 @@ from lightning_ckpt.commands.compare.report import plot, prediction_text, render
 from lightning_ckpt.commands.compare.run import PERTURB_ENV, config_seed, read_monitor_csv, schedule, variant_config
 from lightning_ckpt.commands.compare.stats import (
     MIN_TIMED_STEPS,
+    TimeDifference,
     TimeModel,
     VariantResult,
     first_step_difference,
     measurements,
     predict_variants,
+    signed_percent,
     time_difference,
+    _resampled_medians,
 )
 from lightning_ckpt.commands.compare.variants import available_variants, planned_settings
 from lightning_ckpt.commands.plan.measure import Measurement, build, measure
@@ -621,3 +624,41 @@ def test_compare_planned_variant_fits_the_budget(tmp_path, capsys):
     assert set(planned["layer_modes"]) <= set(written["time_model"]["layers"]) and planned["layer_modes"]
     assert planned["predicted_time_lost"] > 1 and written["variants"][1]["predicted_time_lost"] > 1
     assert rows["planned"]["predicted"].startswith("+")
+
+
+def test_resampled_medians_take_each_round_at_its_own_size():
+    # Round 0 has one step (0.0), round 1 two (1.0 each): the table pads round 0 to two columns. A resample of
+    # rounds (0, 1) draws 1 + 2 steps, [0, 1, 1], median 1; one that drew a second step from round 0 would see
+    # [0, 0, 1, 1], median 0.5.
+    picks = np.array([[0, 1], [1, 0], [0, 0], [1, 1]])
+    medians = _resampled_medians([[0.0], [1.0, 1.0]], picks, np.random.default_rng(0))
+    assert medians.tolist() == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_the_95_percent_interval_leaves_out_2_5_percent_of_the_resampled_ratios_on_each_side():
+    rng = np.random.default_rng(1)
+    base = [list(1.0 + 0.1 * rng.standard_normal(15)) for _ in range(4)]
+    other = [list(1.1 + 0.1 * rng.standard_normal(15)) for _ in range(4)]
+    d = time_difference(base, other, seed=0)
+    # The same resamples as time_difference draws (seed 0; as many rounds both sides, so the same round picks).
+    draws = np.random.default_rng(0)
+    picks = draws.integers(0, 4, (2000, 4))
+    ratios = _resampled_medians(other, picks, draws) / _resampled_medians(base, picks, draws)
+    below, above = float(np.mean(ratios < d.low)), float(np.mean(ratios > d.high))
+    assert d.low < d.ratio < d.high
+    assert 0.02 <= below <= 0.025 and 0.02 <= above <= 0.025, (below, above)
+
+
+def test_a_compressed_variants_gradient_close_in_direction_or_within_atol_passes():
+    ref = {"loss": 1.0, "grads": {"w": torch.tensor([1.0, -2.0]), "z": torch.zeros(2)}}
+    # w: 0.01 off (beyond atol) but cosine 0.99999 to the reference; z: 1e-8 off, within atol, cosine 0.
+    near = {"loss": 1.0, "grads": {"w": torch.tensor([1.0, -2.01]), "z": torch.tensor([1e-8, 0.0])}}
+    assert first_step_difference(ref, near, 1e-3, 1e-6, min_cosine=0.999)[2] is None
+    far = {"loss": 1.0, "grads": {"w": torch.tensor([1.0, -1.0]), "z": torch.zeros(2)}}  # cosine 0.949
+    assert first_step_difference(ref, far, 1e-3, 1e-6, min_cosine=0.999)[2] == "gradient of w (cosine below 0.999)"
+
+
+def test_percentages_that_round_to_10_drop_their_decimal():
+    # One decimal under 10%, none from 10% on: 9.96% rounds to 10, so it is written "10", never "10.0".
+    assert [signed_percent(f) for f in (0.0994, -0.0996, 0.1, 0.234)] == ["+9.9%", "-10%", "+10%", "+23%"]
+    assert TimeDifference(0.80, 0.75, 0.9004, 30).describe() == "-20% (-25% to -10%), faster"

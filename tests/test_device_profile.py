@@ -178,3 +178,13 @@ def test_a_layers_copies_hide_behind_the_next_layer_not_the_one_before() -> None
     # on the way back
     seconds, _ = predict_seconds(costs, (), {}, device, offload={"l0"}, min_bytes=0)
     assert seconds == pytest.approx(0.001)
+
+
+def test_a_layer_without_op_records_pays_its_codec_passes_too():
+    # bf16 inputs of 1,000 B held as 500 B: compressing and decompressing read and write 2 x (1,000 + 500) = 3,000 B,
+    # 3 µs at 1 GB/s, on top of the recompute's FLOPs at 1 GFLOP/s (1 ms full, 0.1 ms selective).
+    cost = LayerCost("a", "Block", none_bytes=3000, full_bytes=1000, selective_bytes=2000, offloadable_bytes=0,
+                     full_flops=10**6, selective_flops=10**5, bf16_bytes=500).compressed("bf16")
+    assert cost.codec_bytes == 3000 and not cost.ops
+    device = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9)
+    assert [round(1e9 * extra_seconds(cost, c, (), device)) for c in ("none", "full", "selective")] == [0, 1003000, 103000]

@@ -833,3 +833,56 @@ def test_an_offloaded_input_is_freed_on_its_device_once_its_copy_is_done():
         alive = live.alive() - y.untyped_storage().nbytes()
     assert engine.stats.offloaded_bytes == 4 * BATCH * SEQ * WIDTH * 4
     assert alive == engine.stats.offloaded_bytes  # the host copies, nothing on the "device"
+
+
+def test_a_free_buffer_more_than_twice_the_size_asked_for_is_not_reused():
+    # 4,096 B taken and given back; 512 B asked for next: the 4,096 B buffer would waste 3,584 B, so a new one is
+    # allocated, and the free one dropped (4,096 + 512 is over the 4,096 B the pool ever had in use at once).
+    pool = offload.HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    big = pool.take(4096)
+    pool.give(big)
+    small = pool.take(512)
+    assert (small is big, pool.allocations, pool.allocated_bytes) == (False, 2, 512)
+    pool.give(small)
+    assert pool.take(300) is small  # 512 B for 300 (rounded up to 512): within twice, reused
+
+
+def test_a_view_of_the_same_elements_as_another_dtype_gets_its_own_copy():
+    copies = offload.SavedCopies()
+    x = torch.zeros(4)
+    copy = x.clone()
+    copies.put(x, copy)
+    as_ints = x.view(torch.int32)  # same storage, offset, shape and strides: only the dtype differs
+    assert copies.get(x) is copy and copies.get(as_ints) is None
+    assert offload.view_key(as_ints) != offload.view_key(x)
+
+
+def test_the_pool_drops_its_oldest_free_buffer_first():
+    # 4,096 B then 512 B in use at once (the pool's bound: 4,608 B), both given back, oldest first. 1,024 B fits
+    # neither (4,096 is over twice 1,024; 512 under it): 4,608 + 1,024 is over the bound, and dropping the oldest
+    # (4,096 B) is enough, so the 512 B buffer stays to serve the next 512 B.
+    pool = offload.HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    old, new = pool.take(4096), pool.take(512)
+    pool.give(old)
+    pool.give(new)
+    pool.take(1024)
+    assert (pool.allocations, pool.allocated_bytes) == (3, 1536)
+    assert pool.take(512) is new
+
+
+def test_a_layer_fed_by_two_earlier_layers_prefetches_the_latest_ones_inputs():
+    # Layer 3 saves the output of layer 2 and a skip from layer 1; backward reaches layer 2 next, so layer 3's backward
+    # must bring back layer 2's inputs, whichever of its saved tensors was packed first.
+    x = torch.randn(64, requires_grad=True)
+    engine = OffloadEngine(FakeStreams(), min_bytes=0)
+    t1 = x * 2
+    h1 = engine.pack(t1, 1)
+    t2 = t1 * 3
+    h2 = engine.pack(t2, 2)
+    h3 = [engine.pack(t2 * 4, 3), engine.pack(t1 * 5, 3)]  # the main path, then the skip
+    h4 = [engine.pack(t1 * 6, 4), engine.pack(t2 * 7, 4)]  # the skip first
+    assert engine._previous == {2: 1, 3: 2, 4: 2}
+    engine._prefetch_before(3)  # what layer 3's first unpack does
+    assert h2.ready is not None and h1.ready is None
+    del h1, h2, h3, h4
+    engine.release()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -207,3 +208,18 @@ def test_the_intro_says_where_offload_auto_s_choices_are_shown():
     marked = [line.split("|")[1].strip() for line in report.split("## Layers", 1)[1].split("## Plan", 1)[0].splitlines()
               if "+offload" in line]
     assert marked == plan.offloaded
+
+
+def test_the_plan_line_gives_the_activations_as_a_share_of_those_held_without_checkpointing():
+    # By hand: l0 selective (4 MiB), l1 and l2 full (1 MiB each), l3 none (8 MiB), 1 MiB outside: 15 MiB of the
+    # 4 x 8 + 1 = 33 MiB held without checkpointing, 45%. The peaks are set apart from the held bytes (36 MiB without
+    # checkpointing), so that a share of the peak (42%) is told apart; recompute 10^7 + 2 x 10^9 FLOP.
+    plan = replace(make_plan(BIG, MIB, 0.5), peak_bytes=16 * MIB, baseline_peak_bytes=36 * MIB)
+    assert plan.layers == {"l0": "selective", "l1": "full", "l2": "full", "l3": "none"}
+    built = Built(torch.nn.Linear(2, 2), [], torch.device("cpu"), None, False, 0.5, None)
+    rows = setting_rows(Measurement(8, BIG, MIB), setting_choices([c.name for c in BIG], plan), False)
+    report = render(PlanResult("hand-made", built, Measurement(8, BIG, MIB), plan, None, 0.5, rows, static(Sharding())))
+    assert plan_line(report) == (
+        "3 of 4 layers checkpointed (l0: selective, l1: full, l2: full): activations 15.0 MiB (45% of 33.0 MiB without"
+        " checkpointing), peak 16.0 MiB (budget 16.5 MiB, 36.0 MiB without checkpointing); recompute 2,010,000,000"
+        " FLOP per step.")

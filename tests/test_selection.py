@@ -7,7 +7,7 @@ from torch import nn
 
 from helpers import tiny_transformer
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing
-from lightning_ckpt.core.selection import detect_block_class, parse_memory_budget, resolve_layer_classes
+from lightning_ckpt.core.selection import detect_block_class, parse_memory_budget, resolve_layer_classes, select_layers
 from lightning_ckpt.core.wrapping import checkpointed_names
 from lightning_ckpt.demos import Block, CausalSelfAttention
 
@@ -120,3 +120,16 @@ def test_auto_budget_is_the_callbacks_alone():
     assert parse_memory_budget("auto", allow_auto=True) == "auto"
     assert GradientCheckpointing(memory_budget="auto").memory_budget == "auto"
     assert GradientCheckpointing(memory_budget="2GiB").memory_budget == "2GiB"
+
+
+def test_layer_10_is_not_inside_layer_1():
+    # Outermost matches only: a layer is dropped when its name lies inside an earlier match's ("1.inner" inside
+    # "1"), never because it starts with the same characters ("10" after "1").
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+    model = nn.Sequential(nn.Linear(2, 2), Wrapper(), *[nn.Linear(2, 2) for _ in range(9)])
+    assert [name for name, _ in select_layers(model, (nn.Linear, Wrapper))] == [str(i) for i in range(11)]
+    assert [name for name, _ in select_layers(model, (nn.Linear, Wrapper), every_n_layers=5)] == ["0", "5", "10"]

@@ -549,3 +549,14 @@ def test_measuring_layers_that_are_not_their_own_fsdp_unit_is_refused_with_what_
     for result in ok(budget_runs, "fsdp_recorder_layer_not_a_unit"):
         assert "`blocks.0` has sharded (DTensor) parameters but is not an FSDP unit" in result["error_text"]
         assert "strategy='fsdp_ckpt'" in result["error_text"] and result["hooks_added"] == 0
+
+
+def test_reentrant_with_find_unused_parameters_is_refused_even_with_a_static_graph():
+    # docs/troubleshooting.md: reentrant checkpointing "cannot be combined with DDP's find_unused_parameters=True";
+    # static_graph=True lifts only the other refusal.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    apply_checkpointing(model, layer_cls=nn.Linear, use_reentrant=True)
+    with pytest.raises(ValueError, match=r"^Reentrant checkpointing \(2 layers: 0, 1\) cannot be combined with DDP's"
+                                         r" `find_unused_parameters=True`"):
+        check_ddp_settings(model, {"find_unused_parameters": True, "static_graph": True})
+    check_ddp_settings(model, {"find_unused_parameters": False, "static_graph": True})
