@@ -165,18 +165,20 @@ class _LayerTotals:
     transient_bytes: int = 0
     bf16_bytes: int = 0
     fp8_bytes: int = 0
+    shared_bytes: int = 0  # the largest over the calls
 
 
 @dataclass(frozen=True)
 class _HeldInput:
-    """One storage among a call's held inputs: its bytes (exact, on an accelerator, under bf16 and fp8), and whether
-    the layer saves it un-checkpointed."""
+    """One storage among a call's held inputs: its bytes (exact, on an accelerator, under bf16 and fp8), whether
+    the layer saves it un-checkpointed, and whether compressing changes it."""
 
     nbytes: int
     on_device: bool
     bf16: int
     fp8: int
     saved: bool
+    compressible: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,7 @@ def _held_once(calls: Sequence[_Call], step_saved: set[tuple[Any, int]],
         t.none_bytes -= sum(nbytes for key, nbytes in call.saved_outputs
                             if key in shared or key in later or (key in step_saved and key not in takers))
         t.transient_bytes = max(t.transient_bytes, call.full - common + call.backward)
+        t.shared_bytes = max(t.shared_bytes, sum(h.nbytes for h in gone if h.compressible))
     return out, shared
 
 
@@ -427,7 +430,8 @@ class LayerCostRecorder:
         out_tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
         self._calls.append(_Call(
             name, {storage_key(t): _HeldInput(tensor_bytes([t]), t.device.type != "cpu", held_bytes([t], "bf16"),
-                                               held_bytes([t], "fp8"), storage_key(t) in saved_inputs)
+                                               held_bytes([t], "fp8"), storage_key(t) in saved_inputs,
+                                               held_bytes([t], "bf16") < tensor_bytes([t]))
                    for t in inputs_held},
             tuple((storage_key(out_tensors[i]), nbytes) for i, nbytes in rerun.saved_outputs
                   if i < len(out_tensors) and storage_key(out_tensors[i]) not in held_keys),
