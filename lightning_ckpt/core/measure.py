@@ -492,6 +492,20 @@ class LayerCostRecorder:
         return out
 
 
+class _OnesGrad(torch.autograd.Function):
+    """A scalar whose backward hands each of its inputs a gradient of ones: a seed for a backward from several
+    outputs whose gradients only the autograd engine holds."""
+
+    @staticmethod
+    def forward(ctx: Any, *outs: torch.Tensor) -> torch.Tensor:
+        ctx.specs = [(t.shape, t.dtype, t.device) for t in outs]
+        return outs[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.ones(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.specs)
+
+
 def _backward_bytes(layer: nn.Module, inputs: Sequence[torch.Tensor], out: Any, saved: _LayerRunCounter,
                     live: LiveBytes) -> int:
     """The most activation bytes alive during the backward of one plain re-run of ``layer`` (``out`` from ``inputs``),
@@ -509,7 +523,9 @@ def _backward_bytes(layer: nn.Module, inputs: Sequence[torch.Tensor], out: Any, 
     if not outs or not wrt:
         return 0
     live.mark()
-    grads = torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+    # The outputs' gradients are made inside the backward (_OnesGrad), so that, as in the step, each is freed once
+    # the ops that take it have run; passed in as `grad_outputs` they would stay alive to the end.
+    grads = torch.autograd.grad(_OnesGrad.apply(*outs), wrt, allow_unused=True)
     unsaved = [t for t in outs if storage_key(t) not in saved._seen]
     weights = [g for g, t in zip(grads, wrt) if g is not None and isinstance(t, nn.Parameter)]
     return live.peak(exclude=[*unsaved, *weights])
