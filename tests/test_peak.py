@@ -135,15 +135,15 @@ def test_the_refusal_names_the_layer_whose_backward_sets_the_floor():
 R_VOCAB, R_LEN, R_BATCH = 128, 128, 4
 
 
-def _ids() -> torch.Tensor:
-    return torch.randint(0, R_VOCAB, (R_BATCH, R_LEN), generator=torch.Generator().manual_seed(2))
+def _ids(length: int = R_LEN) -> torch.Tensor:
+    return torch.randint(0, R_VOCAB, (R_BATCH, length), generator=torch.Generator().manual_seed(2))
 
 
-def _llama(peft_lora: bool = False):
+def _llama(peft_lora: bool = False, layers: int = 4, length: int = R_LEN):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=R_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=R_LEN,
+    config = transformers.LlamaConfig(vocab_size=R_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=length,
                                       use_cache=False)  # as checkpointing trains: a cache would hold k and v
     model = transformers.LlamaForCausalLM(config).train()
     if peft_lora:
@@ -151,7 +151,7 @@ def _llama(peft_lora: bool = False):
         torch.manual_seed(1)
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                            init_lora_weights=False)).train()
-    ids, mask = _ids(), torch.ones(R_BATCH, R_LEN, dtype=torch.long)
+    ids, mask = _ids(length), torch.ones(R_BATCH, length, dtype=torch.long)
     mask[1, 100:] = 0  # padding: the attention mask is a 4-D tensor every layer takes
     mask[3, 60:] = 0
     return model, lambda: model(input_ids=ids, attention_mask=mask, labels=ids).loss, None
@@ -231,7 +231,7 @@ def test_a_llama_s_measuring_step_holds_its_layers_inputs_and_more_so_no_outside
     from lightning_ckpt.core.measure import LayerCostRecorder, _fully_checkpointed
     from lightning_ckpt.core.selection import layer_classes, select_layers
 
-    model, loss_fn, _ = _llama()
+    model, loss_fn, _ = _llama(layers=6, length=256)  # 5 extra masks of 256 KiB: more than the head's bytes
     selected = select_layers(model, layer_classes(model, None))
     with _fully_checkpointed(model, selected), LayerCostRecorder(model, selected) as recorder:
         loss = loss_fn()
@@ -240,7 +240,7 @@ def test_a_llama_s_measuring_step_holds_its_layers_inputs_and_more_so_no_outside
     costs = recorder.costs()
     measured = RankMeasurement.from_held_bytes(costs, recorder.held_bytes, recorder.head_bytes, recorder.head_peak_bytes)
     assert recorder.held_bytes >= measured.layer_bytes  # the warning's condition is false
-    # The mask (4 x 1 x 128 x 128 bool) and cos, sin (4 x 128 x 16 float32 each) once: in the bytes outside.
-    assert measured.outside_bytes >= 4 * 128 * 128 + 2 * 4 * 128 * 16 * 4
-    # Each layer holds its hidden-state input (4 x 128 x 64 float32) only: the mask, cos, sin and positions are shared.
-    assert [c.full_bytes for c in costs] == [4 * 128 * 64 * 4] * 4
+    # The mask (4 x 1 x 256 x 256 bool) and cos, sin (4 x 256 x 16 float32 each) once: in the bytes outside.
+    assert measured.outside_bytes >= 4 * 256 * 256 + 2 * 4 * 256 * 16 * 4
+    # Each layer holds its hidden-state input (4 x 256 x 64 float32) only: the mask, cos, sin and positions are shared.
+    assert [c.full_bytes for c in costs] == [4 * 256 * 64 * 4] * 6
