@@ -480,6 +480,10 @@ class LayerCostRecorder:
         """One :class:`LayerCost` per layer, in order (a layer not called in the step holds and costs nothing)."""
         out = []
         fixed, shared = _held_once(self._calls, self._step._seen, self._totals)
+        sizes = {key: held.nbytes for call in self._calls for key, held in call.inputs.items()}
+        #: Of the bytes outside the layers, the inputs several layers take (each once): what the offload engine may
+        #: also move to host memory, once, where a plan counts them on the device.
+        self.shared_bytes = sum(sizes[key] for key in shared)
         for name, layer in self.layers:
             totals = fixed[name]
             if not self.selective:  # not measured: the selective point is taken as the un-checkpointed one
@@ -639,6 +643,7 @@ class StepCosts:
     outside_ops: tuple[OpRecord, ...] = ()
     head_bytes: int = 0  # of outside_bytes, what is saved after the last layer (see LayerCostRecorder.head_bytes)
     head_peak_bytes: int = 0  # what the head's backward makes alive at once (LayerCostRecorder.head_peak_bytes)
+    shared_bytes: int = 0  # of outside_bytes, the inputs several layers take (LayerCostRecorder.shared_bytes)
 
 
 def measure_step(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
@@ -698,7 +703,7 @@ def _measure(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassAr
                          " training mode with grad enabled: pass a step that runs the model's forward and returns the loss.")
     outside = max(0, recorder.held_bytes - sum(c.full_bytes for c in costs))
     return StepCosts(costs, outside, recorder.outside_ops, min(outside, recorder.head_bytes),
-                           recorder.head_peak_bytes)
+                     recorder.head_peak_bytes, recorder.shared_bytes)
 
 
 def check_module_and_step(module: object, step: object) -> None:
