@@ -33,7 +33,7 @@ AUTO_MEMORY_FRACTION = 0.9
 (allocator fragmentation, the CUDA context, buffers this package cannot see)."""
 
 _COST_FIELDS = [f.name for f in fields(LayerCost)
-                if f.name not in ("name", "cls", "ops", "input_sizes", "saved_sizes", "codec_bytes")]
+                if f.name not in ("name", "cls", "ops", "input_sizes", "saved_sizes", "codec_bytes", "shared_bytes")]
 """The integer fields of :class:`~lightning_ckpt.core.planner.LayerCost`, in the order :func:`pack_costs` writes them."""
 
 
@@ -171,7 +171,7 @@ def combine_costs(gathered: torch.Tensor, measured: RankMeasurement) -> tuple[Ra
     for i, c in enumerate(measured.costs):
         *ints, moved_none, moved_full = combined[i * width:(i + 1) * width]
         costs.append(LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, ints)), saved_sizes=(moved_none,),
-                               input_sizes=(moved_full,)))
+                               input_sizes=(moved_full,), shared_bytes=c.shared_bytes))  # this rank's: not packed
     return RankMeasurement(costs, *combined[n_costs - 3:n_costs], measured.compress), combined[n_costs:]
 
 

@@ -66,6 +66,9 @@ class LayerCost:
     #: :meth:`compressed`: compressing reads the inputs and writes the copy, the recompute reads it back and writes
     #: the inputs again.
     codec_bytes: int = 0
+    #: Exact bytes of the compressible inputs it shares with other layers (a rotary ``cos``/``sin``): held once,
+    #: outside the layers, so not in ``full_bytes``; under ``compress`` its backward decompresses them anew.
+    shared_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.ops, tuple) or any(isinstance(r, Mapping) for r in self.ops):  # from a state_dict
@@ -113,8 +116,9 @@ class LayerCost:
         """The costs with the inputs held under ``compress``: what a checkpointed choice (full, selective, ops)
         holds, and offload moves, shrinks by what compressing the inputs saves; ``"none"`` is unchanged. The backward
         peak grows by the compressed copy, alive next to the decompressed inputs until the layer's backward ends
-        (counted whatever the choice: the bound stays safe). Costs already compressed (``codec_bytes`` set), and
-        costs whose inputs compress to no fewer bytes (kept exact), come back as they are.
+        (counted whatever the choice: the bound stays safe), and by the decompressed copies of the inputs it shares
+        with other layers (``shared_bytes``). Costs already compressed (``codec_bytes`` set), and costs whose inputs
+        compress to no fewer bytes (kept exact), come back as they are.
 
         Example::
 
@@ -138,7 +142,7 @@ class LayerCost:
         return replace(self, full_bytes=held, selective_bytes=self.selective_bytes - saved,
                        offloadable_bytes=round(self.offloadable_bytes * ratio),
                        input_sizes=tuple(round(size * ratio) for size in self.input_sizes),
-                       transient_bytes=self.backward_peak + held, bf16_bytes=0, fp8_bytes=0,
+                       transient_bytes=self.backward_peak + held + self.shared_bytes, bf16_bytes=0, fp8_bytes=0,
                        codec_bytes=2 * (self.full_bytes + held))
 
     def flops(self, choice: Choice, keep: Sequence[int] = ()) -> int:

@@ -165,6 +165,77 @@ class _LayerTotals:
     transient_bytes: int = 0
     bf16_bytes: int = 0
     fp8_bytes: int = 0
+    shared_bytes: int = 0  # the largest over the calls
+
+
+@dataclass(frozen=True)
+class _HeldInput:
+    """One storage among a call's held inputs: its bytes (exact, on an accelerator, under bf16 and fp8), whether
+    the layer saves it un-checkpointed, and whether compressing changes it."""
+
+    nbytes: int
+    on_device: bool
+    bf16: int
+    fp8: int
+    saved: bool
+    compressible: bool = False
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One measured call of a layer: its held inputs by storage, the outputs it saves un-checkpointed (storage,
+    bytes), its inputs' bytes and its backward's peak beyond them."""
+
+    name: str
+    inputs: dict[tuple[Any, int], _HeldInput]
+    saved_outputs: tuple[tuple[tuple[Any, int], int], ...]
+    full: int
+    backward: int
+
+
+def _held_once(calls: Sequence[_Call], step_saved: set[tuple[Any, int]],
+               totals: dict[str, _LayerTotals]) -> tuple[dict[str, _LayerTotals], set[tuple[Any, int]]]:
+    """Each layer's totals with every storage held by the step counted once, and the storages several calls take.
+
+    A storage several calls take as input (a 4-D attention mask, the rotary ``cos``/``sin``) is held once whatever
+    the layers choose: it is left to the bytes outside the layers (the step counted it once) and taken off every
+    call's figures. An output a layer saves un-checkpointed that is held anyway (a later call saves it as its input,
+    whatever that call chooses it holds it; or the step saved it outside the layers) is taken off that layer's
+    un-checkpointed bytes: a block whose last ReLU saves its output, which the next block saves as its input.
+
+    Example::
+
+        >>> a, b = _HeldInput(100, False, 50, 26, saved=True), _HeldInput(8, False, 8, 8, saved=True)
+        >>> calls = [_Call("l0", {"x": a, "mask": b}, (("y", 100),), full=108, backward=300),
+        ...          _Call("l1", {"y": a, "mask": b}, (), full=108, backward=300)]
+        >>> totals = {n: _LayerTotals(none_bytes=208, full_bytes=108, selective_bytes=108, transient_bytes=408)
+        ...           for n in ("l0", "l1")}
+        >>> fixed, shared = _held_once(calls, set(), totals)
+        >>> [(t.full_bytes, t.none_bytes, t.transient_bytes) for t in fixed.values()], shared
+        ([(100, 100, 400), (100, 200, 400)], {'mask'})
+    """
+    takers: dict[tuple[Any, int], int] = {}
+    for call in calls:
+        for key in call.inputs:
+            takers[key] = takers.get(key, 0) + 1
+    shared = {key for key, n in takers.items() if n > 1}
+    out = {name: replace(t, transient_bytes=0) for name, t in totals.items()}
+    for i, call in enumerate(calls):
+        t = out[call.name]
+        gone = [held for key, held in call.inputs.items() if key in shared]
+        common = sum(h.nbytes for h in gone)
+        t.full_bytes -= common
+        t.selective_bytes -= common
+        t.offloadable_bytes -= sum(h.nbytes for h in gone if h.on_device)
+        t.bf16_bytes -= sum(h.bf16 for h in gone)
+        t.fp8_bytes -= sum(h.fp8 for h in gone)
+        t.none_bytes -= sum(h.nbytes for h in gone if h.saved)
+        later = {key for c in calls[i + 1:] for key, held in c.inputs.items() if held.saved}
+        t.none_bytes -= sum(nbytes for key, nbytes in call.saved_outputs
+                            if key in shared or key in later or (key in step_saved and key not in takers))
+        t.transient_bytes = max(t.transient_bytes, call.full - common + call.backward)
+        t.shared_bytes = max(t.shared_bytes, sum(h.nbytes for h in gone if h.compressible))
+    return out, shared
 
 
 @dataclass(frozen=True)
@@ -180,6 +251,8 @@ class _Rerun:
     heavy_bytes: int  # what the matmul/attention/convolution outputs hold (kept by selective checkpointing)
     records: tuple[OpRecord, ...]
     backward_bytes: int  # the backward's peak beyond the inputs (:func:`_backward_bytes`)
+    saved_inputs: tuple[int, ...]  # the positions (among the call's tensors) of the inputs it saved
+    saved_outputs: tuple[tuple[int, int], ...]  # (position among the output's tensors, bytes) of the outputs it saved
     #: No op of the forward had an output whose shape or value depends on the data (``nonzero``, ``.item()``: a
     #: mixture of experts' routing): only then can the same shapes be taken to measure the same.
     reusable: bool
@@ -244,6 +317,7 @@ class LayerCostRecorder:
         self._ops: dict[str, Optional[tuple[OpRecord, ...]]] = {}
         self._reruns: dict[Hashable, _Rerun] = {}  # what each distinct layer and call measured (see _rerun_key)
         self._sizes: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name, _ in self.layers}
+        self._calls: list[_Call] = []  # every measured call, in order (to count storages shared between calls once)
         self._handles: list[Any] = []
         self._after_layers = 0
         self._last_output: Any = None
@@ -315,7 +389,7 @@ class LayerCostRecorder:
             self._leave_layer()
             if module.training and torch.is_grad_enabled():
                 self._last_output = output
-                self._measure(name, layer, args, kwargs)
+                self._measure(name, layer, args, kwargs, output)
         return hook
 
     def _enter_layer(self, module: nn.Module, args: Any) -> None:
@@ -330,7 +404,8 @@ class LayerCostRecorder:
         if self._outside is not None and self._inside == 0:
             del self._outside.runs[self._outside_mark:]  # the layer's own ops: in its records
 
-    def _measure(self, name: str, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _measure(self, name: str, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 output: Any) -> None:
         totals = self._totals[name]
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         excluded = {storage_key(p) for p in self._resident()}
@@ -350,6 +425,17 @@ class LayerCostRecorder:
             if key is not None and rerun.reusable:
                 self._reruns[key] = rerun
         totals.transient_bytes = max(totals.transient_bytes, full + rerun.backward_bytes)
+        held_keys = {storage_key(t) for t in inputs_held}
+        saved_inputs = {storage_key(inputs[i]) for i in rerun.saved_inputs}
+        out_tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+        self._calls.append(_Call(
+            name, {storage_key(t): _HeldInput(tensor_bytes([t]), t.device.type != "cpu", held_bytes([t], "bf16"),
+                                               held_bytes([t], "fp8"), storage_key(t) in saved_inputs,
+                                               held_bytes([t], "bf16") < tensor_bytes([t]))
+                   for t in inputs_held},
+            tuple((storage_key(out_tensors[i]), nbytes) for i, nbytes in rerun.saved_outputs
+                  if i < len(out_tensors) and storage_key(out_tensors[i]) not in held_keys),
+            full, rerun.backward_bytes))
         totals.none_bytes += rerun.saved_bytes
         saved_sizes += rerun.saved_sizes
         totals.full_flops += rerun.full_flops
@@ -368,6 +454,7 @@ class LayerCostRecorder:
             with OpRecordMode() as cost:
                 saved, out = self._run(layer, inputs, cost, lambda: forward(*args, **kwargs))
             outputs = [storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            out_bytes = [tensor_bytes([t]) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             backward = _backward_bytes(layer, inputs, out, saved, live)
             del out  # and with it everything it saved
         if self._outside is not None:
@@ -378,7 +465,9 @@ class LayerCostRecorder:
                       full_flops=sum(flops for flops, _ in log),
                       selective_flops=sum(flops for flops, op in log if op not in COMPUTE_HEAVY_OPS),
                       heavy_bytes=sum(r.bytes for r in records if r.heavy), records=records, backward_bytes=backward,
-                      reusable=not _depends_on_data(cost.log))
+                      reusable=not _depends_on_data(cost.log),
+                      saved_inputs=tuple(i for i, t in enumerate(inputs) if storage_key(t) in saved._seen),
+                      saved_outputs=tuple((i, out_bytes[i]) for i, key in enumerate(outputs) if key in saved._seen))
 
     def _run(self, layer: nn.Module, inputs: list[torch.Tensor], cost: OpCostMode,
              fn: Callable[[], Any]) -> tuple[_LayerRunCounter, Any]:
@@ -390,14 +479,35 @@ class LayerCostRecorder:
     def costs(self) -> list[LayerCost]:
         """One :class:`LayerCost` per layer, in order (a layer not called in the step holds and costs nothing)."""
         out = []
+        fixed, shared = _held_once(self._calls, self._step._seen, self._totals)
+        sizes = {key: held.nbytes for call in self._calls for key, held in call.inputs.items()}
+        #: Of the bytes outside the layers, the inputs several layers take (each once): what the offload engine may
+        #: also move to host memory, once, where a plan counts them on the device.
+        self.shared_bytes = sum(sizes[key] for key in shared)
         for name, layer in self.layers:
-            totals = self._totals[name]
+            totals = fixed[name]
             if not self.selective:  # not measured: the selective point is taken as the un-checkpointed one
                 totals = replace(totals, selective_bytes=totals.none_bytes)
-            input_sizes, saved_sizes = self._sizes[name]
+            _, saved_sizes = self._sizes[name]
+            input_sizes = [held.nbytes for call in self._calls if call.name == name
+                           for key, held in call.inputs.items() if key not in shared]
             out.append(LayerCost(name, _class_name(layer), **asdict(totals), ops=self._ops.get(name) or (),
                                  input_sizes=tuple(input_sizes), saved_sizes=tuple(saved_sizes)))
         return out
+
+
+class _OnesGrad(torch.autograd.Function):
+    """A scalar whose backward hands each of its inputs a gradient of ones: a seed for a backward from several
+    outputs whose gradients only the autograd engine holds."""
+
+    @staticmethod
+    def forward(ctx: Any, *outs: torch.Tensor) -> torch.Tensor:
+        ctx.specs = [(t.shape, t.dtype, t.device) for t in outs]
+        return outs[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.ones(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.specs)
 
 
 def _backward_bytes(layer: nn.Module, inputs: Sequence[torch.Tensor], out: Any, saved: _LayerRunCounter,
@@ -417,7 +527,9 @@ def _backward_bytes(layer: nn.Module, inputs: Sequence[torch.Tensor], out: Any, 
     if not outs or not wrt:
         return 0
     live.mark()
-    grads = torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+    # The outputs' gradients are made inside the backward (_OnesGrad), so that, as in the step, each is freed once
+    # the ops that take it have run; passed in as `grad_outputs` they would stay alive to the end.
+    grads = torch.autograd.grad(_OnesGrad.apply(*outs), wrt, allow_unused=True)
     unsaved = [t for t in outs if storage_key(t) not in saved._seen]
     weights = [g for g, t in zip(grads, wrt) if g is not None and isinstance(t, nn.Parameter)]
     return live.peak(exclude=[*unsaved, *weights])
@@ -531,6 +643,7 @@ class StepCosts:
     outside_ops: tuple[OpRecord, ...] = ()
     head_bytes: int = 0  # of outside_bytes, what is saved after the last layer (see LayerCostRecorder.head_bytes)
     head_peak_bytes: int = 0  # what the head's backward makes alive at once (LayerCostRecorder.head_peak_bytes)
+    shared_bytes: int = 0  # of outside_bytes, the inputs several layers take (LayerCostRecorder.shared_bytes)
 
 
 def measure_step(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
@@ -554,10 +667,13 @@ def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: L
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         >>> x = torch.randn(2, 4)
         >>> costs, outside = measure_layer_costs(model, lambda: model(x).sum(), layer_cls=nn.Tanh)
-        >>> [(c.name, c.full_bytes, c.none_bytes, c.full_flops) for c in costs]  # its input; its output; 2 * 8 tanh
-        [('1', 64, 64, 16)]
+        >>> [(c.name, c.full_bytes, c.none_bytes, c.full_flops) for c in costs]  # its input; 0; 2 * 8 tanh
+        [('1', 64, 0, 16)]
         >>> outside  # the inputs of the two Linears, 2 * 4 and 2 * 8 float32
         96
+
+    Tanh saves its output, but the last Linear saves that same storage as its input: it is held once, outside the
+    layer, so un-checkpointed the layer adds nothing.
     """
     measured = _measure(module, step, layer_cls, modes, outside_ops=False)
     return measured.costs, measured.outside_bytes
@@ -587,7 +703,7 @@ def _measure(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassAr
                          " training mode with grad enabled: pass a step that runs the model's forward and returns the loss.")
     outside = max(0, recorder.held_bytes - sum(c.full_bytes for c in costs))
     return StepCosts(costs, outside, recorder.outside_ops, min(outside, recorder.head_bytes),
-                           recorder.head_peak_bytes)
+                     recorder.head_peak_bytes, recorder.shared_bytes)
 
 
 def check_module_and_step(module: object, step: object) -> None:
