@@ -417,15 +417,9 @@ def test_fp8_keeps_the_inputs_of_batchnorm_layers_exact_and_says_so_once(caplog,
         plan_checkpointing(model, lambda: loss_fn(model), least - 1, layer_cls=layer_cls, compress="fp8")
 
 
-# A layer checkpointed selectively (peft lora's last, here) has one hidden state (16 KiB) more alive in its backward
-# than un-checkpointed or fully checkpointed: counted 454,448 B against the 441,104 B predicted and the 444,167 B
-# budget. The planner takes one backward peak per layer whatever its mode; counting each storage once (the mask,
-# cos/sin) took away the over-count that used to hide it. Open: measure the selective backward's own peak.
-_SELECTIVE_UNDER = pytest.mark.xfail(strict=True, reason="selective checkpointing's backward peak is under-counted")
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_SELECTIVE_UNDER) if c == "peft lora" else c
-                                  for c in FP8_CASES])
+@pytest.mark.parametrize("case", FP8_CASES)
 def test_an_fp8_plan_on_real_models_predicts_its_peak_and_holds_its_budget(case):
     """plan_checkpointing(..., compress='fp8') at a budget below what exact full checkpointing reaches: the applied
     plan's activation peak, counted without the package's counters, is within the budget, and the prediction is at

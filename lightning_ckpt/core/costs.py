@@ -112,6 +112,11 @@ class LayerCost:
         their backward makes (``transient_bytes``; ``none_bytes`` where that was not measured)."""
         return max(self.transient_bytes, self.none_bytes)
 
+    @property
+    def exact_input_bytes(self) -> int:
+        """The layer's inputs at full width, compressed or not (:meth:`compressed` keeps them in ``codec_bytes``)."""
+        return self.codec_bytes // 2 - self.full_bytes if self.codec_bytes else self.full_bytes
+
     def compressed(self, compress: Optional[Compress]) -> LayerCost:
         """The costs with the inputs held under ``compress``: what a checkpointed choice (full, selective, ops)
         holds, and offload moves, shrinks by what compressing the inputs saves; ``"none"`` is unchanged. The backward

@@ -98,6 +98,7 @@ from lightning_ckpt.core.solver import (
     LayerOption,
     cheapest_choices,
     choose,
+    chosen_transients,
     held_peak,
     kept_on_device,
     layer_options,
@@ -278,7 +279,8 @@ def _build_plan(problem: _PlanProblem, chosen: Sequence[LayerOption],
         baseline_bytes=problem.baseline,
         baseline_peak_bytes=problem.baseline_peak,
         planned_bytes=outside_bytes + sum(o.device_bytes for o in chosen) + kept_on_device(chosen),
-        peak_bytes=outside_bytes + held_peak([o.device_bytes for o in chosen], problem.transients,
+        peak_bytes=outside_bytes + held_peak([o.device_bytes for o in chosen],
+                                             chosen_transients(problem.transients, chosen),
                                              [o.host_bytes for o in chosen], problem.head_peak_bytes),
         budget_bytes=problem.budget_bytes,
         recompute_flops=sum(o.flops for o in chosen),
@@ -408,7 +410,8 @@ def predict_peak(costs: Sequence[LayerCost], outside_bytes: int, choices: Mappin
         320
     """
     chosen = _predicted_options(costs, choices, offload, kept_ops, min_bytes)
-    return outside_bytes + held_peak([o.device_bytes for o in chosen], layer_transients(costs, head_bytes),
+    return outside_bytes + held_peak([o.device_bytes for o in chosen],
+                                     chosen_transients(layer_transients(costs, head_bytes), chosen),
                                      [o.host_bytes for o in chosen], head_peak_bytes)
 
 
@@ -502,7 +505,8 @@ def _least_peak(costs: Sequence[LayerCost], outside: int, modes: Sequence[str], 
                 head_bytes: int, head_peak_bytes: int) -> int:
     """The least activation peak any plan reaches: every layer at its :func:`_smallest` option."""
     chosen = _smallest(costs, modes, offload, min_bytes)
-    return outside + held_peak([o.device_bytes for o in chosen], layer_transients(costs, head_bytes),
+    return outside + held_peak([o.device_bytes for o in chosen], chosen_transients(layer_transients(costs, head_bytes),
+                                                                                   chosen),
                                [o.host_bytes for o in chosen], head_peak_bytes)
 
 

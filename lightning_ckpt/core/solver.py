@@ -27,7 +27,7 @@ from lightning_ckpt.core.op_curve import op_curve, spread
 from lightning_ckpt.core.timing import exposed_transfer_seconds, extra_seconds
 
 __all__ = ["CURVE_POINTS", "LayerOption", "cheapest_choices", "choose", "held_peak", "kept_on_device", "layer_options",
-           "layer_transients", "make_option", "solve"]
+           "chosen_transients", "layer_transients", "make_option", "solve"]
 
 # Where the bytes' common divisor would make too many quanta, bytes are counted in quanta of the shortfall (the bytes
 # to free): max(8192, 256 * layers) of them, fewer when the layers have many points (the work is layers x points x
@@ -50,6 +50,9 @@ class LayerOption:
     keep: tuple[int, ...] = ()
     seconds: float = 0.0  # predicted extra step time on a device profile (0 without one)
     host_bytes: int = 0  # moved to host memory by the offload engine (0: not offloaded)
+    #: What its backward has alive beyond the layer's measured backward peak: a selectively checkpointed layer's
+    #: recompute brings back a hidden state (its input's size, exact) next to the outputs it kept.
+    backward_extra: int = 0
 
     def cost(self, timed: bool) -> float:
         return self.seconds if timed else self.flops
@@ -64,8 +67,9 @@ def make_option(cost: LayerCost, choice: Choice, keep: Sequence[int] = (), moved
     seconds = 0.0
     if device is not None:
         seconds = extra_seconds(cost, choice, keep, device) + exposed_transfer_seconds(host, device, window)
+    extra = cost.exact_input_bytes if choice == "selective" else 0
     return LayerOption(choice, cost.device_bytes(choice, False, keep) - host, cost.flops(choice, keep), tuple(keep),
-                       seconds, host)
+                       seconds, host, extra)
 
 
 def layer_options(cost: LayerCost, modes: Sequence[str] = PLAN_MODES, offload: Offload = False,
@@ -213,6 +217,12 @@ def layer_transients(costs: Sequence[LayerCost], head_bytes: int = 0) -> list[in
     return [c.backward_peak - head_bytes for c in costs]
 
 
+def chosen_transients(transients: Sequence[int], chosen: Sequence[LayerOption]) -> list[int]:
+    """Each layer's backward transient (:func:`layer_transients`) with its chosen option's
+    :attr:`LayerOption.backward_extra`."""
+    return [t + o.backward_extra for t, o in zip(transients, chosen)]
+
+
 def held_peak(held: Sequence[int], transients: Sequence[int], host: Sequence[int] = (), head: int = 0) -> int:
     """The most bytes the layers hold at once in a step: at the start of the backward (all the forward holds, with
     the offload engine's newest offloaded layer still on the device, and the ``head`` bytes the head's backward
@@ -283,8 +293,8 @@ def choose(options: Sequence[Sequence[LayerOption]], need_bytes: int, timed: boo
             chosen = within(need)
             if chosen is None:
                 break
-            over = held_peak([c.device_bytes for c in chosen], transients, [c.host_bytes for c in chosen],
-                             head) - allowed
+            over = held_peak([c.device_bytes for c in chosen], chosen_transients(transients, chosen),
+                             [c.host_bytes for c in chosen], head) - allowed
             if over <= 0:
                 return chosen
             if past_paper:  # past what this choice frees on paper (it may free more than `need`): it cannot repeat
