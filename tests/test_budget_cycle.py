@@ -82,7 +82,7 @@ def test_the_cycle_measures_each_new_size_and_reuses_a_plan_only_where_its_size_
     assert steps[0].measure is True
     assert cycle.latest is long and cycle.state(512) is BucketState.APPLIED and cycle.state(128) is BucketState.PLANNED
 
-    with pytest.raises(RuntimeError, match="needs a measuring step"):
+    with pytest.raises(RuntimeError, match="needs a measuring or predicted step"):
         cycle.planned(a_plan())
 
 
@@ -184,10 +184,12 @@ def test_a_byte_budget_holds_on_every_batch_and_short_batches_run_a_cheaper_plan
         if held is not None:  # a step that ran a plan: its whole activation peak within the budget
             assert held <= peak <= budget * 1.02, (length, held, peak, budget)
     assert model.seen[5] == []  # the shortest batch, planned for its own size, checkpoints nothing
-    # measured: the first batch of each bucket (32, 256, 64 and 128 tokens); the rest run a plan made for a size that
-    # covers them (length 48 runs the plan measured at 64, in the same bucket of 256 tokens)
+    # measured: the first three sizes (32, 256 and 64 tokens); length 32 (128 tokens) is planned from their fit, with
+    # no measuring step; the rest run a plan made for a size that covers them (length 48 runs the plan measured at
+    # 64, in the same bucket of 256 tokens)
     measuring = [held is None for held in model.held]
-    assert measuring == [True, True, True, False, True, False, False, False]
+    assert measuring == [True, True, True, False, False, False, False, False]
+    assert callback._cycle.predicted == {128} and callback._cycle.measured_steps == 3
     assert sorted(callback.plans) == [32, 64, 128, 256]
     # the longest batches need checkpointing; the shortest run none at all: a short batch does not pay for a long one
     assert 0 < len(model.seen[3]) and model.seen[3] == model.seen[6]
