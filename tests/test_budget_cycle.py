@@ -333,3 +333,35 @@ def test_a_transformers_llama_on_batches_padded_per_batch_holds_a_byte_budget_on
     assert all(h <= budget for h in model.held if h is not None), (model.held, budget)
     short, long = callback.plans[32], callback.plans[256]  # 2 x 16 and 2 x 128 tokens
     assert short.recompute_flops == 0 < long.recompute_flops  # the short batches recompute nothing
+
+
+class JumpingGPT(VaryingGPT):
+    """Past length 32 its step also saves a ``[batch, length, 256]`` float tensor (16 KiB per sequence position of a
+    batch of 4) outside the layers: costs no fit over shorter batches can predict."""
+
+    def __init__(self, callback: GradientCheckpointing | None = None, jump: bool = True) -> None:
+        super().__init__(callback)
+        self.jump = jump
+        self.extra = torch.nn.Parameter(torch.ones(256))
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        x = batch[0]
+        if self.jump and x.shape[1] > 32:
+            loss = loss + (self.extra * torch.rand(x.shape[0], x.shape[1], 256)).sum() * 0
+        return loss
+
+
+@pytest.mark.parametrize("jump", [False, True])
+def test_a_predicted_plan_whose_step_holds_more_than_planned_measures_its_bucket_again(jump):
+    lengths = [8, 16, 24, 40, 36, 40]  # 40 (160 tokens) predicted from 8, 16, 24; 36 (144) in the same bucket (256)
+    budget = 10 * 2**20  # room for everything: the plans checkpoint nothing, so held bytes are the whole forward's
+    callback = GradientCheckpointing(memory_budget=budget)
+    model = fit([callback], lengths=lengths, model=JumpingGPT(callback, jump))
+    measuring = [held is None for held in model.held]
+    if not jump:  # the fit was right: 36 runs the plan predicted for 40
+        assert measuring == [True, True, True, False, False, False] and callback._cycle.measured_steps == 3
+        assert callback._cycle.predicted == {256} and callback._cycle.remeasure == set()
+    else:  # 40 held 160 KiB more than planned: the check drops its plan, 36 is measured, then 40 (no fit any more)
+        assert measuring == [True, True, True, False, True, True] and callback._cycle.measured_steps == 5
+        assert callback._cycle.predicted == set() and not callback._cycle.fit.trusted(160, 40)

@@ -162,4 +162,6 @@ def test_a_failed_check_drops_the_predicted_plan_and_the_next_batch_of_its_bucke
     assert step.measure
     cycle.planned(make_plan(measurement(396, 99).costs, 0, 0.8), measurement(396, 99))
     assert (396, 99) in cycle.fit.sizes and cycle.measured_steps == 4
-    assert cycle.begin(BatchSize(404, 101)).predicted is not None  # measured once: the bucket is predicted again
+    predicted = cycle.begin(BatchSize(404, 101)).predicted  # measured once: the bucket is predicted again
+    assert predicted is not None and [c.calls for c in predicted.costs] == [1, 1]  # a count takes no margin
+    assert predicted.costs[0].full_bytes == math.ceil(64 * 404 * (1 + MARGIN))  # 64 bytes a token, 2% over
