@@ -126,9 +126,11 @@ class GradientCheckpointing(Callback):
     constructor (a bad value raises and changes nothing) and, when layers are already checkpointed, re-applies.
 
     With ``memory_budget``, the budget holds on every batch, whatever its size: a batch larger (more tokens, or
-    longer sequences) than any its size bucket was measured at runs fully checkpointed and is measured, and the plan
-    solved for it is used for the batches it covers; a short batch so runs the cheaper plan its own size allows
-    (:mod:`~lightning_ckpt.core.budget_cycle`). ``callback.plan`` holds the latest batch's
+    longer sequences) than any its size bucket was planned for gets its own plan, solved from costs fitted over the
+    sizes measured (a + b tokens + c tokens x length, 2% over) where the fit is trusted, else from a measuring step
+    (fully checkpointed while its costs are recorded: the first three sizes, a size 16x past all measured, or a bucket
+    whose predicted plan held more than planned); the plan is used for the batches it covers, and a short batch so
+    runs the cheaper plan its own size allows (:mod:`~lightning_ckpt.core.budget_cycle`). ``callback.plan`` holds the latest batch's
     :class:`~lightning_ckpt.core.planner.CheckpointPlan` (and ``checkpointed_layers`` its choice), ``callback.plans``
     every bucket's. The plans are saved in Lightning checkpoints: a resumed run applies them without measuring those
     sizes again. Under DDP and FSDP2 every rank measures its own batch, the per-layer

@@ -4,7 +4,7 @@ A budget is a promise for every batch. Batches vary in size (dynamic padding, pa
 a plan solved for a short batch holds far more than its budget on a long one. So plans are kept per size bucket
 (:meth:`BatchSize.bucket`: the tokens rounded up to a power of two), each with the size it was measured at, and a
 batch runs under a bucket's plan only when that size *covers* it (no more tokens and no longer sequences, so terms
-that grow with the square of the length are covered too). Any other batch is a measuring step: every matched layer
+that grow with the square of the length are covered too). Any other batch is predicted (below) or a measuring step: every matched layer
 fully checkpointed (it holds no more than full checkpointing does) while its costs are recorded, and its plan,
 solved for it, replaces the bucket's. A short batch so gets the cheaper plan its own size allows, and a long one
 never runs under a plan made for a shorter one.
