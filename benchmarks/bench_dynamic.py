@@ -267,7 +267,8 @@ def long_tailed_main(rounds: int) -> None:
         f" own length. Byte budget {format_bytes(budget)}: 30% of the way from full checkpointing's activation peak"
         f" ({format_bytes(full_peak)}) to none's ({format_bytes(none_peak)}) at 768. {rounds} round(s), paired and"
         " interleaved (budget run, then every_n_layers=1); the time ratio is the median of the paired ratios of whole"
-        " fits, measuring steps included. Held and peak / budget: the largest over the 60 steps of one more budget run, not timed (the peak counter is slow); the timed runs measure the same steps.",
+        " fits, measuring steps included. Held and peak / budget: the largest over the 60 steps of one more budget"
+        " run, not timed (the peak counter is slow); the timed runs measure the same steps.",
         "",
         "| order | measuring steps | budget run | every_n_layers=1 | time ratio | held / budget | peak / budget |",
         "| --- | --- | --- | --- | --- | --- | --- |",
