@@ -17,15 +17,24 @@ minus without, at each step's length) and the step time, medians over rounds. Re
 ("dynamic").
 
     python benchmarks/bench_dynamic.py [--rounds 3] [--steps 40]
+
+``--long-tailed`` runs issue 29's workload instead: lengths from a lognormal (median 48) clipped to 8..768, batch 4,
+each batch padded to its own length, 60 steps, in three orders (random, ascending, descending), on a demo GPT of 768
+positions; the budget run (a byte budget 30% of the way from full checkpointing's peak to none's at length 768)
+against ``every_n_layers=1``, paired and interleaved rounds, medians. Reported per order: the measuring steps, the
+wall time ratio (measuring steps included; target <= 0.90), and the largest held bytes (saved-tensor hooks, a
+measuring step counted as full checkpointing at its length) and activation peak (``_peak.py``, every step) over the
+budget. ``--quick``: one round. Results go to RESULTS.md ("long-tailed"). The litgpt arm is not written yet.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -191,12 +200,95 @@ def held_at(length: int, full: bool) -> int:
     return saved.bytes
 
 
+LT_MODEL = dict(MODEL, block_size=768)
+
+
+def lognormal_lengths(steps: int = 60, seed: int = 0) -> list[int]:
+    """Issue 29's lengths: a lognormal with median 48, clipped to 8..768, one batch at 768."""
+    rng = random.Random(seed)
+    lengths = [min(768, max(8, int(rng.lognormvariate(math.log(48), 1.0)))) for _ in range(steps)]
+    lengths[steps // 2] = 768
+    return lengths
+
+
+class PeakPerStep(Callback):
+    """Each step's activation peak (``_peak.py``), forward through backward, the parameters' gradients left out."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._live = LiveStorages()
+        self._live.__enter__()
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self._live.__exit__(None, None, None)
+        self.peaks.append(self._live.peak(exclude=grad_storages(pl_module)))
+
+
+def run_long_tailed(data: list, budget: Optional[int], peaks: bool) -> dict[str, Any]:
+    """One run on ``data``: with ``budget``, the callback; ``None``: ``every_n_layers=1``."""
+    seed_everything(0)
+    callback = GradientCheckpointing(memory_budget=budget) if budget is not None else GradientCheckpointing()
+    model = Recorder(callback if budget is not None else None)
+    extra: list[Callback] = [PeakPerStep()] if peaks else []
+    start = time.perf_counter()
+    trainer([callback, *extra], len(data)).fit(model, DataLoader(data, batch_size=None))
+    return {"seconds": time.perf_counter() - start, "held": model.held, "measured": model.measured,
+            "peaks": extra[0].peaks if peaks else [], "measured_steps": callback._cycle.measured_steps}
+
+
+def long_tailed_main(rounds: int) -> None:
+    global MODEL
+    MODEL = LT_MODEL  # the helpers build this model
+    lengths = lognormal_lengths()
+    none_peak, full_peak = step_peak(None, 768), step_peak("full", 768)
+    budget = full_peak + (none_peak - full_peak) * 3 // 10
+    full_at = {L: held_at(L, True) for L in set(lengths)}
+    rows = []
+    for order, ordered in [("random", lengths), ("ascending", sorted(lengths)),
+                           ("descending", sorted(lengths, reverse=True))]:
+        data = batches(ordered)
+        first = run_long_tailed(data, budget, peaks=True)  # counted, not timed: the peak counter is slow
+        pairs = []
+        for _ in range(rounds):  # interleaved: the budget run, then every layer, each round
+            pairs.append((run_long_tailed(data, budget, peaks=False), run_long_tailed(data, None, peaks=False)))
+        assert all(a["measured"] == first["measured"] for a, _ in pairs)
+        held = max((h if h >= 0 else full_at[L]) / budget for h, L in zip(first["held"], ordered))
+        peak = max(first["peaks"]) / budget
+        ratio = statistics.median(a["seconds"] / b["seconds"] for a, b in pairs)
+        t_a = statistics.median(a["seconds"] for a, _ in pairs)
+        t_b = statistics.median(b["seconds"] for _, b in pairs)
+        rows.append(f"| {order} | {first['measured_steps']} | {t_a:.2f} s | {t_b:.2f} s | {ratio:.3f} | {held:.3f} |"
+                    f" {peak:.3f} |")
+    text = "\n".join([
+        f"Demo GPT (6 layers, hidden 64, 4 heads, 768 positions), batch 4, 60 steps, lengths lognormal (median 48)"
+        f" clipped to 8..768 ({sum(lengths)} positions in all, {lengths.count(768)} at 768), each batch padded to its"
+        f" own length. Byte budget {format_bytes(budget)}: 30% of the way from full checkpointing's activation peak"
+        f" ({format_bytes(full_peak)}) to none's ({format_bytes(none_peak)}) at 768. {rounds} round(s), paired and"
+        " interleaved (budget run, then every_n_layers=1); the time ratio is the median of the paired ratios of whole"
+        " fits, measuring steps included. Held and peak / budget: the largest over the 60 steps of one more budget"
+        " run, not timed (the peak counter is slow); the timed runs measure the same steps.",
+        "",
+        "| order | measuring steps | budget run | every_n_layers=1 | time ratio | held / budget | peak / budget |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ])
+    print(text)
+    write_section("long-tailed", text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--long-tailed", action="store_true", help="issue 29's workload (see the docstring)")
+    parser.add_argument("--quick", action="store_true", help="with --long-tailed: one round")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.long_tailed:
+        long_tailed_main(1 if args.quick else args.rounds)
+        return
 
     lengths = long_tailed_lengths(args.steps)
     data = batches(lengths)

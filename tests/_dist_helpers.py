@@ -542,7 +542,13 @@ VARYING_LENGTHS = ([4, 16, 8, 16], [16, 4, 8, 8])
 The largest over ranks: 16, 16, 8, 16."""
 
 
-def _fit_varying(strategy: Any, memory_budget: Optional[int], compress: Optional[str] = None) -> dict[str, Any]:
+PREDICTED_LENGTHS = ([4, 3, 12, 16, 1, 14], [2, 8, 6, 10, 2, 7])
+"""Lengths whose largest over ranks (4, 8, 12, 16, 2, 14) measure three sizes, then plan 16 (64 tokens, not covered
+by 12's 48 in the same bucket) and 2 (8 tokens, a new bucket) from the fit; 14 runs 16's predicted plan."""
+
+
+def _fit_varying(strategy: Any, memory_budget: Optional[int], compress: Optional[str] = None,
+                 lengths: tuple[list[int], list[int]] = VARYING_LENGTHS) -> dict[str, Any]:
     """Batches whose lengths differ between ranks and steps, under a byte budget (``None``: without the callback)."""
     seed_everything(0)
     rank = int(os.environ["LOCAL_RANK"])
@@ -551,17 +557,26 @@ def _fit_varying(strategy: Any, memory_budget: Optional[int], compress: Optional
     record = RecordCheckpointedPerBatch()
     model = SeededGPT(**{**GPT_ARGS, "n_layer": 4})
     batches = []
-    for step, length in enumerate(VARYING_LENGTHS[rank]):
+    for step, length in enumerate(lengths[rank]):
         seqs = counting_sequences(4, length + 1, GPT_ARGS["vocab_size"], seed=10 * step + rank)
         batches.append((seqs[:, :-1], seqs[:, 1:]))
     initial = full_weights(model)
-    trainer = _trainer(strategy, [callback, record] if callback is not None else [record], max_steps=4,
+    trainer = _trainer(strategy, [callback, record] if callback is not None else [record], max_steps=len(batches),
                        use_distributed_sampler=False)
     trainer.fit(model, DataLoader(batches, batch_size=None))
     result: dict[str, Any] = {"seen": record.seen, "weights": full_weights(model), "initial": initial}
     if callback is not None:
         result["plans"] = {bucket: plan.state_dict() for bucket, plan in callback.plans.items()}
+        result.update(measured_steps=callback._cycle.measured_steps, predicted=sorted(callback._cycle.predicted))
     return result
+
+
+def ddp_budget_predicted() -> dict[str, Any]:
+    return _fit_varying(CheckpointingDDPStrategy(), 300_000, lengths=PREDICTED_LENGTHS)
+
+
+def ddp_budget_predicted_reference() -> dict[str, Any]:
+    return _fit_varying(CheckpointingDDPStrategy(), None, lengths=PREDICTED_LENGTHS)
 
 
 def ddp_budget_varying_lengths() -> dict[str, Any]:
@@ -645,7 +660,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
               placement_checks, ddp_memory_budget_ranks_differ, fsdp_memory_budget_ranks_differ,
               fsdp_memory_budget_reference, fsdp_recorder_layer_not_a_unit, model_parallel_2d_checkpointed,
               ddp_budget_varying_lengths, ddp_budget_varying_lengths_fp8, ddp_budget_varying_lengths_reference,
-              fsdp_budget_varying_lengths,
+              fsdp_budget_varying_lengths, ddp_budget_predicted, ddp_budget_predicted_reference,
               fsdp_budget_varying_lengths_reference)
 }
 

@@ -82,7 +82,7 @@ def test_the_cycle_measures_each_new_size_and_reuses_a_plan_only_where_its_size_
     assert steps[0].measure is True
     assert cycle.latest is long and cycle.state(512) is BucketState.APPLIED and cycle.state(128) is BucketState.PLANNED
 
-    with pytest.raises(RuntimeError, match="needs a measuring step"):
+    with pytest.raises(RuntimeError, match="needs a measuring or predicted step"):
         cycle.planned(a_plan())
 
 
@@ -184,10 +184,12 @@ def test_a_byte_budget_holds_on_every_batch_and_short_batches_run_a_cheaper_plan
         if held is not None:  # a step that ran a plan: its whole activation peak within the budget
             assert held <= peak <= budget * 1.02, (length, held, peak, budget)
     assert model.seen[5] == []  # the shortest batch, planned for its own size, checkpoints nothing
-    # measured: the first batch of each bucket (32, 256, 64 and 128 tokens); the rest run a plan made for a size that
-    # covers them (length 48 runs the plan measured at 64, in the same bucket of 256 tokens)
+    # measured: the first three sizes (32, 256 and 64 tokens); length 32 (128 tokens) is planned from their fit, with
+    # no measuring step; the rest run a plan made for a size that covers them (length 48 runs the plan measured at
+    # 64, in the same bucket of 256 tokens)
     measuring = [held is None for held in model.held]
-    assert measuring == [True, True, True, False, True, False, False, False]
+    assert measuring == [True, True, True, False, False, False, False, False]
+    assert callback._cycle.predicted == {128} and callback._cycle.measured_steps == 3
     assert sorted(callback.plans) == [32, 64, 128, 256]
     # the longest batches need checkpointing; the shortest run none at all: a short batch does not pay for a long one
     assert 0 < len(model.seen[3]) and model.seen[3] == model.seen[6]
@@ -328,7 +330,9 @@ def test_a_transformers_llama_on_batches_padded_per_batch_holds_a_byte_budget_on
     trainer = Trainer(max_steps=len(lengths), accelerator="cpu", devices=1, callbacks=[callback], logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(padded_batches(lengths), batch_size=None))
-    assert [h is None for h in model.held] == [True, True, True, False, False, True, False]
+    # 16, 128, 32 measured; 64 (bucket 128) planned from their fit, its check passed (still a predicted plan)
+    assert [h is None for h in model.held] == [True, True, True, False, False, False, False]
+    assert callback._cycle.predicted == {128} and callback._cycle.measured_steps == 3
     assert all(h <= budget for h in model.held if h is not None), (model.held, budget)
     short, long = callback.plans[32], callback.plans[256]  # 2 x 16 and 2 x 128 tokens
     assert short.recompute_flops == 0 < long.recompute_flops  # the short batches recompute nothing
@@ -394,3 +398,35 @@ def test_an_fp8_plan_counts_the_same_bytes_outside_the_layers_as_an_exact_one():
     assert sorted(exact.plans) == sorted(fp8.plans) == [32, 256]
     assert [fp8.plans[b].outside_bytes for b in (256, 32)] == [exact.plans[b].outside_bytes for b in (256, 32)]
     assert [exact.plans[b].outside_bytes for b in (256, 32)] == [104_996, 13_156]
+
+
+class JumpingGPT(VaryingGPT):
+    """Past length 32 its step also saves a ``[batch, length, 256]`` float tensor (16 KiB per sequence position of a
+    batch of 4) outside the layers: costs no fit over shorter batches can predict."""
+
+    def __init__(self, callback: GradientCheckpointing | None = None, jump: bool = True) -> None:
+        super().__init__(callback)
+        self.jump = jump
+        self.extra = torch.nn.Parameter(torch.ones(256))
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        x = batch[0]
+        if self.jump and x.shape[1] > 32:
+            loss = loss + (self.extra * torch.rand(x.shape[0], x.shape[1], 256)).sum() * 0
+        return loss
+
+
+@pytest.mark.parametrize("jump", [False, True])
+def test_a_predicted_plan_whose_step_holds_more_than_planned_measures_its_bucket_again(jump):
+    lengths = [8, 16, 24, 40, 36, 40]  # 40 (160 tokens) predicted from 8, 16, 24; 36 (144) in the same bucket (256)
+    budget = 10 * 2**20  # room for everything: the plans checkpoint nothing, so held bytes are the whole forward's
+    callback = GradientCheckpointing(memory_budget=budget)
+    model = fit([callback], lengths=lengths, model=JumpingGPT(callback, jump))
+    measuring = [held is None for held in model.held]
+    if not jump:  # the fit was right: 36 runs the plan predicted for 40
+        assert measuring == [True, True, True, False, False, False] and callback._cycle.measured_steps == 3
+        assert callback._cycle.predicted == {256} and callback._cycle.remeasure == set()
+    else:  # 40 held 160 KiB more than planned: the check drops its plan, 36 is measured, then 40 (no fit any more)
+        assert measuring == [True, True, True, False, True, True] and callback._cycle.measured_steps == 5
+        assert callback._cycle.predicted == set() and not callback._cycle.fit.trusted(160, 40)

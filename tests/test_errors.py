@@ -819,7 +819,9 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
         2, "a batch without token ids, or a length under 1 (which --lengths' parsing refuses first); the first is"
            " asserted in test_plan_command"),
     "commands.plan.measure.measure": (1, "a step that fails at one of --lengths, re-raised with the length named"),
-    "commands.plan.predictions.fit_peak": (1, "a misuse by its caller (fewer than two lengths), not a user setting"),
+    "core.cost_fit.fit_peak": (1, "a misuse by its caller (fewer than two lengths), not a user setting"),
+    "core.cost_fit.CostFit.predict": (1, "a misuse by its caller (no fit yet: it predicts only where trusted), asserted in"
+                                         " test_cost_fit"),
     "core.fake_streams.FakeStreams._queue": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
     "core.fake_streams.FakeStreams._perform": (
         2, "the offload tests' fake streams report a bug of the offload engine itself"),

@@ -38,6 +38,7 @@ from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.memory_stats import device_peak_bytes, device_total_bytes, reset_device_peaks
 from lightning_ckpt.core.offload import release_all
 from lightning_ckpt.core.placement import check_checkpointing_placement
+from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
 from lightning_ckpt.core.planner import CheckpointPlan, LayerCostRecorder, Offload, make_plan
 from lightning_ckpt.core.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
 from lightning_ckpt.core.compress import Compress
@@ -127,9 +128,11 @@ class GradientCheckpointing(Callback):
     constructor (a bad value raises and changes nothing) and, when layers are already checkpointed, re-applies.
 
     With ``memory_budget``, the budget holds on every batch, whatever its size: a batch larger (more tokens, or
-    longer sequences) than any its size bucket was measured at runs fully checkpointed and is measured, and the plan
-    solved for it is used for the batches it covers; a short batch so runs the cheaper plan its own size allows
-    (:mod:`~lightning_ckpt.core.budget_cycle`). ``callback.plan`` holds the latest batch's
+    longer sequences) than any its size bucket was planned for gets its own plan, solved from costs fitted over the
+    sizes measured (a + b tokens + c tokens x length, 2% over) where the fit is trusted, else from a measuring step
+    (fully checkpointed while its costs are recorded: the first three sizes, a size 16x past all measured, or a bucket
+    whose predicted plan held more than planned); the plan is used for the batches it covers, and a short batch so
+    runs the cheaper plan its own size allows (:mod:`~lightning_ckpt.core.budget_cycle`). ``callback.plan`` holds the latest batch's
     :class:`~lightning_ckpt.core.planner.CheckpointPlan` (and ``checkpointed_layers`` its choice), ``callback.plans``
     every bucket's. The plans are saved in Lightning checkpoints: a resumed run applies them without measuring those
     sizes again. Under DDP and FSDP2 every rank measures its own batch, the per-layer
@@ -191,6 +194,7 @@ class GradientCheckpointing(Callback):
         self._module: Optional[pl.LightningModule] = None
         self._original_configure_model: Any = None
         self._recorder: Optional[LayerCostRecorder] = None
+        self._check: Optional[SavedTensorCounter] = None  # a predicted plan's held bytes, this step
         self._measured: Optional[RankMeasurement] = None  # this rank's, until the plan is made
         self._auto: Optional[AutoBudget] = None  # "auto": the figures of the first plan, whose budget every size keeps
         self._start_step = 0
@@ -286,9 +290,28 @@ class GradientCheckpointing(Callback):
             return  # no budget, or "auto" waits for the first optimizer step to make its first plan
         # Every rank decides from the same size (the largest over ranks) and the same plans, so all of them enter
         # the measuring step's collectives together, or none does.
-        step = self._cycle.begin(_largest_over_ranks(trainer.strategy, batch_size_of(batch, self.length_fn)))
+        size = _largest_over_ranks(trainer.strategy, batch_size_of(batch, self.length_fn))
+        step = self._cycle.begin(size, predict=not self._first_auto())
+        if step.predicted is not None:
+            # Planned from the costs fitted over the sizes measured: no measuring step. The same on every rank (the
+            # fit is of rows combined over ranks). A budget the conservative prediction cannot reach is measured.
+            try:
+                plan = self._solve(trainer, step.predicted)
+            except ValueError:
+                plan = None
+            if plan is not None:
+                self._cycle.planned(plan)
+                if trainer.is_global_zero:
+                    _report_plan(trainer, plan, self._settings["memory_budget"], self._auto, size, predicted=True)
+            else:
+                self._cycle.abandon()
+            step = self._cycle.begin(size, predict=False)
         if step.switch:
             self._reapply(pl_module)
+        if self._cycle.checking:
+            # The cheap check of a predicted plan: the bytes this forward leaves held, counted once per storage.
+            self._check = SavedTensorCounter(exclude=pl_module.parameters())
+            self._check.__enter__()
         if step.measure:
             # Every matched layer is fully checkpointed; measure it during this ordinary step.
             layers = [(name, pl_module.get_submodule(name)) for name in self.checkpointed_layers]
@@ -298,6 +321,7 @@ class GradientCheckpointing(Callback):
             self._recorder.__enter__()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._end_check(trainer)
         if self._stop_measuring(loss) and not self._first_auto():
             # Planned before the backward: an impossible budget fails before any weight has changed.
             self._make_plan(trainer, pl_module)
@@ -305,12 +329,29 @@ class GradientCheckpointing(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._stop_measuring()  # a step that returned no loss ran no backward
+        self._end_check(trainer)
         # The first "auto" plan also needs the static memory, optimizer state included: it waits for the first
         # optimizer step.
         if self._measured is not None and (not self._first_auto() or trainer.global_step > self._start_step):
             self._make_plan(trainer, pl_module)
         if self._cycle.latest is not None and self._cycle.applied is not self._cycle.latest:
             self._reapply(pl_module)  # the plan just made, for the next batch of this size
+
+    def _end_check(self, trainer: pl.Trainer) -> None:
+        """End the held-bytes check of a predicted plan: held more than its ``planned_bytes`` (on any rank: every
+        rank learns it, so all decide alike) and the bucket is measured on its next batch."""
+        check, self._check = self._check, None
+        if check is None:
+            return
+        check.__exit__(None, None, None)
+        plan, size = self._cycle.applied, self._cycle.current
+        assert plan is not None and size is not None
+        over = int(check.bytes + check.offloaded_bytes > plan.planned_bytes + plan.planned_host_bytes)
+        if _largest_over_ranks(trainer.strategy, BatchSize(over, 1)).tokens:
+            self._cycle.check_failed(size)
+            rank_zero_info(f"GradientCheckpointing: a batch of {size} held more than its predicted plan"
+                           f" ({format_bytes(check.bytes)} > {format_bytes(plan.planned_bytes)} planned); its size"
+                           " is measured on its next batch.")
 
     def _first_auto(self) -> bool:
         return self._settings["memory_budget"] == "auto" and self._auto is None
@@ -364,21 +405,27 @@ class GradientCheckpointing(Callback):
             budget = auto.budget_bytes
         else:
             measured, _ = _combine_over_ranks(trainer.strategy, measured, [])
-        modes = ("full",) if self._reentrant() else ("full", "selective")
-        profile, host_memory = self._device if self._device is not None else (None, None)
         size = self._cycle.measuring
         self._measured = None
         try:
             # An impossible budget raises here; the step's own full checkpointing is undone by `on_exception`.
-            plan = make_plan(measured.costs, measured.outside_bytes, budget, modes, self._settings["offload"], profile,
-                             host_memory=host_memory, min_bytes=offload_min_bytes(trainer.strategy.root_device),
-                             head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes,
-                             compress=self._settings["compress"])
+            plan = self._solve(trainer, measured, budget)
         except ValueError as err:
             raise ValueError(f"{err}\n  This was for a batch of {size} (the largest over ranks).") from None
-        self._cycle.planned(plan)
+        self._cycle.planned(plan, measured)
         if trainer.is_global_zero:
             _report_plan(trainer, plan, self._settings["memory_budget"], auto, size)
+
+    def _solve(self, trainer: pl.Trainer, measured: RankMeasurement, budget: object = None) -> CheckpointPlan:
+        """The plan for ``measured`` (combined over ranks) at ``budget`` (``None``: the byte budget, or "auto"'s)."""
+        if budget is None:
+            budget = self._auto.budget_bytes if self._auto is not None else self._settings["memory_budget"]
+        modes = ("full",) if self._reentrant() else ("full", "selective")
+        profile, host_memory = self._device if self._device is not None else (None, None)
+        return make_plan(measured.costs, measured.outside_bytes, budget, modes, self._settings["offload"], profile,
+                         host_memory=host_memory, min_bytes=offload_min_bytes(trainer.strategy.root_device),
+                         head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes,
+                         compress=self._settings["compress"])
 
     # ------------------------------------------------------------------ end, state
 
@@ -392,6 +439,9 @@ class GradientCheckpointing(Callback):
         if self._recorder is not None:
             self._recorder.__exit__(None, None, None)
             self._recorder = None
+        if self._check is not None:
+            self._check.__exit__(None, None, None)
+            self._check = None
         self._measured = None
         self._cycle.abandon()
         self.remove()
@@ -564,10 +614,10 @@ def _largest_over_ranks(strategy: Strategy, size: BatchSize) -> BatchSize:
 
 
 def _report_plan(trainer: pl.Trainer, plan: CheckpointPlan, memory_budget: object, auto: Optional[AutoBudget],
-                 size: Optional[BatchSize] = None) -> None:
+                 size: Optional[BatchSize] = None, predicted: bool = False) -> None:
     """One line in the log (info); the whole table to each logger that takes text, else to the log at debug level
     (one line per new plan at info: a run of many lengths makes many plans)."""
-    shape = f"batches up to {size}, " if size is not None else ""
+    shape = f"batches up to {size}{' (predicted from the sizes measured)' if predicted else ''}, " if size else ""
     rank_zero_info(f"GradientCheckpointing: {shape}{plan_summary(plan, memory_budget, auto)}")
     table = (f"Planned for batches up to {size}\n" if size is not None else "") + plan_table(plan, auto)
     sent = False

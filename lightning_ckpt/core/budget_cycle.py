@@ -4,10 +4,22 @@ A budget is a promise for every batch. Batches vary in size (dynamic padding, pa
 a plan solved for a short batch holds far more than its budget on a long one. So plans are kept per size bucket
 (:meth:`BatchSize.bucket`: the tokens rounded up to a power of two), each with the size it was measured at, and a
 batch runs under a bucket's plan only when that size *covers* it (no more tokens and no longer sequences, so terms
-that grow with the square of the length are covered too). Any other batch is a measuring step: every matched layer
+that grow with the square of the length are covered too). Any other batch is predicted (below) or a measuring step: every matched layer
 fully checkpointed (it holds no more than full checkpointing does) while its costs are recorded, and its plan,
 solved for it, replaces the bucket's. A short batch so gets the cheaper plan its own size allows, and a long one
 never runs under a plan made for a shorter one.
+
+Measuring is rare: each measurement's costs (combined over ranks) are fitted over the batch shape
+(:class:`~lightning_ckpt.core.cost_fit.CostFit`: every cost as ``a + b * tokens + c * tokens * length``), and a
+batch that no measured size covers is planned from the fit, with no measuring step, wherever the fit is trusted:
+from :data:`~lightning_ckpt.core.cost_fit.MIN_SIZES` (3) measured sizes on, when it reproduces them, for sizes inside
+the measured range or at most :data:`~lightning_ckpt.core.cost_fit.EXTRAPOLATION` (16) times past it in tokens and in
+length. The prediction is conservative (every cost raised by 2%, never below a smaller measured size's, never above
+a larger one's), and checked: a step that runs a predicted plan counts the bytes its forward leaves held, and where
+they exceed the plan's ``planned_bytes`` (:meth:`BudgetCycle.check_failed`) the bucket's plan is dropped and its next
+batch is measured. So a run measures its first three sizes, then only a size more than 16 times past everything
+measured, or one whose check failed: on long-tailed lengths (8..768, a lognormal, batch 4, 60 steps) at most 4
+measuring steps, in any order (random, ascending or descending; ``tests/test_budget_cycle.py``).
 
 Each bucket is in one of three states (:class:`BucketState`): ``MEASURING`` (its size is being recorded, no plan
 yet), ``PLANNED`` (a plan exists, not applied to the module now) and ``APPLIED`` (its plan is the module's now).
@@ -29,6 +41,8 @@ Example::
     True
     >>> cycle.begin(BatchSize(tokens=256, length=64)).measure  # longer than anything measured: measure again
     True
+    >>> step.predicted is None  # fewer than 3 sizes measured: nothing to predict from
+    True
 """
 
 from __future__ import annotations
@@ -40,6 +54,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_ckpt.core.budget import _COST_FIELDS, RankMeasurement, combine_costs, pack_costs
+from lightning_ckpt.core.cost_fit import CostFit
 from lightning_ckpt.core.memory_stats import main_tensor, tokens_in_batch
 from lightning_ckpt.core.planner import CheckpointPlan
 
@@ -103,16 +119,17 @@ class BucketState(enum.Enum):
 
 @dataclass(frozen=True)
 class Step:
-    """What :meth:`BudgetCycle.begin` decided for one batch: measure it (``plan is None``) or run ``plan``;
-    ``switch`` when the module's checkpointing must change for it."""
+    """What :meth:`BudgetCycle.begin` decided for one batch: run ``plan``, plan it from the ``predicted`` costs (then
+    :meth:`BudgetCycle.planned`), or measure it (neither); ``switch`` when the module's checkpointing must change."""
 
     size: BatchSize
     plan: Optional[CheckpointPlan]
     switch: bool
+    predicted: Optional[RankMeasurement] = None
 
     @property
     def measure(self) -> bool:
-        return self.plan is None
+        return self.plan is None and self.predicted is None
 
 
 class BudgetCycle:
@@ -129,6 +146,13 @@ class BudgetCycle:
         # The plan the module has now; None: every matched layer fully checkpointed (the measuring layout). The
         # callback applies `latest` whenever it (re)checkpoints the module, so the two start equal.
         self.applied: Optional[CheckpointPlan] = None
+        self.fit = CostFit()  # the measured costs over the batch shape
+        self.template: Optional[RankMeasurement] = None  # the latest measurement: layer names, compress
+        self.predicting: Optional[BatchSize] = None  # the size being planned from the fit
+        self.predicted: set[int] = set()  # buckets whose plan was predicted (their steps are checked)
+        self.remeasure: set[int] = set()  # buckets whose check failed: their next batch is measured
+        self.current: Optional[BatchSize] = None  # the latest batch's size
+        self.measured_steps = 0  # measuring steps begun (a measurement abandoned included)
 
     def state(self, bucket: int) -> Optional[BucketState]:
         """The bucket's state, ``None`` for a bucket never seen."""
@@ -143,23 +167,65 @@ class BudgetCycle:
         measured = self.sizes.get(size.bucket)
         return self.plans[size.bucket] if measured is not None and measured.covers(size) else None
 
-    def begin(self, size: BatchSize) -> Step:
-        """Before a training batch of ``size`` (the largest over ranks, so that every rank decides alike)."""
+    def predict(self, size: BatchSize) -> Optional[RankMeasurement]:
+        """The costs of ``size`` predicted from the fit, or ``None`` where it is not trusted (see the module
+        docstring) or the size's bucket failed its check."""
+        if self.template is None or size.bucket in self.remeasure or not self.fit.trusted(size.tokens, size.length):
+            return None
+        calls = [i * (len(_COST_FIELDS) + 2) + _CALLS for i in range(len(self.template.costs))]
+        row = self.fit.predict(size.tokens, size.length, keep=calls)
+        return combine_costs(torch.tensor([row], dtype=torch.int64), self.template)[0]
+
+    def begin(self, size: BatchSize, predict: bool = True) -> Step:
+        """Before a training batch of ``size`` (the largest over ranks, so that every rank decides alike). A size
+        no plan covers is predicted where the fit allows (``predict=False``: measured): plan it from
+        ``step.predicted``, call :meth:`planned`, then :meth:`begin` again to run it."""
         plan = self.plan_for(size)
-        self.measuring = size if plan is None else None
+        predicted = self.predict(size) if plan is None and predict else None
+        if predicted is not None:
+            self.predicting, self.measuring = size, None
+            return Step(size, None, False, predicted)
+        self.predicting, self.measuring, self.current = None, size if plan is None else None, size
+        self.measured_steps += plan is None
         switch, self.applied, self.latest = plan is not self.applied, plan, plan
         return Step(size, plan, switch)
 
-    def planned(self, plan: CheckpointPlan) -> None:
-        """The plan solved for the batch being measured; batches it covers run under it from the next one on."""
-        if self.measuring is None:
-            raise RuntimeError("BudgetCycle.planned() needs a measuring step: call begin() first.")
-        size, self.measuring = self.measuring, None
+    def planned(self, plan: CheckpointPlan, measured: Optional[RankMeasurement] = None) -> None:
+        """The plan solved for the batch being measured (with ``measured``, its costs combined over ranks, which
+        the fit takes in) or predicted; batches it covers run under it from the next one on."""
+        size = self.measuring or self.predicting
+        if size is None:
+            raise RuntimeError("BudgetCycle.planned() needs a measuring or predicted step: call begin() first.")
+        if self.measuring is not None:
+            self.predicted.discard(size.bucket)
+            self.remeasure.discard(size.bucket)
+            if measured is not None:
+                self.fit.add(size.tokens, size.length, _row(measured))
+                self.template = measured
+        else:
+            self.predicted.add(size.bucket)
+        self.measuring = self.predicting = None
         self.sizes[size.bucket], self.plans[size.bucket], self.latest = size, plan, plan
 
+    @property
+    def checking(self) -> bool:
+        """Whether the plan the module runs now was predicted: its step's held bytes are checked against it."""
+        return self.applied is not None and self.measuring is None and any(
+            self.plans.get(b) is self.applied for b in self.predicted)
+
+    def check_failed(self, size: BatchSize) -> None:
+        """A step of ``size`` held more than its predicted plan said: drop that plan; the bucket's next batch is
+        measured (and the fit takes the measurement in)."""
+        bucket = size.bucket
+        if bucket in self.predicted:
+            self.predicted.discard(bucket)
+            self.sizes.pop(bucket, None)
+            self.plans.pop(bucket, None)
+        self.remeasure.add(bucket)
+
     def abandon(self) -> None:
-        """Forget the measurement in progress (a step that ended without a plan)."""
-        self.measuring = None
+        """Forget the measurement or prediction in progress (a step that ended without a plan)."""
+        self.measuring = self.predicting = None
 
     def clear(self) -> None:
         """Forget every plan: the settings they were solved for changed."""
@@ -180,6 +246,15 @@ class BudgetCycle:
             self.latest = next((p for p in self.plans.values() if p.state_dict() == latest),
                                CheckpointPlan.from_state_dict(latest))
         self.applied = self.latest
+
+
+def _row(measured: RankMeasurement) -> list[int]:
+    """``measured`` (combined over ranks: one storage per layer and kind) as the row the fit takes; ``min_bytes=0``
+    keeps its bytes to move exactly, for the planner's threshold to apply to the prediction as to a measurement."""
+    return pack_costs(measured, min_bytes=0)
+
+
+_CALLS = _COST_FIELDS.index("calls")  # a count: predicted without the margin
 
 
 __all__ = ["BatchSize", "BucketState", "BudgetCycle", "Step", "batch_size_of"]

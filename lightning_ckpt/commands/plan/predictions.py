@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-import torch
-
 from lightning_ckpt.core.compress import Compress
+from lightning_ckpt.core.cost_fit import fit_peak  # noqa: F401 (plan --lengths fits with it; it lives in core)
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.planner import (
     CheckpointPlan,
@@ -120,28 +119,6 @@ def largest_batch(fixed: float, per_sample: float, room: float) -> Optional[int]
     if per_sample <= 0:
         return None if fixed <= room else 0
     return max(0, math.floor((room - fixed) / per_sample + 1e-9))
-
-
-def fit_peak(lengths: Sequence[int], peaks: Sequence[float]) -> tuple[float, float, float]:
-    """``(c0, c1, c2)`` of ``peak = c0 + c1 * T + c2 * T**2`` over the sequence lengths ``T``: a quadratic (least
-    squares) through 3 or more points, for attention's ``T**2`` terms; a line (``c2 = 0``) through 2.
-
-    Example::
-
-        >>> [round(c, 6) for c in fit_peak([1, 2, 3], [6, 17, 34])]  # 1 + 2 T + 3 T^2
-        [1.0, 2.0, 3.0]
-        >>> [round(c, 6) for c in fit_peak([4, 8], [140, 260])]
-        [20.0, 30.0, 0.0]
-    """
-    if len(lengths) != len(peaks) or len(set(lengths)) < 2:
-        raise ValueError(f"fit_peak: needs 2 or more distinct lengths with a peak each, got {list(lengths)}")
-    degree = 2 if len(set(lengths)) >= 3 else 1
-    scale = float(max(lengths))  # lengths in units of the longest: T**2 in the thousands squared is ill-conditioned
-    x = torch.tensor(lengths, dtype=torch.float64) / scale
-    powers = torch.stack([x**i for i in range(degree + 1)], dim=1)
-    solution = torch.linalg.lstsq(powers, torch.tensor(peaks, dtype=torch.float64).unsqueeze(1)).solution
-    coeffs = [float(c) / scale**i for i, c in enumerate(solution.squeeze(1))]
-    return coeffs[0], coeffs[1], coeffs[2] if degree == 2 else 0.0
 
 
 def largest_length(coeffs: tuple[float, float, float], room: float) -> Optional[int]:
