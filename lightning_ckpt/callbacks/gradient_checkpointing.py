@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Generic, Optional, TypeVar, Union, overload
@@ -331,11 +332,11 @@ class GradientCheckpointing(Callback):
         if self._first_auto() or self._cycle.plans:
             return  # "auto" needs a real step's static memory first; a resumed run has its plans
         longest = longest_length(pl_module, self._settings["max_length"])
-        if longest is not None and (sequence_length_of(batch) or 0) >= longest[0]:
-            return  # the first batch is the longest: its own measuring step plans before its backward
-        resized = None if longest is None else batch_of_length(batch, longest[0])
+        # A first batch already that long needs no fake step: its own measuring step plans before its backward.
+        shorter = longest is not None and (sequence_length_of(batch) or 0) < longest[0]
+        resized = batch_of_length(batch, longest[0]) if shorter and longest is not None else None
         measured: Optional[RankMeasurement] = None
-        if resized is not None:
+        if resized is not None and longest is not None:
             modes = ("full",) if self._reentrant() else ("full", "selective")
             precision = trainer.precision_plugin
 
@@ -346,7 +347,9 @@ class GradientCheckpointing(Callback):
             trainer_ref, pl_module._trainer = pl_module._trainer, None  # its self.log() must not log fake tensors
             remove_checkpointing(pl_module)
             try:
-                found = measure_fake_step(pl_module, step, resized, self._settings["layer_cls"], modes)
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")
+                    found = measure_fake_step(pl_module, step, resized, self._settings["layer_cls"], modes)
                 measured = RankMeasurement(found.costs, found.outside_bytes, found.head_bytes, found.head_peak_bytes,
                                            self._settings["compress"])
             except Exception as err:  # noqa: BLE001 - whatever fake tensors cannot run: carry on as without a length
@@ -356,7 +359,7 @@ class GradientCheckpointing(Callback):
             finally:
                 pl_module._trainer = trainer_ref
                 self.apply(pl_module)
-        elif self._settings["max_length"] is not None:
+        elif longest is not None and sequence_length_of(batch) is None and self._settings["max_length"] is not None:
             rank_zero_warn("GradientCheckpointing: `max_length` needs token ids in the batch (a 2-D integer tensor,"
                            " batch x length); this batch has none, so the longest batch is not planned before the"
                            " first step.")
