@@ -31,9 +31,11 @@ class CountingGPT(GPT):
         super().__init__(vocab_size=32, block_size=block_size, n_layer=4, n_embd=32, n_head=2, dropout=0.0)
         self.calls = 0
         self.optimizer_steps = 0
+        self.seen: list[list[str]] = []  # the checkpointed layers at each training_step
 
     def training_step(self, batch, batch_idx):
         self.calls += 1
+        self.seen.append(checkpointed_names(self))
         return super().training_step(batch, batch_idx)
 
     def on_before_optimizer_step(self, optimizer):
@@ -79,6 +81,8 @@ def test_max_length_short_enough_lets_the_same_budget_run():
     callback = GradientCheckpointing(memory_budget=SHORT_ONLY, max_length=24)
     trainer = fit(model, callback)
     assert trainer.global_step == 2 and model.calls == 3  # one fake step at length 24, then two real ones
+    # The first real step measures its size with every layer checkpointed, as without the fake step before it.
+    assert model.seen[1] == [f"model.blocks.{i}" for i in range(4)]
     assert callback._cycle.sizes[128].length == 24 and callback._cycle.sizes[64].length == 16
 
 
