@@ -38,7 +38,7 @@ from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.memory_stats import device_peak_bytes, device_total_bytes, reset_device_peaks
 from lightning_ckpt.core.longest import batch_of_length, longest_length, measure_fake_step, sequence_length_of
 from lightning_ckpt.core.offload import release_all
-from lightning_ckpt.core.placement import check_checkpointing_placement
+from lightning_ckpt.core.placement import check_checkpointing_placement, fsdp2
 from lightning_ckpt.core.planner import CheckpointPlan, LayerCostRecorder, Offload, make_plan
 from lightning_ckpt.core.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
 from lightning_ckpt.core.compress import Compress
@@ -332,8 +332,15 @@ class GradientCheckpointing(Callback):
         if self._first_auto() or self._cycle.plans:
             return  # "auto" needs a real step's static memory first; a resumed run has its plans
         longest = longest_length(pl_module, self._settings["max_length"])
-        # A first batch already that long needs no fake step: its own measuring step plans before its backward.
-        shorter = longest is not None and (sequence_length_of(batch) or 0) < longest[0]
+        # A first batch already that long needs no fake step: its own measuring step plans before its backward. The
+        # ranks decide from the longest first batch over them, so that all of them take the same path.
+        first = _largest_over_ranks(trainer.strategy, BatchSize(0, sequence_length_of(batch) or 0)).length
+        shorter = longest is not None and first < longest[0]
+        if shorter and _sharded(pl_module):
+            rank_zero_warn("GradientCheckpointing: the longest batch is not planned before the first step under FSDP2"
+                           " (its sharded layers gather their weights for real); the budget is checked on each batch"
+                           " as it comes.")
+            shorter = False
         resized = batch_of_length(batch, longest[0]) if shorter and longest is not None else None
         measured: Optional[RankMeasurement] = None
         if resized is not None and longest is not None:
@@ -624,6 +631,12 @@ def _all_ranks(strategy: Strategy, flag: bool) -> bool:
         return flag
     local = torch.tensor([int(flag)], dtype=torch.int64, device=strategy.root_device)
     return bool(strategy.all_gather(local).min())
+
+
+def _sharded(module: torch.nn.Module) -> bool:
+    """Whether any submodule of ``module`` is an FSDP2 unit (``fully_shard``)."""
+    fsdp_module = getattr(fsdp2(), "FSDPModule", None)
+    return fsdp_module is not None and any(isinstance(m, fsdp_module) for m in module.modules())
 
 
 def _loss_of(output: Any) -> torch.Tensor:
