@@ -35,7 +35,7 @@ from lightning_ckpt.core.budget import auto_memory_budget
 from lightning_ckpt.core.fake_streams import FakeStreams
 from lightning_ckpt.core.offload import OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost, make_plan, plan_checkpointing
-from lightning_ckpt.demos import GPT, Block
+from lightning_ckpt.demos import GPT, Block, CountingDataModule
 from lightning_ckpt.strategies.ddp import check_ddp_settings
 from lightning_ckpt.strategies.fsdp import CheckpointingFSDPStrategy, mixed_precision_policy, shard_for_checkpointing
 
@@ -90,6 +90,12 @@ def step_of(model: nn.Module) -> Callable[[], torch.Tensor]:
 
 def tiny_gpt() -> GPT:
     return GPT(vocab_size=32, block_size=8, n_layer=2, n_embd=16, n_head=2)
+
+
+def fit_tiny_gpt(callback: GradientCheckpointing, length: int = 8) -> None:
+    """One step of :func:`tiny_gpt` on batches of 2 x ``length`` tokens."""
+    data = CountingDataModule(vocab_size=32, block_size=length, batch_size=2, num_samples=4)
+    cpu_trainer(max_steps=1, callbacks=[callback]).fit(tiny_gpt(), data)
 
 
 def cpu_trainer(**kwargs: Any) -> Trainer:
@@ -204,6 +210,18 @@ CASES: dict[str, Case] = {
         "callbacks.gradient_checkpointing.GradientCheckpointing.__init__",
         lambda: GradientCheckpointing(memory_budget=0.5, length_fn=64), TypeError,
         "got 64", "a function of the batch returning its tokens", "`length_fn` must be a function of the batch"),
+    "max_length not a length": Case(
+        "callbacks.gradient_checkpointing._validate", lambda: GradientCheckpointing(memory_budget=0.5, max_length="64"),
+        ValueError, "got '64'", "pass an int >= 1", "`max_length` is the longest sequence the run will see"),
+    "max_length above block_size": Case(
+        "core.longest.longest_length", lambda: fit_tiny_gpt(GradientCheckpointing(memory_budget=0.5, max_length=100)),
+        ValueError, "`max_length=100` is longer than the model can take: its block_size is 8",
+        "Pass max_length=8 or less", "is longer than the model can take"),
+    "budget out of reach at the longest length": Case(
+        "callbacks.gradient_checkpointing.GradientCheckpointing._plan_longest",
+        lambda: fit_tiny_gpt(GradientCheckpointing(memory_budget="1KiB"), length=4), ValueError,
+        "length 8, from the model's block_size", "pass `max_length=` its longest length",
+        "Planned before the first step for the longest sequences the run may see"),
     "every_n_layers type": Case(
         "core.selection.validate_every_n_layers", lambda: GradientCheckpointing(every_n_layers="2"), TypeError,
         "got '2' of type str", "(1 = every layer, 4 = layers 0, 4, 8, ...)", "`every_n_layers` must be an int >= 1"),
@@ -831,6 +849,9 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
            " (not installed)"),
     "commands.plan.measure.device_profile": (
         1, "`plan --device auto` for an accelerator missing here: printed with exit 2"),
+    "callbacks.gradient_checkpointing._loss_of": (
+        1, "caught where it is raised: a training_step without a loss (manual optimization) is not measured at the"
+           " longest length, as any step fake tensors cannot run (test_longest)"),
     "core.solver.solve": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
     "callbacks.gradient_checkpointing.GradientCheckpointing._make_plan": (
         1, "make_plan's 'least reachable' message (case 'budget out of reach') with the batch size appended; the size"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_ckpt.core.memory_stats import (
+    ACTIVATION_PEAK,
     ACTIVATIONS,
     ACTIVATIONS_OFFLOADED,
     GIB,
@@ -55,17 +56,17 @@ def test_reductions_are_max_for_memory_and_time_and_sum_for_rates():
     assert set(REDUCTIONS.values()) == {"max", "sum"} and METRIC_KEYS == tuple(REDUCTIONS)
     ranks = [
         {PEAK_ALLOCATED: 3.0, PEAK_RESERVED: 4.0, HOST_RSS: 1.5, ACTIVATIONS: 0.25, ACTIVATIONS_OFFLOADED: 0.0,
-         SAMPLES_PER_SEC: 100.0, TOKENS_PER_SEC: 1600.0, STEP_SEC: 0.2, RECOMPUTE_FLOPS_SHARE: 0.3},
+         ACTIVATION_PEAK: 0.5, SAMPLES_PER_SEC: 100.0, TOKENS_PER_SEC: 1600.0, STEP_SEC: 0.2, RECOMPUTE_FLOPS_SHARE: 0.3},
         {PEAK_ALLOCATED: 5.0, PEAK_RESERVED: 6.0, HOST_RSS: 1.0, ACTIVATIONS: 0.5, ACTIVATIONS_OFFLOADED: 0.125,
-         SAMPLES_PER_SEC: 80.0, TOKENS_PER_SEC: 1280.0, STEP_SEC: 0.25, RECOMPUTE_FLOPS_SHARE: 0.2},
+         ACTIVATION_PEAK: 0.75, SAMPLES_PER_SEC: 80.0, TOKENS_PER_SEC: 1280.0, STEP_SEC: 0.25, RECOMPUTE_FLOPS_SHARE: 0.2},
         {PEAK_ALLOCATED: 4.0, PEAK_RESERVED: 7.0, HOST_RSS: 2.0, ACTIVATIONS: 0.375, ACTIVATIONS_OFFLOADED: 0.0,
-         SAMPLES_PER_SEC: 90.0, TOKENS_PER_SEC: 1440.0, STEP_SEC: 0.3, RECOMPUTE_FLOPS_SHARE: 0.25},
+         ACTIVATION_PEAK: 0.625, SAMPLES_PER_SEC: 90.0, TOKENS_PER_SEC: 1440.0, STEP_SEC: 0.3, RECOMPUTE_FLOPS_SHARE: 0.25},
     ]
     gathered = torch.stack([metrics_vector(rank) for rank in ranks])
     assert gathered.shape == (3, len(METRIC_KEYS)) and gathered.dtype == torch.float64
     reduced = reduce_metrics(gathered)
     assert reduced == {PEAK_ALLOCATED: 5.0, PEAK_RESERVED: 7.0, HOST_RSS: 2.0, ACTIVATIONS: 0.5,
-                       ACTIVATIONS_OFFLOADED: 0.125, SAMPLES_PER_SEC: 270.0, TOKENS_PER_SEC: 4320.0, STEP_SEC: 0.3,
+                       ACTIVATIONS_OFFLOADED: 0.125, ACTIVATION_PEAK: 0.75, SAMPLES_PER_SEC: 270.0, TOKENS_PER_SEC: 4320.0, STEP_SEC: 0.3,
                        RECOMPUTE_FLOPS_SHARE: 0.3}
     assert list(reduced) == list(METRIC_KEYS)  # logged in the keys' order
     assert all(type(value) is float for value in reduced.values())
@@ -130,11 +131,11 @@ def test_local_summary_counts_parameters_once_and_adam_state_and_rates():
     model(torch.tensor([[1, 2, 3]])).sum().backward()
     adam.step()
     figures = local_summary(parameters=model.parameters(), optimizers=[adam], gradient_bytes=4 * n_params,
-                            activations=(3 * 2**20, 2**20), peak_host_rss=GIB, peak_device=(5 * GIB, 6 * GIB),
+                            activations=(3 * 2**20, 2**20), activation_peak=5 * 2**20, peak_host_rss=GIB, peak_device=(5 * GIB, 6 * GIB),
                             samples=300, tokens=900, elapsed=4.0)
     assert figures == {
         "peak_allocated_bytes": 5.0 * GIB, "peak_reserved_bytes": 6.0 * GIB, "peak_host_rss_bytes": 1.0 * GIB,
-        "activation_bytes": 3.0 * 2**20, "offloaded_activation_bytes": 1.0 * 2**20,
+        "activation_bytes": 3.0 * 2**20, "offloaded_activation_bytes": 1.0 * 2**20, "activation_peak_bytes": 5.0 * 2**20,
         "parameter_bytes": 4.0 * n_params, "gradient_bytes": 4.0 * n_params,
         # two float32 moments per parameter, and a float32 `step` per parameter tensor (2 tensors: the tied one once)
         "optimizer_state_bytes": 8.0 * n_params + 4 * 2,
@@ -144,7 +145,8 @@ def test_local_summary_counts_parameters_once_and_adam_state_and_rates():
                         samples=5, elapsed=0.0)
     assert cpu["gradient_bytes"] == 0.0
     assert all(math.isnan(cpu[key]) for key in
-               ("peak_allocated_bytes", "peak_reserved_bytes", "samples_per_sec", "tokens_per_sec"))
+               ("peak_allocated_bytes", "peak_reserved_bytes", "activation_peak_bytes", "samples_per_sec",
+                "tokens_per_sec"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -165,10 +167,11 @@ def test_summary_says_activations_are_the_largest_part_when_they_are():
     assert lines == [
         "MemoryMonitor summary (10 steps):",
         "  peak device memory: n/a (cpu run); peak host RSS 2.0 GiB",
-        "  peak activations:   1.0 GiB held for backward",
+        "  peak activations:   1.0 GiB held for backward at the end of the forward",
         "  throughput:         1,234.5 samples/s",
-        "  memory breakdown: parameters 128.0 MiB, gradients 128.0 MiB, optimizer state 256.0 MiB, activations 1.0 GiB",
-        "  Activations (1.0 GiB) are the largest part: checkpointing more layers (smaller `every_n_layers`) or"
+        "  memory breakdown: parameters 128.0 MiB, gradients 128.0 MiB, optimizer state 256.0 MiB, activations 1.0 GiB"
+        " held at the end of the forward",
+        "  Activations held at the end of the forward (1.0 GiB) are the largest part: checkpointing more layers (smaller `every_n_layers`) or"
         " `offload=True` shrinks them.",
     ]
 
@@ -181,11 +184,13 @@ def test_summary_says_weights_outweigh_activations_and_names_the_processes():
     lines = text.splitlines()
     assert lines[0] == "MemoryMonitor summary (10 steps, 4 processes):"
     assert lines[1] == "  peak device memory: 3.0 GiB allocated, 4.0 GiB reserved; peak host RSS 2.0 GiB"
-    assert lines[2] == "  peak activations:   256.0 MiB held for backward (+ 64.0 MiB offloaded to host memory)"
+    assert lines[2] == ("  peak activations:   256.0 MiB held for backward at the end of the forward (+ 64.0 MiB offloaded"
+                        " to host memory)")
     assert lines[3] == "  throughput:         1,234.5 samples/s, 98,765 tokens/s"
     assert lines[4].startswith("  memory breakdown per process: parameters 128.0 MiB")
     # 0.125 + 0.125 + 1.25 GiB of weights against 0.25 GiB of activations
-    assert lines[5] == ("  Parameters, gradients and optimizer state (1.5 GiB) outweigh activations (256.0 MiB):"
+    assert lines[5] == ("  Parameters, gradients and optimizer state (1.5 GiB) outweigh activations held at the end of"
+                        " the forward (256.0 MiB):"
                         " checkpointing cannot shrink them. Instead, shard them across devices (FSDP, DeepSpeed ZeRO)"
                         " or train fewer parameters (parameter-efficient tuning such as LoRA).")
     assert "largest part" not in text
@@ -195,46 +200,58 @@ def test_summary_says_equal_weights_and_activations_are_about_equal_and_missing_
     # weights (128 + 128 + 256 MiB) equal to the activations: neither outweighs the other, and each has its remedy
     lines = format_summary(summary(samples_per_sec=None, activation_bytes=GIB // 2)).splitlines()
     assert lines[3] == "  throughput:         n/a"
-    assert lines[5] == ("  Parameters, gradients and optimizer state (512.0 MiB) are about equal to activations"
-                        " (512.0 MiB): both count. For activations, checkpointing more layers (smaller"
+    assert lines[5] == ("  Parameters, gradients and optimizer state (512.0 MiB) are about equal to activations held at"
+                        " the end of the forward (512.0 MiB): both count. For activations, checkpointing more layers (smaller"
                         " `every_n_layers`) or `offload=True` shrinks them. For the rest, shard them across devices (FSDP, DeepSpeed"
                         " ZeRO) or train fewer parameters (parameter-efficient tuning such as LoRA).")
 
 
 @pytest.mark.parametrize("activations, words", [
     # weights of 9 MiB (2 + 2 + 5): about equal while they are at least 90% of the activations, 9 / 10 exactly
-    (10 * MIB, "  Parameters, gradients and optimizer state (9.0 MiB) are about equal to activations (10.0 MiB): both"),
+    (10 * MIB, "  Parameters, gradients and optimizer state (9.0 MiB) are about equal to activations at the step's peak"
+               " (10.0 MiB): both"),
     # 1 KiB more and they are 9216 / 10241 = 89.99%: the activations are the largest part, though both print 10.0 MiB
-    (10 * MIB + KIB, "  Activations (10.0 MiB) are the largest part:"),
+    (10 * MIB + KIB, "  Activations at the step's peak (10.0 MiB) are the largest part:"),
 ], ids=["90% exactly", "89.99%"])
 def test_summary_about_equal_boundary_on_the_activations_side(activations, words):
     weights = {"parameter_bytes": 2 * MIB, "gradient_bytes": 2 * MIB, "optimizer_state_bytes": 5 * MIB}
-    assert format_summary(summary(activation_bytes=activations, **weights)).splitlines()[5].startswith(words)
+    lines = format_summary(summary(activation_peak_bytes=activations, activation_bytes=activations // 2, **weights))
+    assert lines.splitlines()[5].startswith(words)
 
 
 @pytest.mark.parametrize("activations, words", [
     # weights of 10 MiB (2 + 2 + 6): activations of 9 MiB are 90% of them exactly, about equal
-    (9 * MIB, "  Parameters, gradients and optimizer state (10.0 MiB) are about equal to activations (9.0 MiB): both"),
+    (9 * MIB, "  Parameters, gradients and optimizer state (10.0 MiB) are about equal to activations at the step's peak"
+              " (9.0 MiB): both"),
     # 1 KiB less, 9215 / 10240 = 89.99%: the weights outweigh them, though the activations still print as 9.0 MiB
-    (9 * MIB - KIB, "  Parameters, gradients and optimizer state (10.0 MiB) outweigh activations (9.0 MiB):"
+    (9 * MIB - KIB, "  Parameters, gradients and optimizer state (10.0 MiB) outweigh activations at the step's peak"
+                    " (9.0 MiB):"
                     " checkpointing cannot shrink them."),
 ], ids=["90% exactly", "89.99%"])
 def test_summary_about_equal_boundary_on_the_weights_side(activations, words):
     weights = {"parameter_bytes": 2 * MIB, "gradient_bytes": 2 * MIB, "optimizer_state_bytes": 6 * MIB}
-    assert format_summary(summary(activation_bytes=activations, **weights)).splitlines()[5].startswith(words)
+    lines = format_summary(summary(activation_peak_bytes=activations, activation_bytes=activations // 2, **weights))
+    assert lines.splitlines()[5].startswith(words)
 
 
 def test_summary_compares_peak_activations_with_the_budget_and_advises_the_setting_the_user_set():
-    lines = format_summary(summary(chooser="memory_budget", budget_bytes=GIB // 2)).splitlines()
-    assert lines[2] == "  peak activations:   1.0 GiB held for backward, 2.00x the memory_budget of 512.0 MiB"
-    assert lines[5] == ("  Activations (1.0 GiB) are the largest part: a smaller `memory_budget` (or `offload=True`)"
-                        " shrinks them.")
-    within = format_summary(summary(chooser="memory_budget", budget_bytes=4 * GIB)).splitlines()
-    assert within[2] == "  peak activations:   1.0 GiB held for backward, 0.25x the memory_budget of 4.0 GiB"
+    # the budget bounds the step's peak (1.5 GiB here), not what the forward leaves held (1.0 GiB)
+    peak = 3 * GIB // 2
+    lines = format_summary(summary(chooser="memory_budget", budget_bytes=GIB // 2, activation_peak_bytes=peak)).splitlines()
+    assert lines[2] == ("  peak activations:   1.5 GiB at the step's peak (forward and backward), 3.00x the memory_budget"
+                        " of 512.0 MiB, which bounds that peak; 1.0 GiB held for backward at the end of the forward")
+    assert lines[5] == ("  Activations at the step's peak (1.5 GiB) are the largest part: a smaller `memory_budget` (or"
+                        " `offload=True`) shrinks them.")
+    within = format_summary(summary(chooser="memory_budget", budget_bytes=3 * GIB, activation_peak_bytes=peak))
+    assert within.splitlines()[2].startswith("  peak activations:   1.5 GiB at the step's peak (forward and backward),"
+                                             " 0.50x the memory_budget of 3.0 GiB, which bounds that peak")
+    uncounted = format_summary(summary(chooser="memory_budget", budget_bytes=3 * GIB)).splitlines()
+    assert uncounted[2] == ("  peak activations:   1.0 GiB held for backward at the end of the forward (the step's peak,"
+                            " which the memory_budget of 3.0 GiB bounds, was not counted)")
     plain = format_summary(summary(chooser=None)).splitlines()
-    assert plain[2] == "  peak activations:   1.0 GiB held for backward"
-    assert plain[5] == ("  Activations (1.0 GiB) are the largest part: checkpointing layers (the"
-                        " `GradientCheckpointing` callback) shrinks them.")
+    assert plain[2] == "  peak activations:   1.0 GiB held for backward at the end of the forward"
+    assert plain[5] == ("  Activations held at the end of the forward (1.0 GiB) are the largest part: checkpointing layers"
+                        " (the `GradientCheckpointing` callback) shrinks them.")
 
 
 def test_two_ranks_from_local_figures_to_the_text():
@@ -251,7 +268,8 @@ def test_two_ranks_from_local_figures_to_the_text():
     assert reduced["peak_allocated_bytes"] is None
     text = format_summary(reduced)
     assert "(5 steps, 2 processes)" in text and "100.0 samples/s\n" in text
-    assert text.endswith("Activations (2.0 MiB) are the largest part: checkpointing more layers (smaller"
+    assert text.endswith("Activations held at the end of the forward (2.0 MiB) are the largest part: checkpointing more"
+                         " layers (smaller"
                          " `every_n_layers`) or `offload=True` shrinks them.")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Generic, Optional, TypeVar, Union, overload
@@ -36,8 +37,9 @@ from lightning_ckpt.core.budget import (
 from lightning_ckpt.core.budget_cycle import BatchSize, BudgetCycle, batch_size_of
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.memory_stats import device_peak_bytes, device_total_bytes, reset_device_peaks
+from lightning_ckpt.core.longest import batch_of_length, longest_length, measure_fake_step, sequence_length_of
 from lightning_ckpt.core.offload import release_all
-from lightning_ckpt.core.placement import check_checkpointing_placement
+from lightning_ckpt.core.placement import check_checkpointing_placement, fsdp2
 from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
 from lightning_ckpt.core.planner import CheckpointPlan, LayerCostRecorder, Offload, make_plan
 from lightning_ckpt.core.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
@@ -51,7 +53,7 @@ from lightning_ckpt.core.wrapping import (
 )
 
 _SETTINGS = ("layer_cls", "every_n_layers", "offload", "mode", "memory_budget", "use_reentrant",
-             "preserve_rng_state", "checkpoint_kwargs", "compress")
+             "preserve_rng_state", "checkpoint_kwargs", "compress", "max_length")
 
 T = TypeVar("T")
 
@@ -120,6 +122,10 @@ class GradientCheckpointing(Callback):
             in host memory and in transfer). The forward runs on the exact inputs; the backward starts from the
             decompressed copy, so gradients are close, not equal. With ``memory_budget`` the plan counts the
             compressed bytes. See the guide "Compressed checkpoints".
+        max_length: with ``memory_budget``, the longest sequence the run will see (default: the model's
+            ``block_size`` / ``max_position_embeddings`` where it has one). Before the first step, the first batch
+            at this length (its batch size kept) is measured on fake tensors (no memory) and planned for: an
+            impossible budget is refused before anything is trained, and that plan is kept for batches it covers.
 
     Layers are checkpointed in ``setup`` and, for models built in ``configure_model``, right after it,
     before any strategy wraps the model. Everything is undone in ``teardown`` (or on an exception).
@@ -166,6 +172,9 @@ class GradientCheckpointing(Callback):
         "Extra ``torch.utils.checkpoint.checkpoint`` arguments, merged over the other options.")
     compress: _SettingAttribute[Optional[Compress]] = _SettingAttribute(
         "``None``, ``'bf16'`` or ``'fp8'``: how checkpointed layers hold their inputs until the recompute.")
+    max_length: _SettingAttribute[Optional[int]] = _SettingAttribute(
+        "With ``memory_budget``: the longest sequence the run will see, planned for before the first step; ``None``:"
+        " the model's ``block_size`` / ``max_position_embeddings``.")
 
     def __init__(
         self,
@@ -179,12 +188,14 @@ class GradientCheckpointing(Callback):
         checkpoint_kwargs: Optional[dict[str, Any]] = None,
         length_fn: Optional[Callable[[Any], int]] = None,
         compress: Optional[Compress] = None,
+        max_length: Optional[int] = None,
     ) -> None:
         if length_fn is not None and not callable(length_fn):
             raise TypeError(f"`length_fn` must be a function of the batch returning its tokens, got {length_fn!r}.")
         settings = dict(layer_cls=layer_cls, every_n_layers=every_n_layers, offload=offload, mode=mode,
                         memory_budget=memory_budget, use_reentrant=use_reentrant,
-                        preserve_rng_state=preserve_rng_state, checkpoint_kwargs=checkpoint_kwargs, compress=compress)
+                        preserve_rng_state=preserve_rng_state, checkpoint_kwargs=checkpoint_kwargs, compress=compress,
+                        max_length=max_length)
         settings = {name: copy.copy(value) for name, value in settings.items()}
         _validate(settings)
         self._settings: dict[str, Any] = settings  # the one place the options live; attributes read from it
@@ -199,6 +210,7 @@ class GradientCheckpointing(Callback):
         self._auto: Optional[AutoBudget] = None  # "auto": the figures of the first plan, whose budget every size keeps
         self._start_step = 0
         self._device: Optional[tuple[DeviceProfile, int]] = None  # profile and host memory, for "auto"
+        self._longest_checked = False  # the longest batch planned for (or found unknown) before the first step
 
     @property
     def plan(self) -> Optional[CheckpointPlan]:
@@ -222,7 +234,8 @@ class GradientCheckpointing(Callback):
         With ``memory_budget``: the plan when there is one, else every matched layer fully checkpointed (the
         measuring step).
         """
-        options = {k: v for k, v in self._settings.items() if k not in ("memory_budget", "every_n_layers", "mode")}
+        options = {k: v for k, v in self._settings.items()
+                   if k not in ("memory_budget", "every_n_layers", "mode", "max_length")}
         if self._settings["memory_budget"] is None:
             names = apply_checkpointing(pl_module, every_n_layers=self._settings["every_n_layers"],
                                         mode=self._settings["mode"], **options)
@@ -288,6 +301,9 @@ class GradientCheckpointing(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._settings["memory_budget"] is None or self._measured is not None:
             return  # no budget, or "auto" waits for the first optimizer step to make its first plan
+        if not self._longest_checked:
+            self._longest_checked = True
+            self._plan_longest(trainer, pl_module, batch)
         # Every rank decides from the same size (the largest over ranks) and the same plans, so all of them enter
         # the measuring step's collectives together, or none does.
         size = _largest_over_ranks(trainer.strategy, batch_size_of(batch, self.length_fn))
@@ -352,6 +368,68 @@ class GradientCheckpointing(Callback):
             rank_zero_info(f"GradientCheckpointing: a batch of {size} held more than its predicted plan"
                            f" ({format_bytes(check.bytes)} > {format_bytes(plan.planned_bytes)} planned); its size"
                            " is measured on its next batch.")
+
+    def _plan_longest(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """Before the first step: plan for ``batch`` at the longest length (:mod:`~lightning_ckpt.core.longest`),
+        measured on fake tensors; an impossible budget raises here, before anything is trained."""
+        if self._first_auto() or self._cycle.plans:
+            return  # "auto" needs a real step's static memory first; a resumed run has its plans
+        longest = longest_length(pl_module, self._settings["max_length"])
+        if longest is None:
+            return
+        # A first batch already that long needs no fake step: its own measuring step plans before its backward. The
+        # ranks decide from the longest first batch over them, so that all of them take the same path.
+        first = _largest_over_ranks(trainer.strategy, BatchSize(0, sequence_length_of(batch) or 0)).length
+        shorter = longest is not None and first < longest[0]
+        if shorter and _sharded(pl_module):
+            rank_zero_warn("GradientCheckpointing: the longest batch is not planned before the first step under FSDP2"
+                           " (its sharded layers gather their weights for real); the budget is checked on each batch"
+                           " as it comes.")
+            shorter = False
+        resized = batch_of_length(batch, longest[0]) if shorter and longest is not None else None
+        measured: Optional[RankMeasurement] = None
+        if resized is not None and longest is not None:
+            modes = ("full",) if self._reentrant() else ("full", "selective")
+            precision = trainer.precision_plugin
+
+            def step(fake_batch: Any) -> torch.Tensor:
+                with precision.train_step_context():
+                    return _loss_of(pl_module.training_step(precision.convert_input(fake_batch), 0))
+
+            trainer_ref, pl_module._trainer = pl_module._trainer, None  # its self.log() must not log fake tensors
+            remove_checkpointing(pl_module)
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")
+                    found = measure_fake_step(pl_module, step, resized, self._settings["layer_cls"], modes)
+                measured = RankMeasurement(found.costs, found.outside_bytes, found.head_bytes, found.head_peak_bytes,
+                                           self._settings["compress"])
+            except Exception as err:  # noqa: BLE001 - whatever fake tensors cannot run: carry on as without a length
+                rank_zero_warn(f"GradientCheckpointing: could not measure the longest batch (length {longest[0]}, from"
+                               f" {longest[1]}) on fake tensors before the first step ({type(err).__name__}: {err});"
+                               " the budget is checked on each batch as it comes.")
+            finally:
+                pl_module._trainer = trainer_ref
+                self.apply(pl_module)
+        elif longest is not None and sequence_length_of(batch) is None and self._settings["max_length"] is not None:
+            rank_zero_warn("GradientCheckpointing: `max_length` needs token ids in the batch (a 2-D integer tensor,"
+                           " batch x length); this batch has none, so the longest batch is not planned before the"
+                           " first step.")
+        # Every rank plans, or none does: the plan combines the ranks' costs.
+        if not _all_ranks(trainer.strategy, measured is not None):
+            return
+        assert measured is not None and longest is not None and resized is not None
+        size = _largest_over_ranks(trainer.strategy, batch_size_of(resized, self.length_fn))
+        self._cycle.begin(size, predict=False)
+        self._measured = measured
+        try:
+            self._make_plan(trainer, pl_module)
+        except ValueError as err:
+            raise ValueError(f"{err}\n  Planned before the first step for the longest sequences the run may see:"
+                             f" length {longest[0]}, from {longest[1]}. Nothing was trained. If the data is never"
+                             " that long, pass `max_length=` its longest length.") from None
+        rank_zero_info(f"GradientCheckpointing: the budget holds the longest batch, {size}: planned before the first"
+                       f" step for length {longest[0]} (from {longest[1]}) on fake tensors.")
 
     def _first_auto(self) -> bool:
         return self._settings["memory_budget"] == "auto" and self._auto is None
@@ -443,6 +521,7 @@ class GradientCheckpointing(Callback):
             self._check.__exit__(None, None, None)
             self._check = None
         self._measured = None
+        self._longest_checked = False
         self._cycle.abandon()
         self.remove()
         if self._settings["offload"]:
@@ -556,6 +635,10 @@ def _validate(settings: Mapping[str, Any]) -> None:
     CheckpointOptions(False if auto_offload else settings["offload"], settings["mode"], settings["use_reentrant"],
                       settings["preserve_rng_state"], settings["checkpoint_kwargs"] or {}, settings["compress"])
     budget = parse_memory_budget(settings["memory_budget"], allow_auto=True)
+    max_length = settings["max_length"]
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        raise ValueError(f"`max_length` is the longest sequence the run will see, in tokens: pass an int >= 1 (or"
+                         f" None: the model's block_size / max_position_embeddings), got {max_length!r}.")
     if auto_offload and budget is None:
         raise ValueError("`offload='auto'` lets the memory-budget plan choose which layers offload, but"
                          " `memory_budget=None` asks for no plan. Pass a memory_budget (0.5, '2GiB' or 'auto'), or"
@@ -576,6 +659,7 @@ _KEEPS_PLAN = {
     "preserve_rng_state": "saves the RNG states, not activations: the layers and their bytes stay the same",
     "length_fn": "a plain attribute read per batch to size it, not a setting; set it before fit, as the sizes"
                  " the plans were measured at are counted by it",
+    "max_length": "only says which size to plan before the first step; the plans kept are each for its own size",
 }
 
 
@@ -602,6 +686,29 @@ def _measure_device(trainer: pl.Trainer) -> tuple[DeviceProfile, int]:
     profile = DeviceProfile.measure(trainer.strategy.root_device)
     host_memory = host_memory_share(psutil.virtual_memory().available, trainer.num_devices)
     return trainer.strategy.broadcast((profile, host_memory), src=0)
+
+
+def _all_ranks(strategy: Strategy, flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (one small all-gather; none on a single device)."""
+    if strategy.world_size <= 1:
+        return flag
+    local = torch.tensor([int(flag)], dtype=torch.int64, device=strategy.root_device)
+    return bool(strategy.all_gather(local).min())
+
+
+def _sharded(module: torch.nn.Module) -> bool:
+    """Whether any submodule of ``module`` is an FSDP2 unit (``fully_shard``)."""
+    fsdp_module = getattr(fsdp2(), "FSDPModule", None)
+    return fsdp_module is not None and any(isinstance(m, fsdp_module) for m in module.modules())
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """The loss in what ``training_step`` returned (a tensor, or a dict with ``"loss"``); a ``TypeError`` otherwise
+    (manual optimization), which the longest batch's measurement reports and passes over."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"training_step returned {type(output).__name__}, not a loss")
+    return loss
 
 
 def _largest_over_ranks(strategy: Strategy, size: BatchSize) -> BatchSize:

@@ -33,6 +33,8 @@ from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointin
 from lightning_ckpt.commands.cli_builder import run_cli
 from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
+from lightning_ckpt.core.longest import batch_of_length as core_batch_of_length
+from lightning_ckpt.core.longest import length_limit, sequence_length_of
 from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.planner import LayerCost, Offload, measure_step
 from lightning_ckpt.core.profiling import storage_key, tensor_bytes
@@ -374,76 +376,22 @@ def batch_of_size(loader: Any, size: int) -> Any:
     return tree_unflatten(leaves, spec)
 
 
-def _token_ids(leaves: Sequence[Any]) -> Optional[torch.Tensor]:
-    """The batch's token ids: its first 2-D integer tensor (batch x length), or ``None``."""
-    integer = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype in integer), None)
-
-
-def sequence_length_of(batch: Any) -> Optional[int]:
-    """The sequence length of ``batch``: dim 1 of its token ids (its first 2-D integer tensor); ``None`` without one.
-
-    Example::
-
-        >>> sequence_length_of({"mask": torch.ones(2, 5), "input_ids": torch.zeros(2, 7, dtype=torch.long)})
-        7
-    """
-    tokens = _token_ids(tree_flatten(batch)[0])
-    return None if tokens is None else tokens.shape[1]
-
-
 def batch_of_length(batch: Any, length: int) -> Any:
-    """``batch`` at sequence length ``length``: every tensor whose dim 1 is the token ids' length (the ids, labels,
-    masks) cut to ``length`` or tiled along dim 1 up to it; other leaves as they are.
+    """``batch`` at sequence length ``length``: :func:`lightning_ckpt.core.longest.batch_of_length`, with ``--lengths``'
+    errors for a batch without token ids or a length under 1.
 
     Example::
 
-        >>> ids, y = torch.arange(6).view(2, 3), torch.ones(2, 3, 4)
-        >>> longer, y8 = batch_of_length((ids, y), 8)
-        >>> longer.tolist(), tuple(y8.shape), batch_of_length((ids, y), 2)[0].tolist()
-        ([[0, 1, 2, 0, 1, 2, 0, 1], [3, 4, 5, 3, 4, 5, 3, 4]], (2, 8, 4), [[0, 1], [3, 4]])
+        >>> batch_of_length((torch.arange(6).view(2, 3),), 4)[0].tolist()
+        [[0, 1, 2, 0], [3, 4, 5, 3]]
     """
-    leaves, spec = tree_flatten(batch)
-    tokens = _token_ids(leaves)
-    if tokens is None:
-        raise ValueError("plan: --lengths needs token ids in the batch (a 2-D integer tensor, batch x length) to know"
-                         " the sequence length; the training batch has none.")
     if length < 1:
         raise ValueError(f"plan: --lengths: a length of {length} tokens; pass lengths of 1 or more")
-    have = tokens.shape[1]
-
-    def resize(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[1] != have:
-            return t
-        times = -(-length // have)
-        tiled = t.repeat(1, times, *[1] * (t.dim() - 2)) if times > 1 else t
-        return tiled[:, :length].clone()  # a copy: a slice would keep (and count) the whole storage
-
-    return tree_unflatten([resize(t) for t in leaves], spec)
-
-
-#: Hyperparameters and model-config attributes that bound the sequence length a model takes (position tables).
-_LENGTH_LIMITS = ("block_size", "max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
-
-
-def length_limit(module: torch.nn.Module) -> Optional[tuple[str, int]]:
-    """``(name, value)`` of what bounds the sequence length ``module`` takes: a hyperparameter (``block_size``, as
-    the demo GPT's position table) or a Hugging Face model's ``config`` attribute; ``None`` when nothing says.
-
-    Example::
-
-        >>> from lightning_ckpt.demos import GPT
-        >>> length_limit(GPT(block_size=32))
-        ('block_size', 32)
-    """
-    sources = [getattr(module, "hparams", {})]
-    sources += [vars(m.config) for m in module.modules() if hasattr(getattr(m, "config", None), "__dict__")]
-    for source in sources:
-        for name in _LENGTH_LIMITS:
-            value = source.get(name) if isinstance(source, Mapping) else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return name, value
-    return None
+    resized = core_batch_of_length(batch, length)
+    if resized is None:
+        raise ValueError("plan: --lengths needs token ids in the batch (a 2-D integer tensor, batch x length) to know"
+                         " the sequence length; the training batch has none.")
+    return resized
 
 
 def check_length(built: Built, length: int) -> None:

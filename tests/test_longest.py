@@ -1,0 +1,165 @@
+"""GradientCheckpointing(memory_budget=..., max_length=...): the longest batch planned before the first step, on fake
+tensors (lightning_ckpt.core.longest).
+
+The demo GPT has ``block_size=64``; the data is 16 tokens long, batches of 4. Dropout is off.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lightning_ckpt import GradientCheckpointing
+from lightning_ckpt.core.longest import batch_of_length, longest_length, measure_fake_step
+from lightning_ckpt.core.measure import measure_step
+from lightning_ckpt.core.planner import make_plan
+from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.demos import GPT, CountingDataModule
+
+#: Holds a 16-token batch (least reachable about 200 KiB) but not a 64-token one (least reachable 776.5 KiB).
+SHORT_ONLY = "400KiB"
+
+
+class CountingGPT(GPT):
+    """The demo GPT counting its training_step calls (the fake step's included) and optimizer steps."""
+
+    def __init__(self, block_size: int = 64) -> None:
+        torch.manual_seed(0)
+        super().__init__(vocab_size=32, block_size=block_size, n_layer=4, n_embd=32, n_head=2, dropout=0.0)
+        self.calls = 0
+        self.optimizer_steps = 0
+        self.seen: list[list[str]] = []  # the checkpointed layers at each training_step
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        self.seen.append(checkpointed_names(self))
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.optimizer_steps += 1
+
+
+class ItemGPT(CountingGPT):
+    """A training_step fake tensors cannot run: it reads a value (``.item()``) from the data."""
+
+    def training_step(self, batch, batch_idx):
+        if batch[0].sum().item() < 0:
+            raise AssertionError("token ids are never negative")
+        return super().training_step(batch, batch_idx)
+
+
+def fit(model, callback, max_steps: int = 2, length: int = 16) -> Trainer:
+    trainer = Trainer(max_steps=max_steps, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, CountingDataModule(vocab_size=32, block_size=length, batch_size=4, num_samples=64))
+    return trainer
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_an_impossible_budget_is_refused_before_the_first_step_naming_the_longest_length():
+    model = CountingGPT()
+    before = weights(model)
+    with pytest.raises(ValueError) as info:
+        fit(model, GradientCheckpointing(memory_budget=SHORT_ONLY))
+    message = str(info.value)
+    assert "but the least reachable is 776.5 KiB" in message, message
+    assert "This was for a batch of 256 tokens (length 64)" in message, message
+    assert "length 64, from the model's block_size. Nothing was trained." in message, message
+    assert model.optimizer_steps == 0 and model.calls == 1  # the fake step only
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert checkpointed_names(model) == []  # nothing left applied
+
+
+def test_max_length_short_enough_lets_the_same_budget_run():
+    model = CountingGPT()
+    callback = GradientCheckpointing(memory_budget=SHORT_ONLY, max_length=24)
+    trainer = fit(model, callback)
+    assert trainer.global_step == 2 and model.calls == 3  # one fake step at length 24, then two real ones
+    # The first real step measures its size with every layer checkpointed, as without the fake step before it.
+    assert model.seen[1] == [f"model.blocks.{i}" for i in range(4)]
+    assert callback._cycle.sizes[128].length == 24 and callback._cycle.sizes[64].length == 16
+
+
+def test_the_plan_for_the_longest_batch_is_kept_and_equals_one_from_a_real_measurement(caplog):
+    model = CountingGPT()
+    callback = GradientCheckpointing(memory_budget="1MiB")
+    with caplog.at_level("INFO"):
+        trainer = fit(model, callback, max_steps=1)
+    assert trainer.global_step == 1
+    assert ("GradientCheckpointing: the budget holds the longest batch, 256 tokens (length 64): planned before the"
+            " first step for length 64 (from the model's block_size) on fake tensors.") in caplog.text
+    kept = callback.plans[256]
+    # The same step measured on real tensors at length 64, on a fresh copy of the model.
+    real = CountingGPT()
+    real.train()
+    batch = batch_of_length(next(iter(CountingDataModule(32, 16, 4, 64).train_dataloader())), 64)
+    modes = ("full", "selective")  # the callback's, without reentrant checkpointing
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log() without a Trainer
+        measured = measure_step(real, lambda: real.training_step(batch, 0), modes=modes)
+    expected = make_plan(measured.costs, measured.outside_bytes, "1MiB", modes, head_bytes=measured.head_bytes,
+                         head_peak_bytes=measured.head_peak_bytes)
+    assert (kept.layers, kept.peak_bytes, kept.planned_bytes) == (expected.layers, expected.peak_bytes,
+                                                                   expected.planned_bytes)
+
+
+def test_fake_measurement_equals_the_real_one_and_leaves_the_module_as_it_was():
+    model = CountingGPT()
+    model.train()
+    before = weights(model)
+    batch = batch_of_length(next(iter(CountingDataModule(32, 16, 4, 64).train_dataloader())), 48)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log() without a Trainer
+        fake = measure_fake_step(model, lambda b: model.training_step(b, 0), batch)
+        real = measure_step(model, lambda: model.training_step(batch, 0))
+    assert fake.costs == real.costs
+    assert (fake.outside_bytes, fake.head_bytes, fake.head_peak_bytes) == (
+        real.outside_bytes, real.head_bytes, real.head_peak_bytes)
+    assert fake.costs[0].full_bytes == 4 * 48 * 32 * 4  # the block's input: batch x length x n_embd float32
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_max_length_above_the_models_limit_is_refused_naming_both():
+    with pytest.raises(ValueError) as info:
+        fit(CountingGPT(), GradientCheckpointing(memory_budget="1MiB", max_length=128))
+    assert str(info.value).startswith("`max_length=128` is longer than the model can take: its block_size is 64"
+                                      " (its position table ends there). Pass max_length=64 or less"), str(info.value)
+    assert longest_length(CountingGPT(), 64) == (64, "max_length")
+
+
+@pytest.mark.parametrize("bad", [0, -3, "64", True, 1.5])
+def test_max_length_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match=rf"`max_length` is the longest sequence .* got {bad!r}"):
+        GradientCheckpointing(memory_budget=0.5, max_length=bad)
+
+
+def test_a_model_without_a_known_length_runs_as_before():
+    model = CountingGPT()
+    del model.hparams["block_size"]  # nothing says how long its sequences may be
+    callback = GradientCheckpointing(memory_budget=SHORT_ONLY)
+    fit(model, callback)
+    assert model.calls == 2 and list(callback.plans) == [64]  # no fake step; only the real size planned
+
+
+def test_a_first_batch_as_long_as_the_longest_needs_no_fake_step():
+    model = CountingGPT(block_size=16)
+    callback = GradientCheckpointing(memory_budget=SHORT_ONLY)
+    fit(model, callback)
+    assert model.calls == 2 and list(callback.plans) == [64]
+
+
+def test_a_model_fake_tensors_cannot_run_says_so_once_and_runs_as_before():
+    model = ItemGPT()
+    callback = GradientCheckpointing(memory_budget=SHORT_ONLY)
+    with pytest.warns(UserWarning, match=r"could not measure the longest batch \(length 64, from the model's"
+                                         r" block_size\) on fake tensors before the first step") as record:
+        trainer = fit(model, callback)
+    assert sum("could not measure the longest batch" in str(w.message) for w in record) == 1
+    assert trainer.global_step == 2 and list(callback.plans) == [64]
