@@ -556,6 +556,7 @@ def _fit_varying(strategy: Any, memory_budget: Optional[int], compress: Optional
                 else None)
     record = RecordCheckpointedPerBatch()
     model = SeededGPT(**{**GPT_ARGS, "n_layer": 4})
+    del model.hparams["block_size"]  # no longest length known ahead: the per-batch cycle from the first batch
     batches = []
     for step, length in enumerate(lengths[rank]):
         seqs = counting_sequences(4, length + 1, GPT_ARGS["vocab_size"], seed=10 * step + rank)

@@ -33,7 +33,7 @@ AUTO_MEMORY_FRACTION = 0.9
 (allocator fragmentation, the CUDA context, buffers this package cannot see)."""
 
 _COST_FIELDS = [f.name for f in fields(LayerCost)
-                if f.name not in ("name", "cls", "ops", "input_sizes", "saved_sizes", "codec_bytes", "shared_bytes")]
+                if f.name not in ("name", "cls", "ops", "input_sizes", "saved_sizes", "codec_bytes")]
 """The integer fields of :class:`~lightning_ckpt.core.planner.LayerCost`, in the order :func:`pack_costs` writes them."""
 
 
@@ -132,8 +132,8 @@ def pack_costs(measured: RankMeasurement, figures: Sequence[int] = (), min_bytes
         >>> measured = RankMeasurement([LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40,
         ...                                       offloadable_bytes=0, full_flops=50, selective_flops=5)],
         ...                            outside_bytes=7)
-        >>> pack_costs(measured, figures=[1000])  # a's 10 integers, moved 100 and 0; 7 outside, 0 after, 0; 1000
-        [100, 10, 40, 0, 50, 5, 1, 0, 0, 0, 100, 0, 7, 0, 0, 1000]
+        >>> pack_costs(measured, figures=[1000])  # a's 11 integers, moved 100 and 0; 7 outside, 0 after, 0; 1000
+        [100, 10, 40, 0, 50, 5, 1, 0, 0, 0, 0, 100, 0, 7, 0, 0, 1000]
     """
     row = [v for c in measured.costs
            for v in [*(getattr(c, f) for f in _COST_FIELDS), c.movable_bytes("none", min_bytes),
@@ -171,7 +171,7 @@ def combine_costs(gathered: torch.Tensor, measured: RankMeasurement) -> tuple[Ra
     for i, c in enumerate(measured.costs):
         *ints, moved_none, moved_full = combined[i * width:(i + 1) * width]
         costs.append(LayerCost(c.name, c.cls, **dict(zip(_COST_FIELDS, ints)), saved_sizes=(moved_none,),
-                               input_sizes=(moved_full,), shared_bytes=c.shared_bytes))  # this rank's: not packed
+                               input_sizes=(moved_full,)))
     return RankMeasurement(costs, *combined[n_costs - 3:n_costs], measured.compress), combined[n_costs:]
 
 

@@ -362,7 +362,7 @@ def plan_checkpointing(
     modes = validate_modes(modes)
     validate_offload(offload)
     validate_compress(compress)
-    if parse_memory_budget(memory_budget) is None:
+    if parse_memory_budget(memory_budget, min_bytes=1) is None:  # plain PyTorch: any bytes (a toy model may hold 896)
         raise ValueError("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as '2GiB'.")
     profile = resolve_device(device)
     cuda = cuda_devices(module)

@@ -169,7 +169,8 @@ def parse_memory_budget(budget: object, allow_auto: bool = False, min_bytes: int
     and LightningCLI hand ``5555996`` over as the float ``5555996.0``, so a float with no fractional part above 1 is
     bytes too (``1.0`` is the whole activation memory). Units are decimal (``kB``, ``MB``, ``GB``: powers of 1000) or
     binary (``KiB``, ``MiB``, ``GiB``: powers of 1024). Bytes under ``min_bytes`` (1 KiB) are refused: a small whole
-    number is almost always a fraction written without its point. With ``allow_auto`` (the Lightning callback, which
+    number from a config or a command line is almost always a fraction written without its point (the plain-PyTorch
+    planner, whose budgets are typed in Python, passes ``min_bytes=1``). With ``allow_auto`` (the Lightning callback, which
     knows the device), ``"auto"`` is accepted and returned as is: what fits the accelerator's memory.
 
     Example::
