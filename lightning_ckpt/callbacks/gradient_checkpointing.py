@@ -362,8 +362,8 @@ class GradientCheckpointing(Callback):
         check.__exit__(None, None, None)
         plan, size = self._cycle.applied, self._cycle.current
         assert plan is not None and size is not None
-        over = int(check.bytes + check.offloaded_bytes > plan.planned_bytes + plan.planned_host_bytes)
-        if _largest_over_ranks(trainer.strategy, BatchSize(over, 1)).tokens:
+        held_as_planned = check.bytes + check.offloaded_bytes <= plan.planned_bytes + plan.planned_host_bytes
+        if not _all_ranks(trainer.strategy, held_as_planned):
             self._cycle.check_failed(size)
             rank_zero_info(f"GradientCheckpointing: a batch of {size} held more than its predicted plan"
                            f" ({format_bytes(check.bytes)} > {format_bytes(plan.planned_bytes)} planned); its size"
@@ -380,15 +380,15 @@ class GradientCheckpointing(Callback):
         # A first batch already that long needs no fake step: its own measuring step plans before its backward. The
         # ranks decide from the longest first batch over them, so that all of them take the same path.
         first = _largest_over_ranks(trainer.strategy, BatchSize(0, sequence_length_of(batch) or 0)).length
-        shorter = longest is not None and first < longest[0]
+        shorter = first < longest[0]
         if shorter and _sharded(pl_module):
             rank_zero_warn("GradientCheckpointing: the longest batch is not planned before the first step under FSDP2"
                            " (its sharded layers gather their weights for real); the budget is checked on each batch"
                            " as it comes.")
             shorter = False
-        resized = batch_of_length(batch, longest[0]) if shorter and longest is not None else None
+        resized = batch_of_length(batch, longest[0]) if shorter else None
         measured: Optional[RankMeasurement] = None
-        if resized is not None and longest is not None:
+        if resized is not None:
             modes = ("full",) if self._reentrant() else ("full", "selective")
             precision = trainer.precision_plugin
 
@@ -411,14 +411,14 @@ class GradientCheckpointing(Callback):
             finally:
                 pl_module._trainer = trainer_ref
                 self.apply(pl_module)
-        elif longest is not None and sequence_length_of(batch) is None and self._settings["max_length"] is not None:
+        elif sequence_length_of(batch) is None and self._settings["max_length"] is not None:
             rank_zero_warn("GradientCheckpointing: `max_length` needs token ids in the batch (a 2-D integer tensor,"
                            " batch x length); this batch has none, so the longest batch is not planned before the"
                            " first step.")
         # Every rank plans, or none does: the plan combines the ranks' costs.
         if not _all_ranks(trainer.strategy, measured is not None):
             return
-        assert measured is not None and longest is not None and resized is not None
+        assert measured is not None and resized is not None
         size = _largest_over_ranks(trainer.strategy, batch_size_of(resized, self.length_fn))
         self._cycle.begin(size, predict=False)
         self._measured = measured
