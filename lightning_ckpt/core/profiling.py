@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -74,7 +74,11 @@ def hidden_from_counters() -> Iterator[None]:
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
-    """What identifies ``tensor``'s storage (views share it), for real and fake tensors alike.
+    """What identifies ``tensor``'s storage (views share it) for as long as it lives, for real and fake tensors alike.
+
+    Not the data pointer: a counter that outlives a storage would take the next storage the allocator puts at that
+    address for the same one (CUDA's caching allocator does so at once). The storage's Python object lives as long
+    as the storage (torch keeps it), so a number given to it on first sight is never handed to another storage.
 
     Example::
 
@@ -83,9 +87,14 @@ def storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
         True
     """
     storage = tensor.untyped_storage()
-    if isinstance(tensor, FakeTensor):  # no data pointer (it reads 0 for all): the storage object itself
-        return tensor.device, storage._cdata
-    return tensor.device, storage.data_ptr()
+    try:
+        number = storage._lightning_ckpt_key
+    except AttributeError:
+        number = storage._lightning_ckpt_key = next(_storage_numbers)
+    return tensor.device, number
+
+
+_storage_numbers = itertools.count()
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
