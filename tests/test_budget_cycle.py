@@ -400,11 +400,11 @@ def test_an_fp8_plan_counts_the_same_bytes_outside_the_layers_as_an_exact_one():
     fit([fp8], lengths=[64, 8])
     assert sorted(exact.plans) == sorted(fp8.plans) == [32, 256]
     assert [exact.plans[b].outside_bytes for b in (256, 32)] == [104_996, 13_156]  # the figures
-    for b in (256, 32):
-        # fp8 counts at least what exact counts outside the layers (exact-width inputs taken off its count would
-        # leave 7,716 and 996 B). In some runs it counts up to 16% more (121,892 against 104,996 B; 15,268 against
-        # 13,156 B), on the safe side: open, not explained yet, so bounded here rather than asserted equal
-        assert exact.plans[b].outside_bytes <= fp8.plans[b].outside_bytes <= 1.17 * exact.plans[b].outside_bytes
+    # fp8 once counted 121,892 and 15,268 B in about one run in five: 16,896 and 2,112 B more, one block input's fp8
+    # copy (16,384 + 512 B of scales at length 64). A later block's input had been put at the address of an earlier
+    # one's freed exact input, so the two were taken for one input shared by two blocks and moved outside the layers.
+    # Storages are now numbered, not keyed by address: equal in ten runs of ten.
+    assert [fp8.plans[b].outside_bytes for b in (256, 32)] == [104_996, 13_156]
 
 
 class JumpingGPT(VaryingGPT):
