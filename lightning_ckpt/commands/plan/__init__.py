@@ -109,8 +109,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -138,16 +139,17 @@ from lightning_ckpt.commands.plan.measure import (
 # Aliased: bound here as `measure`, the function would hide the submodule `lightning_ckpt.commands.plan.measure`.
 from lightning_ckpt.commands.plan.measure import measure as measure_at
 from lightning_ckpt.commands.plan.predictions import (
+    PlanSettings,
     SettingRow,
     fit_peak,
     largest_length,
-    plan_for,
     planner_front,
     setting_choices,
     setting_rows,
 )
-from lightning_ckpt.commands.plan.report import LengthResult, PlanResult, plot, render, report_data
+from lightning_ckpt.commands.plan.report import LengthResult, LongestPlan, PlanResult, plot, render, report_data
 from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
+from lightning_ckpt.core.longest import length_limit
 from lightning_ckpt.core.planner import CheckpointPlan, Offload
 
 __all__ = ["main"]
@@ -256,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"plan: {str(err).removeprefix('plan: ')}", file=sys.stderr)
         return 2
     measured = _run(args, built)
-    result = _compute(args, built, measured, profile)
+    result = _compute(args, built, measured, profile, lambda length: _measure(built, measured.main.batch_size, length))
     _write(result, (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve())
     if result.plan is None:
         print(f"plan: memory_budget={result.budget!r} cannot be met; see 'No plan' above.", file=sys.stderr)
@@ -328,25 +330,35 @@ def _run(args: argparse.Namespace, built: Built) -> _Measured:
     """Measure the step at the loader's batch size, at half of it with ``--device-memory``, and at each length; with
     ``compress`` every setting's checkpointed layers hold their inputs compressed (:meth:`LayerCost.compressed`)."""
     size = loader_batch_size(built.loader)
-
-    def at(batch_size: int, length: Optional[int] = None) -> Measurement:
-        m = measure_at(built, batch_size, length)
-        return replace(m, costs=[c.compressed(built.compress) for c in m.costs])
-
-    measured = _Measured(at(size))
+    measured = _Measured(_measure(built, size))
     if args.device_memory is not None:
-        measured.other = at(size // 2 if size >= 2 else 2)
-    measured.at_lengths = [at(size, length) for length in args.lengths]
+        measured.other = _measure(built, size // 2 if size >= 2 else 2)
+    measured.at_lengths = [_measure(built, size, length) for length in args.lengths]
     return measured
 
 
-def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profile: Optional[DeviceProfile]) -> PlanResult:
+def _measure(built: Built, batch_size: int, length: Optional[int] = None) -> Measurement:
+    """One step measured at ``batch_size`` (x ``length``), its layers' inputs held as ``built.compress`` says."""
+    m = measure_at(built, batch_size, length)
+    return replace(m, costs=[c.compressed(built.compress) for c in m.costs])
+
+
+def plan_settings(built: Built, profile: Optional[DeviceProfile]) -> PlanSettings:
+    """The settings every plan of the command is made with: the one place they are gathered (a chunked head and
+    loss joins offload and compression here)."""
+    return PlanSettings(offload=built.offload, device=profile, compress=built.compress)
+
+
+def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profile: Optional[DeviceProfile],
+             measure_length: Optional[Callable[[int], Measurement]] = None) -> PlanResult:
     """The plan for the budget, every setting's predictions, the planner's front and, with ``--lengths``, the same
-    at each length with the largest length each setting fits."""
+    at each length with the largest length each setting, and the plan's settings, fit (``measure_length`` measures
+    the step again at the plan's longest length, for the plan there)."""
     config_budget = built.memory_budget if built.memory_budget not in (None, "auto") else None
     budget = args.memory_budget if args.memory_budget is not None else config_budget or DEFAULT_BUDGET
     main_m, other = measured.main, measured.other
-    plan, plan_error = plan_for(main_m, budget, built.offload, profile, built.compress)
+    settings = plan_settings(built, profile)
+    plan, plan_error = settings.plan(main_m, budget)
     static = static_memory(built)
     room = None if args.device_memory is None else args.device_memory - static.total
     rows = _rows(main_m, plan, built.offload, profile, other, room)
@@ -356,7 +368,9 @@ def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profil
     result = PlanResult(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
                         batch_sizes, front, profile)
     if measured.at_lengths:
-        _across_lengths(result, measured.at_lengths, room)
+        _across_lengths(result, measured.at_lengths, room, settings)
+        if room is not None and len(measured.at_lengths) >= 2 and measure_length is not None:
+            _plan_longest(result, room, settings, measure_length, length_limit(built.module))
     return result
 
 
@@ -368,21 +382,52 @@ def _rows(measured: Measurement, plan: Optional[CheckpointPlan], offload: Offloa
                         plan.kept_ops if plan is not None else {}, profile, plan.offloaded if plan is not None else ())
 
 
-def _across_lengths(result: PlanResult, at_lengths: Sequence[Measurement], room: Optional[int]) -> None:
-    """Fill ``result``'s plan and settings at each length and, with 2 or more lengths, the fit of each standard
-    setting's peak over the length and (with ``room``) the largest length it fits."""
+def _across_lengths(result: PlanResult, at_lengths: Sequence[Measurement], room: Optional[int],
+                    settings: PlanSettings) -> None:
+    """Fill ``result``'s plan, settings and least reachable peak (``settings``'s) at each length and, with 2 or more
+    lengths, the fit of each standard setting's peak, and of that least peak, over the length and (with ``room``)
+    the largest length each fits."""
     offload, profile = result.built.offload, result.profile
     for m in at_lengths:
-        plan, error = plan_for(m, result.budget, offload, profile, result.built.compress)
+        plan, error = settings.plan(m, result.budget)
         assert m.length is not None  # measured at a length: the batch has token ids
-        result.lengths.append(LengthResult(m.length, m.batch_size, plan, error, _rows(m, plan, offload, profile)))
+        result.lengths.append(LengthResult(m.length, m.batch_size, plan, error, _rows(m, plan, offload, profile),
+                                           settings.least_peak(m)))
     if len(at_lengths) < 2:
         return
     result.length_fit = "quadratic" if len(at_lengths) >= 3 else "linear"
+    lengths = [at.length for at in result.lengths]
     for name in (r.name for r in result.rows if r.name != "plan"):
         peaks = [next(r.peak_bytes for r in at.rows if r.name == name) for at in result.lengths]
-        fit = fit_peak([at.length for at in result.lengths], peaks)
-        result.largest_length[name] = None if room is None else largest_length(fit, room)
+        result.largest_length[name] = None if room is None else largest_length(fit_peak(lengths, peaks), room)
+    least = fit_peak(lengths, [at.least_peak_bytes for at in result.lengths])
+    result.largest_length["plan"] = None if room is None else largest_length(least, room)
+
+
+#: Tries at the plan's longest length: each measures the step again where the last fell short.
+_LONGEST_TRIES = 4
+
+
+def _plan_longest(result: PlanResult, room: int, settings: PlanSettings,
+                  measure_length: Callable[[int], Measurement], limit: Optional[tuple[str, int]]) -> None:
+    """The plan at the longest length its settings fit (``result.largest_length["plan"]``, from the fitted least
+    peak), planned for ``room`` (device memory less static memory) on the step measured again at that length. Where
+    the fit promised too much, the length shrinks by what the least peak there overshoots, and is measured again;
+    ``result.largest_length["plan"]`` ends as the length the plan was made at (capped at the model's ``limit``)."""
+    fitted = result.largest_length.get("plan")
+    if fitted is None or fitted < 1:
+        return
+    length = fitted if limit is None else min(fitted, limit[1])
+    longest = LongestPlan(fitted, length, result.main.batch_size, None, None, capped=limit if length < fitted else None)
+    for _ in range(_LONGEST_TRIES):
+        measured = measure_length(length)
+        longest.length, longest.least_peak_bytes = length, settings.least_peak(measured)
+        longest.plan, longest.plan_error = settings.plan(measured, room)
+        if longest.plan is not None or length <= 1:
+            break
+        length = max(1, min(length - 1, math.floor(length * room / longest.least_peak_bytes)))
+    result.longest = longest
+    result.largest_length["plan"] = longest.length if longest.plan is not None else result.largest_length["plan"]
 
 
 def _write(result: PlanResult, out_dir: Path) -> None:
