@@ -25,7 +25,7 @@ from lightning_ckpt.commands.plan.measure import (
     static_memory,
     would_not_fit,
 )
-from lightning_ckpt.commands.plan.predictions import largest_batch
+from lightning_ckpt.commands.plan.predictions import PlanSettings, largest_batch
 from lightning_ckpt.commands.plan.report import plot
 from lightning_ckpt.core.planner import make_plan
 from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
@@ -576,7 +576,7 @@ def test_lengths_plan_each_length_as_a_separate_measurement_does(lengths_dir):
     by_setting = {r[0]: r for r in rows[5:]}  # the second table (after its header and rule): peaks by length
     modes = {"none": {}, "every_4th": {LAYERS[0]: "full"}, "every_2nd": {LAYERS[0]: "full", LAYERS[2]: "full"},
              "every_layer": dict.fromkeys(LAYERS, "full"), "selective": dict.fromkeys(LAYERS, "selective")}
-    assert list(by_setting) == list(modes)
+    assert list(by_setting) == [*modes, "plan (least peak)"]
     built = build(TINY, fake=True)
     for i, length in enumerate(LENGTHS):
         m = measure(built, 8, length)
@@ -593,6 +593,9 @@ def test_lengths_plan_each_length_as_a_separate_measurement_does(lengths_dir):
                                  head_peak_bytes=m.head_peak_bytes)
             assert peaks[name] == pytest.approx(known, rel=0.05), (length, name)
             assert num(by_setting[name][1 + i]) == pytest.approx(known, rel=0.05), (length, name)
+        # the least peak the plan's own settings (here: exact, no offload) reach: every layer full
+        assert entry["least_peak_bytes"] == PlanSettings().least_peak(m) == num(by_setting["plan (least peak)"][1 + i])
+        assert entry["least_peak_bytes"] <= peaks["every_layer"]
     # Attention's T^2: the peak without checkpointing more than doubles from 16 to 32 tokens.
     assert data["lengths"][2]["settings"][0]["peak_bytes"] > 2 * data["lengths"][1]["settings"][0]["peak_bytes"]
     # 32 is the loader's own length: the tiled-and-cut path gives the plain measurement's peaks.
@@ -610,8 +613,10 @@ def test_lengths_largest_length_fits_a_quadratic_through_the_measured_peaks(leng
     assert data["length_fit"] == "quadratic" and "as a quadratic, c0 + c1 x T + c2 x T^2" in report
     room = DEVICE_MEMORY - data["static_bytes_per_device"]
     shown = {r[0]: r for r in table(report, "Plan across lengths")[5:]}
-    assert list(data["largest_length"]) == ["none", "every_4th", "every_2nd", "every_layer", "selective"]
+    assert list(data["largest_length"]) == ["none", "every_4th", "every_2nd", "every_layer", "selective", "plan"]
     for name, largest in data["largest_length"].items():
+        if name == "plan":
+            continue
         peaks = [next(s["peak_bytes"] for s in at["settings"] if s["name"] == name) for at in data["lengths"]]
         c2, c1, c0 = np.polyfit(LENGTHS, peaks, 2)
         known = max(t for t in range(1, 100_000) if c0 + c1 * t + c2 * t * t <= room)
@@ -619,14 +624,25 @@ def test_lengths_largest_length_fits_a_quadratic_through_the_measured_peaks(leng
         assert shown[name][-1] == str(known)
         assert shown[name][-2] == str(next(s["largest_batch"] for s in data["settings"] if s["name"] == name))
     assert data["largest_length"]["none"] < data["largest_length"]["every_layer"]
+    # The plan's: the same fit through its settings' least peaks. Beyond the tiny GPT's block_size (32), so the plan
+    # was made at 32 and the fitted length stays.
+    c2, c1, c0 = np.polyfit(LENGTHS, [at["least_peak_bytes"] for at in data["lengths"]], 2)
+    known = max(t for t in range(1, 100_000) if c0 + c1 * t + c2 * t * t <= room)
+    assert data["largest_length"]["plan"] == known > 32 and shown["plan (least peak)"][-1] == str(known)
+    assert data["longest_plan"]["length"] == 32 and data["longest_plan"]["fitted_length"] == known
+    assert data["longest_plan"]["plan"]["budget_bytes"] == room
+    assert f"(the fit gave {known:,}; the model's block_size is 32)" in report
 
 
 def test_lengths_png_draws_a_line_per_setting_over_the_lengths(lengths_dir):
     _, out = lengths_dir
-    fig = plot(json.loads((out / "plan.json").read_text()), out / "again.png")
+    data = json.loads((out / "plan.json").read_text())
+    fig = plot(data, out / "again.png")
     _, ax = fig.axes
     lines = {line.get_label(): line for line in ax.lines}
-    assert list(lines) == ["none", "every_4th", "every_2nd", "every_layer", "selective", "plan"]
+    assert list(lines) == ["none", "every_4th", "every_2nd", "every_layer", "selective", "plan",
+                           "plan's settings: least peak", "device memory less static", "plan at its longest, 32"]
+    assert list(lines["device memory less static"].get_ydata()) == [DEVICE_MEMORY - data["static_bytes_per_device"]] * 2
     assert lines["none"].get_xdata().tolist() == list(LENGTHS)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["8 x 8", "8 x 16", "8 x 32"]
 

@@ -405,15 +405,17 @@ def _across_lengths(result: PlanResult, at_lengths: Sequence[Measurement], room:
 
 
 #: Tries at the plan's longest length: each measures the step again where the last fell short.
-_LONGEST_TRIES = 4
+_LONGEST_TRIES = 6
 
 
 def _plan_longest(result: PlanResult, room: int, settings: PlanSettings,
                   measure_length: Callable[[int], Measurement], limit: Optional[tuple[str, int]]) -> None:
     """The plan at the longest length its settings fit (``result.largest_length["plan"]``, from the fitted least
     peak), planned for ``room`` (device memory less static memory) on the step measured again at that length. Where
-    the fit promised too much, the length shrinks by what the least peak there overshoots, and is measured again;
-    ``result.largest_length["plan"]`` ends as the length the plan was made at (capped at the model's ``limit``)."""
+    the fit promised too much, the length shrinks by what the least peak there overshoots (or by 1% where the least
+    peak fits but the planner found no plan), and is measured again, up to :data:`_LONGEST_TRIES` times;
+    ``result.largest_length["plan"]`` ends as the length the plan was made at, except where the model's ``limit``
+    capped it (the plan is then made at the limit, and the fitted length stays, as every setting's does)."""
     fitted = result.largest_length.get("plan")
     if fitted is None or fitted < 1:
         return
@@ -425,9 +427,12 @@ def _plan_longest(result: PlanResult, room: int, settings: PlanSettings,
         longest.plan, longest.plan_error = settings.plan(measured, room)
         if longest.plan is not None or length <= 1:
             break
-        length = max(1, min(length - 1, math.floor(length * room / longest.least_peak_bytes)))
+        # Past the room: shrink by what the least peak overshoots. Within it, the planner still found no plan (its
+        # knapsack's rounding): 1% shorter.
+        length = max(1, min(length - max(1, length // 100), math.floor(length * room / longest.least_peak_bytes)))
     result.longest = longest
-    result.largest_length["plan"] = longest.length if longest.plan is not None else result.largest_length["plan"]
+    if longest.plan is not None and longest.capped is None:  # capped: the fit's length stays, as every setting's
+        result.largest_length["plan"] = longest.length
 
 
 def _write(result: PlanResult, out_dir: Path) -> None:
