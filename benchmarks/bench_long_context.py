@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -38,6 +38,7 @@ from _results import machine, write_section
 from lightning_ckpt.commands.plan import _build, _compute, _measure, _parse, _run
 from lightning_ckpt.commands.plan.measure import check_length, device_profile
 from lightning_ckpt.commands.plan.predictions import as_planned
+from lightning_ckpt.commands.plan.report import _plot_lengths, report_data
 from lightning_ckpt.core.planner import predict_peak, predict_seconds
 from lightning_ckpt.core.profiling import format_bytes
 
@@ -77,6 +78,7 @@ class Longest:
     seconds: Optional[float]  # predicted step time at that length
     outside_bytes: Optional[int]  # held outside the layers there (embeddings, head logits, loss)
     wall_seconds: float
+    data: Optional[dict[str, Any]] = None  # the row's plan.json
 
     @property
     def per_token(self) -> Optional[float]:
@@ -97,10 +99,10 @@ def longest(row: Row) -> Longest:
     if row.setting == "plan":
         plan_at = result.longest
         if plan_at is None or plan_at.plan is None:
-            return Longest(row, None, None, static, None, None, time.perf_counter() - start)
+            return Longest(row, None, None, static, None, None, time.perf_counter() - start, report_data(result))
         at = _measure(built, measured.main.batch_size, plan_at.length)
         return Longest(row, plan_at.length, plan_at.plan.peak_bytes, static, plan_at.plan.predicted_step_seconds,
-                       at.outside_bytes, time.perf_counter() - start)
+                       at.outside_bytes, time.perf_counter() - start, report_data(result))
     length = result.largest_length[row.setting]
     assert length is not None, row
     check_length(built, length)
@@ -129,12 +131,31 @@ def table(results: list[Longest]) -> str:
     return "\n".join(lines)
 
 
+def plot_lengths(data: dict[str, Any], path: Path) -> None:
+    """The plan command's panel of peak against length, alone and small: each setting's peak (under the row's
+    compression), the plan's least peak, the room the device leaves and the plan at its longest length."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.4), dpi=80)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    _plot_lengths(ax, data)
+    ax.set_title("Llama-3-8B-shaped, batch 1, fsdp over 8, 80 GiB: peak across lengths\n(settings with fp8 inputs;"
+                 " plan: offload auto, fp8)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plan-option", action="append", default=[],
                         help="one more plan row, planned with these plan options on top of offload auto and fp8"
                              " (such as --plan-option=--chunk-loss=auto); repeat for more options in that row")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md as it is")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="also draw the plan row's peak against the length (plan.png's second panel) to this PNG"
+                             " (the docs' docs/images/long_context.png)")
     args = parser.parse_args(argv)
     rows = list(ROWS)
     if args.plan_option:
@@ -157,6 +178,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                f" own longest length (target <= 1.3x): {'met' if slower <= 1.3 else 'missed'}.")
     print(text)
     print(verdict)
+    if args.plot is not None and plan.data is not None:
+        plot_lengths(plan.data, args.plot)
     if not args.no_write:
         write_section("long context", "\n\n".join([
             "## The longest context that fits: a Llama-3-8B-shaped run (`bench_long_context.py`)",

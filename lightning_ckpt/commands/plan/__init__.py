@@ -11,9 +11,9 @@ further runs) it predicts the activations and extra FLOPs of the standard settin
 2nd, every layer, selective everywhere) and of the plan for ``--memory-budget``, and adds the static memory
 (weights, gradients and the configured optimizer's state, counted after one optimizer step).
 
-With ``--device-memory`` the step is measured at two batch sizes, activations are fitted per setting as
-``fixed + per_sample * batch``, and the largest batch size each setting fits is printed (static memory
-plus activations; the transient memory of the backward pass is not included).
+With ``--device-memory`` the step is measured at two batch sizes, each setting's activations and step peak are
+fitted as ``fixed + per_sample * batch``, and the largest batch size each setting fits is printed (static memory
+plus the step's peak, forward and backward).
 
 With ``--lengths 512,2048,8192`` the step is measured again at each sequence length, at the loader's batch size:
 the batch's token ids (its first 2-D integer tensor, batch x length) and every tensor with their length in dim 1
@@ -22,7 +22,10 @@ the batch's token ids (its first 2-D integer tensor, batch x length) and every t
 peak, recompute FLOPs and, with ``--device``, step time) and each setting's peak at each length, every row naming
 the shape measured (batch x length). With ``--device-memory`` and 2 or more lengths, each setting's peak is fitted
 over the length (a quadratic through 3 or more lengths, for attention's ``T^2`` terms; a line through 2) and the
-largest length it fits is printed beside the largest batch (static memory plus the fitted peak).
+largest length it fits is printed beside the largest batch (static memory plus the fitted peak). So is the plan's
+own longest length: the least peak its settings (:func:`plan_settings`: offload, compression) reach at each length,
+fitted alike; the step is measured again at that length and the plan made there for the device memory less static
+memory, with its predicted step time.
 
 With ``--fake``, or by default when the static memory would not fit this machine, the model is built and
 the step run under ``torch._subclasses.FakeTensorMode``: shapes, dtypes and bytes without any storage, as
@@ -81,15 +84,18 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
 - ``layers``: per matched layer ``{name, class, none_bytes, full_bytes, selective_bytes, full_flops,
   selective_flops}``: bytes held not checkpointed, fully and selectively checkpointed; FLOPs recomputed.
 - ``settings``: per setting ``{name, description, checkpointed_layers, activation_bytes, peak_bytes, host_bytes,
-  recompute_flops, predicted_step_seconds, fixed_bytes, per_sample_bytes, largest_batch}`` (``activation_bytes``: held
+  recompute_flops, predicted_step_seconds, fixed_bytes, per_sample_bytes, peak_fixed_bytes, peak_per_sample_bytes,
+  largest_batch}`` (``activation_bytes``: held
   on the device at the end of the forward; ``peak_bytes``: the step's activation peak on the device, forward and
   backward, which a budget bounds; ``host_bytes``: held in host memory by offloaded layers, in neither), names
   ``none``, ``every_4th``,
   ``every_2nd``, ``every_layer``, ``selective`` and ``plan`` (when the budget can be met).
   ``predicted_step_seconds``: on the ``--device`` profile, ``null`` without one. ``fixed_bytes`` and ``per_sample_bytes``: the fit
-  ``activations = fixed + per_sample x batch`` and ``largest_batch`` the largest batch per device that fits in
-  ``device_memory`` with the static memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when
-  activations do not grow with the batch).
+  ``activations = fixed + per_sample x batch``, ``peak_fixed_bytes`` and ``peak_per_sample_bytes`` the same for the
+  peak, and ``largest_batch`` the largest batch per device whose peak fits in ``device_memory`` with the static
+  memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when the peak does not grow with the
+  batch). Every setting's figures count the costs as the planner plans them (with ``--device``, every layer's
+  inputs can move to host memory), so the ``plan`` row is the plan's own line.
 - ``plan``: ``{layers, offloaded, compress, kept_ops, budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
   predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
   memory, the op outputs an ``ops`` layer keeps, the budget in bytes and the plan's predictions; ``null`` with
@@ -98,11 +104,15 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
   offload as the plan, each ``{budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
   predicted_step_seconds}`` (what ``plan.png`` draws as a line).
 - With ``--lengths`` only: ``lengths``, per length ``{length, batch_size, tokens, plan, plan_error, settings}``
-  (``plan`` as above or ``null`` with ``plan_error``; ``settings`` each ``{name, peak_bytes, activation_bytes,
-  recompute_flops, predicted_step_seconds}``); ``length_fit``: ``"quadratic"``, ``"linear"`` or ``null`` (one
-  length); ``largest_length``: setting -> the largest length that fits ``device_memory`` at ``batch_size``
-  (``null`` when unbounded; the whole entry ``null`` without ``--device-memory``). ``plan.png`` then has a second
-  panel: each setting's peak against the length.
+  (``plan`` as above or ``null`` with ``plan_error``; ``least_peak_bytes``: the least peak the plan's settings
+  reach; ``settings`` each ``{name, peak_bytes, activation_bytes, recompute_flops, predicted_step_seconds}``);
+  ``length_fit``: ``"quadratic"``, ``"linear"`` or ``null`` (one length); ``largest_length``: setting -> the
+  largest length that fits ``device_memory`` at ``batch_size``, and ``"plan"``: the longest the plan itself fits
+  (``null`` when unbounded; the whole entry ``null`` without ``--device-memory``); ``longest_plan``: ``{fitted_length,
+  length, batch_size, least_peak_bytes, plan, plan_error, predicted_seconds_per_token}``, the plan made at its
+  longest length (``null`` without ``--device-memory`` or with one length). ``plan.png`` then has a second panel:
+  each setting's peak against the length, the plan's least peak, the room the device leaves and the plan at its
+  longest length.
 """
 
 from __future__ import annotations
