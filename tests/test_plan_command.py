@@ -25,11 +25,12 @@ from lightning_ckpt.commands.plan.measure import (
     static_memory,
     would_not_fit,
 )
-from lightning_ckpt.commands.plan.predictions import largest_batch
+from lightning_ckpt.commands.plan.predictions import PlanSettings, largest_batch
 from lightning_ckpt.commands.plan.report import plot
 from lightning_ckpt.core.planner import make_plan
 from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
 from lightning_ckpt.core.wrapping import apply_checkpointing
+from helpers import counted_peak
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 DEVICE_MEMORY = 8 * 2**20
@@ -122,7 +123,8 @@ def test_plan_json_holds_every_figure_of_the_report(real_dir):
     for setting, row in zip(data["settings"], settings):
         assert setting["checkpointed_layers"] == num(row[1])
         assert setting["activation_bytes"] == num(row[2]) and setting["recompute_flops"] == num(row[5])
-        assert round(setting["fixed_bytes"]) == num(row[7]) and round(setting["per_sample_bytes"]) == num(row[8])
+        assert round(setting["peak_fixed_bytes"]) == num(row[7])
+        assert round(setting["peak_per_sample_bytes"]) == num(row[8])
         assert setting["largest_batch"] == int(row[9])
         assert setting["predicted_step_seconds"] is None  # no time model yet
     plan = next(s for s in data["settings"] if s["name"] == "plan")
@@ -185,7 +187,8 @@ def test_sharded_strategy_divides_static_memory_over_the_data_parallel_devices(r
     room = DEVICE_MEMORY - data["static_bytes_per_device"]
     for sharded, unsharded in zip(data["settings"], whole["settings"]):
         assert sharded["activation_bytes"] == unsharded["activation_bytes"]
-        assert sharded["largest_batch"] == largest_batch(sharded["fixed_bytes"], sharded["per_sample_bytes"], room)
+        assert sharded["largest_batch"] == largest_batch(sharded["peak_fixed_bytes"], sharded["peak_per_sample_bytes"],
+                                                         room)
         assert sharded["largest_batch"] > unsharded["largest_batch"]
     # "static + activations" adds that share, not the unsharded whole, to each setting's activations.
     for setting, row in zip(data["settings"], table(report, "Settings")):
@@ -227,6 +230,31 @@ def test_report_printed_is_the_report_written(tmp_path, capsys):
     assert "largest batch" not in written  # no --device-memory: one batch size, no fit
 
 
+def counted_step_peak(batch_size: int, modes: dict[str, str], plan_layers: bool = False) -> int:
+    """The activation peak of a real training step (forward and backward) of the tiny config at ``batch_size``,
+    counted by ``benchmarks/_peak.py``, its layers checkpointed as :func:`measured_bytes` applies them."""
+    built = _checkpointed(modes, plan_layers)
+    batch = batch_of_size(built.loader, batch_size)
+    return counted_peak(built.module, lambda: plan_measure._loss(built.module.training_step(batch, 0)))
+
+
+def _checkpointed(modes: dict[str, str], plan_layers: bool) -> Built:
+    """The tiny config built for real, its layers checkpointed as ``modes`` say (as the plan for 0.5, made again,
+    with ``plan_layers``)."""
+    built = build(TINY, fake=False)
+    if plan_layers:
+        measurement = measure(build(TINY, fake=False), 8)
+        plan = make_plan(measurement.costs, measurement.outside_bytes, 0.5, head_bytes=measurement.head_bytes,
+                         head_peak_bytes=measurement.head_peak_bytes)
+        assert plan.layers == modes
+        plan.apply(built.module)
+    for name, mode in modes.items():
+        if mode != "none" and not plan_layers:
+            layer = built.module.get_submodule(name)
+            apply_checkpointing(layer, layer_cls=type(layer), mode=mode)
+    return built
+
+
 def measured_bytes(batch_size: int, modes: dict[str, str], plan_layers: bool = False) -> int:
     """Bytes held for backward by a real training step of the tiny config at ``batch_size``, its layers checkpointed
     as ``modes`` say; with ``plan_layers``, as the plan for memory_budget=0.5, made again here, says (op-level
@@ -253,16 +281,19 @@ def measured_bytes(batch_size: int, modes: dict[str, str], plan_layers: bool = F
 @pytest.mark.filterwarnings("ignore:You are trying to")
 @pytest.mark.parametrize("setting", ["none", "plan"])
 def test_largest_batch_prediction_holds_at_that_batch(real_report, setting):
+    """The largest batch is the largest whose step's peak (counted by an independent live-storage counter, with the
+    activations' gradients) fits with the static memory; the batch after it does not."""
     _, report = real_report
     row = {r[0]: r for r in table(report, "Settings")}[setting]
     fixed, per_sample, batch = num(row[7]), num(row[8]), int(row[9])
     assert batch > 8  # extrapolated beyond both measured batch sizes (4 and 8)
     chosen = {r[0]: r[7] for r in table(report, "Layers")[:-1]} if setting == "plan" else {}
-    measured = measured_bytes(batch, chosen, plan_layers=setting == "plan")
+    counted = counted_step_peak(batch, chosen, plan_layers=setting == "plan")
     predicted = fixed + per_sample * batch
-    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+    assert abs(predicted - counted) <= 0.05 * counted, (predicted, counted)
     static = sum(num(c) for c in table(report, "Static memory")[0][:3])
-    assert static + measured <= DEVICE_MEMORY < static + fixed + per_sample * (batch + 1)
+    assert static + predicted <= DEVICE_MEMORY < static + fixed + per_sample * (batch + 1)
+    assert static + counted <= 1.02 * DEVICE_MEMORY
 
 
 def test_fake_run_equals_real_run_in_bytes_and_flops(real_report, tmp_path, capsys):
@@ -545,7 +576,7 @@ def test_lengths_plan_each_length_as_a_separate_measurement_does(lengths_dir):
     by_setting = {r[0]: r for r in rows[5:]}  # the second table (after its header and rule): peaks by length
     modes = {"none": {}, "every_4th": {LAYERS[0]: "full"}, "every_2nd": {LAYERS[0]: "full", LAYERS[2]: "full"},
              "every_layer": dict.fromkeys(LAYERS, "full"), "selective": dict.fromkeys(LAYERS, "selective")}
-    assert list(by_setting) == list(modes)
+    assert list(by_setting) == [*modes, "plan (least peak)"]
     built = build(TINY, fake=True)
     for i, length in enumerate(LENGTHS):
         m = measure(built, 8, length)
@@ -562,6 +593,9 @@ def test_lengths_plan_each_length_as_a_separate_measurement_does(lengths_dir):
                                  head_peak_bytes=m.head_peak_bytes)
             assert peaks[name] == pytest.approx(known, rel=0.05), (length, name)
             assert num(by_setting[name][1 + i]) == pytest.approx(known, rel=0.05), (length, name)
+        # the least peak the plan's own settings (here: exact, no offload) reach: every layer full
+        assert entry["least_peak_bytes"] == PlanSettings().least_peak(m) == num(by_setting["plan (least peak)"][1 + i])
+        assert entry["least_peak_bytes"] <= peaks["every_layer"]
     # Attention's T^2: the peak without checkpointing more than doubles from 16 to 32 tokens.
     assert data["lengths"][2]["settings"][0]["peak_bytes"] > 2 * data["lengths"][1]["settings"][0]["peak_bytes"]
     # 32 is the loader's own length: the tiled-and-cut path gives the plain measurement's peaks.
@@ -579,8 +613,10 @@ def test_lengths_largest_length_fits_a_quadratic_through_the_measured_peaks(leng
     assert data["length_fit"] == "quadratic" and "as a quadratic, c0 + c1 x T + c2 x T^2" in report
     room = DEVICE_MEMORY - data["static_bytes_per_device"]
     shown = {r[0]: r for r in table(report, "Plan across lengths")[5:]}
-    assert list(data["largest_length"]) == ["none", "every_4th", "every_2nd", "every_layer", "selective"]
+    assert list(data["largest_length"]) == ["none", "every_4th", "every_2nd", "every_layer", "selective", "plan"]
     for name, largest in data["largest_length"].items():
+        if name == "plan":
+            continue
         peaks = [next(s["peak_bytes"] for s in at["settings"] if s["name"] == name) for at in data["lengths"]]
         c2, c1, c0 = np.polyfit(LENGTHS, peaks, 2)
         known = max(t for t in range(1, 100_000) if c0 + c1 * t + c2 * t * t <= room)
@@ -588,14 +624,25 @@ def test_lengths_largest_length_fits_a_quadratic_through_the_measured_peaks(leng
         assert shown[name][-1] == str(known)
         assert shown[name][-2] == str(next(s["largest_batch"] for s in data["settings"] if s["name"] == name))
     assert data["largest_length"]["none"] < data["largest_length"]["every_layer"]
+    # The plan's: the same fit through its settings' least peaks. Beyond the tiny GPT's block_size (32), so the plan
+    # was made at 32 and the fitted length stays.
+    c2, c1, c0 = np.polyfit(LENGTHS, [at["least_peak_bytes"] for at in data["lengths"]], 2)
+    known = max(t for t in range(1, 100_000) if c0 + c1 * t + c2 * t * t <= room)
+    assert data["largest_length"]["plan"] == known > 32 and shown["plan (least peak)"][-1] == str(known)
+    assert data["longest_plan"]["length"] == 32 and data["longest_plan"]["fitted_length"] == known
+    assert data["longest_plan"]["plan"]["budget_bytes"] == room
+    assert f"(the fit gave {known:,}; the model's block_size is 32)" in report
 
 
 def test_lengths_png_draws_a_line_per_setting_over_the_lengths(lengths_dir):
     _, out = lengths_dir
-    fig = plot(json.loads((out / "plan.json").read_text()), out / "again.png")
+    data = json.loads((out / "plan.json").read_text())
+    fig = plot(data, out / "again.png")
     _, ax = fig.axes
     lines = {line.get_label(): line for line in ax.lines}
-    assert list(lines) == ["none", "every_4th", "every_2nd", "every_layer", "selective", "plan"]
+    assert list(lines) == ["none", "every_4th", "every_2nd", "every_layer", "selective", "plan",
+                           "plan's settings: least peak", "device memory less static", "plan at its longest, 32"]
+    assert list(lines["device memory less static"].get_ydata()) == [DEVICE_MEMORY - data["static_bytes_per_device"]] * 2
     assert lines["none"].get_xdata().tolist() == list(LENGTHS)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["8 x 8", "8 x 16", "8 x 32"]
 

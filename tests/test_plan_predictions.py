@@ -58,16 +58,24 @@ def test_fit_line_and_largest_batch():
 def test_setting_rows_predict_each_setting_and_fit_it_over_the_batch():
     main, other = measurement(8, 100, 10, 40, 100), measurement(4, 60, 6, 24, 60)
     rows = setting_rows(main, setting_choices(NAMES, None), False, other, room=1000)
-    got = {r.name: (r.layers, r.activation_bytes, r.recompute_flops, r.fixed_bytes, r.per_sample_bytes, r.largest_batch)
+    got = {r.name: (r.layers, r.activation_bytes, r.recompute_flops, r.fixed_bytes, r.per_sample_bytes)
            for r in rows}
     assert got == {
-        # name: (checkpointed layers, bytes at batch 8, FLOPs, fixed, per sample, largest batch in 1000 B)
-        "none": (0, 500, 0, 100.0, 50.0, 18),  # 100 + 4 x 100; at batch 4: 60 + 4 x 60
-        "every_4th": (1, 410, 50, 82.0, 41.0, 22),  # l0 full
-        "every_2nd": (2, 320, 100, 64.0, 32.0, 29),
-        "every_layer": (4, 140, 200, 28.0, 14.0, 69),
-        "selective": (4, 260, 20, 52.0, 26.0, 36),
+        # name: (checkpointed layers, bytes at batch 8, FLOPs, fixed, per sample)
+        "none": (0, 500, 0, 100.0, 50.0),  # 100 + 4 x 100; at batch 4: 60 + 4 x 60
+        "every_4th": (1, 410, 50, 82.0, 41.0),  # l0 full
+        "every_2nd": (2, 320, 100, 64.0, 32.0),
+        "every_layer": (4, 140, 200, 28.0, 14.0),
+        "selective": (4, 260, 20, 52.0, 26.0),
     }
+    # The largest batch is the step's peak that fits, not the end of the forward's bytes. every_layer's peak is l3's
+    # backward: 100 outside, l0-l2's 3 x 10 inputs and l3's 100 recomputed: 230 B at batch 8, 60 + 18 + 60 = 138 B at
+    # batch 4, so 46 + 23 x batch; 46 + 23 x 41 = 989 B fits 1000 B, batch 42 needs 1012 B. Its activations (28 + 14 x
+    # batch) would have said 69, whose peak is 1633 B. Without checkpointing the peak is the forward's end: 18.
+    peaks = {r.name: (r.peak_bytes, r.peak_fixed_bytes, r.peak_per_sample_bytes, r.largest_batch) for r in rows}
+    assert peaks["every_layer"] == (230, 46.0, 23.0, 41)
+    assert peaks["none"] == (500, 100.0, 50.0, 18)
+    assert peaks["every_2nd"] == (320, 64.0, 32.0, 29)  # l3's backward: 100 + 10 + 100 + 10 held, its 100
     assert all(r.predicted_step_seconds is None for r in rows)  # no device
 
 

@@ -11,9 +11,9 @@ further runs) it predicts the activations and extra FLOPs of the standard settin
 2nd, every layer, selective everywhere) and of the plan for ``--memory-budget``, and adds the static memory
 (weights, gradients and the configured optimizer's state, counted after one optimizer step).
 
-With ``--device-memory`` the step is measured at two batch sizes, activations are fitted per setting as
-``fixed + per_sample * batch``, and the largest batch size each setting fits is printed (static memory
-plus activations; the transient memory of the backward pass is not included).
+With ``--device-memory`` the step is measured at two batch sizes, each setting's activations and step peak are
+fitted as ``fixed + per_sample * batch``, and the largest batch size each setting fits is printed (static memory
+plus the step's peak, forward and backward).
 
 With ``--lengths 512,2048,8192`` the step is measured again at each sequence length, at the loader's batch size:
 the batch's token ids (its first 2-D integer tensor, batch x length) and every tensor with their length in dim 1
@@ -22,7 +22,10 @@ the batch's token ids (its first 2-D integer tensor, batch x length) and every t
 peak, recompute FLOPs and, with ``--device``, step time) and each setting's peak at each length, every row naming
 the shape measured (batch x length). With ``--device-memory`` and 2 or more lengths, each setting's peak is fitted
 over the length (a quadratic through 3 or more lengths, for attention's ``T^2`` terms; a line through 2) and the
-largest length it fits is printed beside the largest batch (static memory plus the fitted peak).
+largest length it fits is printed beside the largest batch (static memory plus the fitted peak). So is the plan's
+own longest length: the least peak its settings (:func:`plan_settings`: offload, compression) reach at each length,
+fitted alike; the step is measured again at that length and the plan made there for the device memory less static
+memory, with its predicted step time.
 
 With ``--fake``, or by default when the static memory would not fit this machine, the model is built and
 the step run under ``torch._subclasses.FakeTensorMode``: shapes, dtypes and bytes without any storage, as
@@ -81,15 +84,18 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
 - ``layers``: per matched layer ``{name, class, none_bytes, full_bytes, selective_bytes, full_flops,
   selective_flops}``: bytes held not checkpointed, fully and selectively checkpointed; FLOPs recomputed.
 - ``settings``: per setting ``{name, description, checkpointed_layers, activation_bytes, peak_bytes, host_bytes,
-  recompute_flops, predicted_step_seconds, fixed_bytes, per_sample_bytes, largest_batch}`` (``activation_bytes``: held
+  recompute_flops, predicted_step_seconds, fixed_bytes, per_sample_bytes, peak_fixed_bytes, peak_per_sample_bytes,
+  largest_batch}`` (``activation_bytes``: held
   on the device at the end of the forward; ``peak_bytes``: the step's activation peak on the device, forward and
   backward, which a budget bounds; ``host_bytes``: held in host memory by offloaded layers, in neither), names
   ``none``, ``every_4th``,
   ``every_2nd``, ``every_layer``, ``selective`` and ``plan`` (when the budget can be met).
   ``predicted_step_seconds``: on the ``--device`` profile, ``null`` without one. ``fixed_bytes`` and ``per_sample_bytes``: the fit
-  ``activations = fixed + per_sample x batch`` and ``largest_batch`` the largest batch per device that fits in
-  ``device_memory`` with the static memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when
-  activations do not grow with the batch).
+  ``activations = fixed + per_sample x batch``, ``peak_fixed_bytes`` and ``peak_per_sample_bytes`` the same for the
+  peak, and ``largest_batch`` the largest batch per device whose peak fits in ``device_memory`` with the static
+  memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when the peak does not grow with the
+  batch). Every setting's figures count the costs as the planner plans them (with ``--device``, every layer's
+  inputs can move to host memory), so the ``plan`` row is the plan's own line.
 - ``plan``: ``{layers, offloaded, compress, kept_ops, budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
   predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
   memory, the op outputs an ``ops`` layer keeps, the budget in bytes and the plan's predictions; ``null`` with
@@ -98,19 +104,24 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
   offload as the plan, each ``{budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
   predicted_step_seconds}`` (what ``plan.png`` draws as a line).
 - With ``--lengths`` only: ``lengths``, per length ``{length, batch_size, tokens, plan, plan_error, settings}``
-  (``plan`` as above or ``null`` with ``plan_error``; ``settings`` each ``{name, peak_bytes, activation_bytes,
-  recompute_flops, predicted_step_seconds}``); ``length_fit``: ``"quadratic"``, ``"linear"`` or ``null`` (one
-  length); ``largest_length``: setting -> the largest length that fits ``device_memory`` at ``batch_size``
-  (``null`` when unbounded; the whole entry ``null`` without ``--device-memory``). ``plan.png`` then has a second
-  panel: each setting's peak against the length.
+  (``plan`` as above or ``null`` with ``plan_error``; ``least_peak_bytes``: the least peak the plan's settings
+  reach; ``settings`` each ``{name, peak_bytes, activation_bytes, recompute_flops, predicted_step_seconds}``);
+  ``length_fit``: ``"quadratic"``, ``"linear"`` or ``null`` (one length); ``largest_length``: setting -> the
+  largest length that fits ``device_memory`` at ``batch_size``, and ``"plan"``: the longest the plan itself fits
+  (``null`` when unbounded; the whole entry ``null`` without ``--device-memory``); ``longest_plan``: ``{fitted_length,
+  length, batch_size, least_peak_bytes, plan, plan_error, predicted_seconds_per_token}``, the plan made at its
+  longest length (``null`` without ``--device-memory`` or with one length). ``plan.png`` then has a second panel:
+  each setting's peak against the length, the plan's least peak, the room the device leaves and the plan at its
+  longest length.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -138,16 +149,17 @@ from lightning_ckpt.commands.plan.measure import (
 # Aliased: bound here as `measure`, the function would hide the submodule `lightning_ckpt.commands.plan.measure`.
 from lightning_ckpt.commands.plan.measure import measure as measure_at
 from lightning_ckpt.commands.plan.predictions import (
+    PlanSettings,
     SettingRow,
     fit_peak,
     largest_length,
-    plan_for,
     planner_front,
     setting_choices,
     setting_rows,
 )
-from lightning_ckpt.commands.plan.report import LengthResult, PlanResult, plot, render, report_data
+from lightning_ckpt.commands.plan.report import LengthResult, LongestPlan, PlanResult, plot, render, report_data
 from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
+from lightning_ckpt.core.longest import length_limit
 from lightning_ckpt.core.planner import CheckpointPlan, Offload
 
 __all__ = ["main"]
@@ -256,7 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"plan: {str(err).removeprefix('plan: ')}", file=sys.stderr)
         return 2
     measured = _run(args, built)
-    result = _compute(args, built, measured, profile)
+    result = _compute(args, built, measured, profile, lambda length: _measure(built, measured.main.batch_size, length))
     _write(result, (args.output_dir or Path("lightning_ckpt_plan") / args.config.stem).resolve())
     if result.plan is None:
         print(f"plan: memory_budget={result.budget!r} cannot be met; see 'No plan' above.", file=sys.stderr)
@@ -328,25 +340,35 @@ def _run(args: argparse.Namespace, built: Built) -> _Measured:
     """Measure the step at the loader's batch size, at half of it with ``--device-memory``, and at each length; with
     ``compress`` every setting's checkpointed layers hold their inputs compressed (:meth:`LayerCost.compressed`)."""
     size = loader_batch_size(built.loader)
-
-    def at(batch_size: int, length: Optional[int] = None) -> Measurement:
-        m = measure_at(built, batch_size, length)
-        return replace(m, costs=[c.compressed(built.compress) for c in m.costs])
-
-    measured = _Measured(at(size))
+    measured = _Measured(_measure(built, size))
     if args.device_memory is not None:
-        measured.other = at(size // 2 if size >= 2 else 2)
-    measured.at_lengths = [at(size, length) for length in args.lengths]
+        measured.other = _measure(built, size // 2 if size >= 2 else 2)
+    measured.at_lengths = [_measure(built, size, length) for length in args.lengths]
     return measured
 
 
-def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profile: Optional[DeviceProfile]) -> PlanResult:
+def _measure(built: Built, batch_size: int, length: Optional[int] = None) -> Measurement:
+    """One step measured at ``batch_size`` (x ``length``), its layers' inputs held as ``built.compress`` says."""
+    m = measure_at(built, batch_size, length)
+    return replace(m, costs=[c.compressed(built.compress) for c in m.costs])
+
+
+def plan_settings(built: Built, profile: Optional[DeviceProfile]) -> PlanSettings:
+    """The settings every plan of the command is made with: the one place they are gathered (a chunked head and
+    loss joins offload and compression here)."""
+    return PlanSettings(offload=built.offload, device=profile, compress=built.compress)
+
+
+def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profile: Optional[DeviceProfile],
+             measure_length: Optional[Callable[[int], Measurement]] = None) -> PlanResult:
     """The plan for the budget, every setting's predictions, the planner's front and, with ``--lengths``, the same
-    at each length with the largest length each setting fits."""
+    at each length with the largest length each setting, and the plan's settings, fit (``measure_length`` measures
+    the step again at the plan's longest length, for the plan there)."""
     config_budget = built.memory_budget if built.memory_budget not in (None, "auto") else None
     budget = args.memory_budget if args.memory_budget is not None else config_budget or DEFAULT_BUDGET
     main_m, other = measured.main, measured.other
-    plan, plan_error = plan_for(main_m, budget, built.offload, profile, built.compress)
+    settings = plan_settings(built, profile)
+    plan, plan_error = settings.plan(main_m, budget)
     static = static_memory(built)
     room = None if args.device_memory is None else args.device_memory - static.total
     rows = _rows(main_m, plan, built.offload, profile, other, room)
@@ -356,7 +378,9 @@ def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profil
     result = PlanResult(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
                         batch_sizes, front, profile)
     if measured.at_lengths:
-        _across_lengths(result, measured.at_lengths, room)
+        _across_lengths(result, measured.at_lengths, room, settings)
+        if room is not None and len(measured.at_lengths) >= 2 and measure_length is not None:
+            _plan_longest(result, room, settings, measure_length, length_limit(built.module))
     return result
 
 
@@ -368,21 +392,57 @@ def _rows(measured: Measurement, plan: Optional[CheckpointPlan], offload: Offloa
                         plan.kept_ops if plan is not None else {}, profile, plan.offloaded if plan is not None else ())
 
 
-def _across_lengths(result: PlanResult, at_lengths: Sequence[Measurement], room: Optional[int]) -> None:
-    """Fill ``result``'s plan and settings at each length and, with 2 or more lengths, the fit of each standard
-    setting's peak over the length and (with ``room``) the largest length it fits."""
+def _across_lengths(result: PlanResult, at_lengths: Sequence[Measurement], room: Optional[int],
+                    settings: PlanSettings) -> None:
+    """Fill ``result``'s plan, settings and least reachable peak (``settings``'s) at each length and, with 2 or more
+    lengths, the fit of each standard setting's peak, and of that least peak, over the length and (with ``room``)
+    the largest length each fits."""
     offload, profile = result.built.offload, result.profile
     for m in at_lengths:
-        plan, error = plan_for(m, result.budget, offload, profile, result.built.compress)
+        plan, error = settings.plan(m, result.budget)
         assert m.length is not None  # measured at a length: the batch has token ids
-        result.lengths.append(LengthResult(m.length, m.batch_size, plan, error, _rows(m, plan, offload, profile)))
+        result.lengths.append(LengthResult(m.length, m.batch_size, plan, error, _rows(m, plan, offload, profile),
+                                           settings.least_peak(m)))
     if len(at_lengths) < 2:
         return
     result.length_fit = "quadratic" if len(at_lengths) >= 3 else "linear"
+    lengths = [at.length for at in result.lengths]
     for name in (r.name for r in result.rows if r.name != "plan"):
         peaks = [next(r.peak_bytes for r in at.rows if r.name == name) for at in result.lengths]
-        fit = fit_peak([at.length for at in result.lengths], peaks)
-        result.largest_length[name] = None if room is None else largest_length(fit, room)
+        result.largest_length[name] = None if room is None else largest_length(fit_peak(lengths, peaks), room)
+    least = fit_peak(lengths, [at.least_peak_bytes for at in result.lengths])
+    result.largest_length["plan"] = None if room is None else largest_length(least, room)
+
+
+#: Tries at the plan's longest length: each measures the step again where the last fell short.
+_LONGEST_TRIES = 6
+
+
+def _plan_longest(result: PlanResult, room: int, settings: PlanSettings,
+                  measure_length: Callable[[int], Measurement], limit: Optional[tuple[str, int]]) -> None:
+    """The plan at the longest length its settings fit (``result.largest_length["plan"]``, from the fitted least
+    peak), planned for ``room`` (device memory less static memory) on the step measured again at that length. Where
+    the fit promised too much, the length shrinks by what the least peak there overshoots (or by 1% where the least
+    peak fits but the planner found no plan), and is measured again, up to :data:`_LONGEST_TRIES` times;
+    ``result.largest_length["plan"]`` ends as the length the plan was made at, except where the model's ``limit``
+    capped it (the plan is then made at the limit, and the fitted length stays, as every setting's does)."""
+    fitted = result.largest_length.get("plan")
+    if fitted is None or fitted < 1:
+        return
+    length = fitted if limit is None else min(fitted, limit[1])
+    longest = LongestPlan(fitted, length, result.main.batch_size, None, None, capped=limit if length < fitted else None)
+    for _ in range(_LONGEST_TRIES):
+        measured = measure_length(length)
+        longest.length, longest.least_peak_bytes = length, settings.least_peak(measured)
+        longest.plan, longest.plan_error = settings.plan(measured, room)
+        if longest.plan is not None or length <= 1:
+            break
+        # Past the room: shrink by what the least peak overshoots. Within it, the planner still found no plan (its
+        # knapsack's rounding): 1% shorter.
+        length = max(1, min(length - max(1, length // 100), math.floor(length * room / longest.least_peak_bytes)))
+    result.longest = longest
+    if longest.plan is not None and longest.capped is None:  # capped: the fit's length stays, as every setting's
+        result.largest_length["plan"] = longest.length
 
 
 def _write(result: PlanResult, out_dir: Path) -> None:

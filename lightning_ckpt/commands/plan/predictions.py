@@ -1,7 +1,7 @@
 """What ``lightning-ckpt plan`` predicts from its measurements: the layer modes of each standard setting, each
-setting's activations, recompute FLOPs and step time, the fit of activations over the batch size, the largest
-batch that fits, the fit of the peak over the sequence length and the largest length that fits, and the planner's
-front over budgets. Arithmetic only, on
+setting's activations, peak, recompute FLOPs and step time, the fit of the peak over the batch size, the largest
+batch that fits, the fit of the peak over the sequence length and the largest length that fits, the least peak the
+plan's own settings reach (:class:`PlanSettings`), and the planner's front over budgets. Arithmetic only, on
 :class:`~lightning_ckpt.commands.plan.measure.Measurement`: nothing here builds or runs a model.
 """
 
@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.cost_fit import fit_peak  # noqa: F401 (plan --lengths fits with it; it lives in core)
 from lightning_ckpt.core.device_profile import DeviceProfile
+from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
 from lightning_ckpt.core.planner import (
+    PLAN_MODES,
     CheckpointPlan,
     LayerCost,
     Offload,
+    _least_peak,
     make_option,
     make_plan,
     predict,
@@ -69,10 +72,67 @@ class SettingRow:
     recompute_flops: int
     fixed_bytes: Optional[float] = None  # activations = fixed_bytes + per_sample_bytes * batch
     per_sample_bytes: Optional[float] = None
-    largest_batch: Optional[int] = None
+    largest_batch: Optional[int] = None  # from the peak's fit: static + peak_fixed + peak_per_sample * batch fits
     predicted_step_seconds: Optional[float] = None  # with a device profile
     peak_bytes: int = 0  # the step's activation peak, forward and backward
     host_bytes: int = 0  # held in host memory by offloaded layers: in neither activation_bytes nor peak_bytes
+    peak_fixed_bytes: Optional[float] = None  # peak = peak_fixed_bytes + peak_per_sample_bytes * batch
+    peak_per_sample_bytes: Optional[float] = None
+
+
+def as_planned(costs: Sequence[LayerCost], device: Optional[DeviceProfile]) -> list[LayerCost]:
+    """``costs`` as :func:`~lightning_ckpt.core.planner.make_plan` plans them: with a device profile, measured on
+    the CPU or on fake tensors but planned for the profile's device, every layer's inputs can move to host memory
+    (``offloadable_bytes`` is ``full_bytes``). Every setting's figures use them, so the plan's row is the plan's.
+
+    Example::
+
+        >>> cost = LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                  full_flops=50, selective_flops=5)
+        >>> as_planned([cost], None)[0].offloadable_bytes, as_planned([cost], "h100-sxm")[0].offloadable_bytes
+        (0, 10)
+    """
+    return [replace(c, offloadable_bytes=c.full_bytes) for c in costs] if device is not None else list(costs)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The plan's own settings: every plan the command makes (for the budget, at each length, at the longest
+    length) is made with them, and the plan's longest length is the longest at which they reach the device.
+    The one place they are passed to the planner: a setting the planner gains (a chunked head and loss) is added
+    here.
+
+    Example::
+
+        >>> from lightning_ckpt.commands.plan.measure import Measurement
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
+        ...                    offloadable_bytes=10, full_flops=50, selective_flops=5) for i in range(4)]
+        >>> PlanSettings().least_peak(Measurement(8, costs, 100))  # l3's backward: 100 outside, 3 x 10 held, its 100
+        230
+        >>> PlanSettings(offload=True).least_peak(Measurement(8, costs, 100))  # l0-l2 hold nothing on the device
+        210
+    """
+
+    offload: Offload = False
+    device: Optional[DeviceProfile] = None
+    compress: Optional[Compress] = None
+
+    def plan(self, measured: Measurement, budget: object) -> tuple[Optional[CheckpointPlan], Optional[str]]:
+        """``(plan, None)``: the planner's plan for ``budget`` on ``measured``; ``(None, why)`` when it cannot be
+        met."""
+        try:
+            return make_plan(measured.costs, measured.outside_bytes, budget, offload=self.offload, device=self.device,
+                             outside_ops=measured.outside_ops, head_bytes=measured.head_bytes,
+                             head_peak_bytes=measured.head_peak_bytes, compress=self.compress), None
+        except ValueError as err:
+            return None, str(err)
+
+    def least_peak(self, measured: Measurement) -> int:
+        """The least activation peak a plan with these settings reaches on ``measured``: every layer at the option
+        that holds the least (checkpointed, compressed, offloaded), as the planner's "least reachable" says."""
+        costs = [c.compressed(self.compress) for c in as_planned(measured.costs, self.device)]
+        return _least_peak(costs, measured.outside_bytes, PLAN_MODES, self.offload, DEFAULT_MIN_BYTES,
+                           measured.head_bytes, measured.head_peak_bytes)
 
 
 def host_bytes(costs: Sequence[LayerCost], layers: Mapping[str, str], moved: Union[bool, Sequence[str]],
@@ -144,13 +204,9 @@ def largest_length(coeffs: tuple[float, float, float], room: float) -> Optional[
 
 def plan_for(measured: Measurement, budget: object, offload: Offload, device: Optional[DeviceProfile] = None,
              compress: Optional[Compress] = None) -> tuple[Optional[CheckpointPlan], Optional[str]]:
-    """``(plan, None)``: the planner's plan for ``budget`` on ``measured``; ``(None, why)`` when it cannot be met."""
-    try:
-        return make_plan(measured.costs, measured.outside_bytes, budget, offload=offload, device=device,
-                         outside_ops=measured.outside_ops, head_bytes=measured.head_bytes,
-                         head_peak_bytes=measured.head_peak_bytes, compress=compress), None
-    except ValueError as err:
-        return None, str(err)
+    """``(plan, None)``: the planner's plan for ``budget`` on ``measured``; ``(None, why)`` when it cannot be met
+    (:meth:`PlanSettings.plan`)."""
+    return PlanSettings(offload, device, compress).plan(measured, budget)
 
 
 def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], offload: Offload,
@@ -158,25 +214,31 @@ def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], of
                  kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({}),
                  device: Optional[DeviceProfile] = None, plan_offloaded: Sequence[str] = ()) -> list[SettingRow]:
     """Predicted bytes and FLOPs of each setting at ``main``'s batch size; with ``other`` (a second batch size)
-    the linear fit, with ``room`` (device memory minus static memory) the largest batch that fits, and with
-    ``device`` the predicted step time. An ``"ops"`` layer keeps the ops at positions ``kept_ops[name]``."""
+    the linear fits of the activations and of the peak, with ``room`` (device memory minus static memory) the largest
+    batch whose peak fits, and with ``device`` the predicted step time. An ``"ops"`` layer keeps the ops at positions
+    ``kept_ops[name]``. The costs are counted as the planner plans them (:func:`as_planned`)."""
+    costs = as_planned(main.costs, device)
+    other_costs = as_planned(other.costs, device) if other is not None else []
     rows = []
     for name, layers in choices.items():
         # "auto" is the plan's choice (its layers, in `plan_offloaded`); the standard settings then offload nothing
         moved: Union[bool, list[str]] = list(plan_offloaded) if name == "plan" else offload is True
-        act, flops = predict(main.costs, main.outside_bytes, layers, moved, kept_ops)
+        act, flops = predict(costs, main.outside_bytes, layers, moved, kept_ops)
         row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops,
-                         host_bytes=host_bytes(main.costs, layers, moved, kept_ops))
-        row.peak_bytes = predict_peak(main.costs, main.outside_bytes, layers, moved, kept_ops,
+                         host_bytes=host_bytes(costs, layers, moved, kept_ops))
+        row.peak_bytes = predict_peak(costs, main.outside_bytes, layers, moved, kept_ops,
                                       head_bytes=main.head_bytes, head_peak_bytes=main.head_peak_bytes)
         if device is not None:
-            row.predicted_step_seconds, _ = predict_seconds(main.costs, main.outside_ops, layers, device, moved,
-                                                            kept_ops)
+            row.predicted_step_seconds, _ = predict_seconds(costs, main.outside_ops, layers, device, moved, kept_ops)
         if other is not None:
-            act2, _ = predict(other.costs, other.outside_bytes, layers, moved, kept_ops)
+            act2, _ = predict(other_costs, other.outside_bytes, layers, moved, kept_ops)
             row.fixed_bytes, row.per_sample_bytes = fit_line(main.batch_size, act, other.batch_size, act2)
-            if room is not None:
-                row.largest_batch = largest_batch(row.fixed_bytes, row.per_sample_bytes, room)
+            peak2 = predict_peak(other_costs, other.outside_bytes, layers, moved, kept_ops,
+                                 head_bytes=other.head_bytes, head_peak_bytes=other.head_peak_bytes)
+            row.peak_fixed_bytes, row.peak_per_sample_bytes = fit_line(main.batch_size, row.peak_bytes,
+                                                                       other.batch_size, peak2)
+            if room is not None:  # the step's peak, not the end of the forward: the backward must fit too
+                row.largest_batch = largest_batch(row.peak_fixed_bytes, row.peak_per_sample_bytes, room)
         rows.append(row)
     return rows
 

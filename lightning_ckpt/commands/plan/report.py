@@ -101,6 +101,37 @@ class LengthResult:
     plan: Optional[CheckpointPlan]
     plan_error: Optional[str]
     rows: list[SettingRow]
+    #: the least activation peak a plan with the plan's own settings (offload, compression) reaches at this length
+    least_peak_bytes: int = 0
+
+
+@dataclass
+class LongestPlan:
+    """The plan at the longest length its own settings fit in device memory: ``fitted`` from the fit of the least
+    peak over ``--lengths``, ``length`` where the step was measured again and the plan made for device memory less
+    static memory (or why there is none: ``plan_error``). ``capped``: the model's length limit, where it is below
+    ``fitted``."""
+
+    fitted: int
+    length: int
+    batch_size: int
+    plan: Optional[CheckpointPlan]
+    plan_error: Optional[str]
+    least_peak_bytes: int = 0
+    capped: Optional[tuple[str, int]] = None
+
+    def seconds_per_token(self) -> Optional[float]:
+        """The plan's predicted step time over the tokens of its step; ``None`` without a plan or a device.
+
+        Example::
+
+            >>> plan = CheckpointPlan({"a": "full"}, 100, 50, 60, 9, 10, predicted_step_seconds=2.0)
+            >>> LongestPlan(1000, 1000, 2, plan, None).seconds_per_token()
+            0.001
+        """
+        if self.plan is None or self.plan.predicted_step_seconds is None:
+            return None
+        return self.plan.predicted_step_seconds / (self.batch_size * self.length)
 
 
 @dataclass
@@ -127,8 +158,11 @@ class PlanResult:
     lengths: list[LengthResult] = field(default_factory=list)
     #: "quadratic" (3 or more lengths), "linear" (2), or None: how each setting's peak is fitted over the length.
     length_fit: Optional[str] = None
-    #: setting -> the largest length that fits ``device_memory`` at ``main``'s batch (``None``: unbounded).
+    #: setting -> the largest length that fits ``device_memory`` at ``main``'s batch (``None``: unbounded); ``"plan"``:
+    #: the longest at which the plan's own settings reach it (see ``longest``).
     largest_length: dict[str, Optional[int]] = field(default_factory=dict)
+    #: the plan at its longest length (with ``--device-memory`` and 2 or more lengths)
+    longest: Optional[LongestPlan] = None
 
 
 def render(result: PlanResult) -> str:
@@ -248,7 +282,7 @@ def _settings_lines(result: PlanResult) -> list[str]:
     memory_head = f" | largest batch in {format_bytes(device_memory)}" if device_memory is not None else ""
     timed = rows[0].predicted_step_seconds is not None
     time_head = f" | predicted step time on {plan.device if plan else 'the device'} | vs none" if timed else ""
-    fit_head = " | fixed (B) | per sample (B)" if len(batch_sizes) > 1 else ""
+    fit_head = " | peak fixed (B) | peak per sample (B)" if len(batch_sizes) > 1 else ""
     offload = bool(result.built.offload)  # True or "auto": a column of the bytes each setting keeps on the host
     none_bytes = rows[0].activation_bytes
     lines = [
@@ -261,7 +295,7 @@ def _settings_lines(result: PlanResult) -> list[str]:
         + "|---:" * ((len(batch_sizes) > 1) * 2 + (device_memory is not None) + 2 * timed + offload) + "|",
     ]
     for r in rows:
-        fit = f" | {_b(r.fixed_bytes)} | {_b(r.per_sample_bytes)}" if len(batch_sizes) > 1 else ""
+        fit = f" | {_b(r.peak_fixed_bytes)} | {_b(r.peak_per_sample_bytes)}" if len(batch_sizes) > 1 else ""
         fits = (f" | {'unbounded' if r.largest_batch is None else r.largest_batch}" if device_memory is not None else "")
         step = (f" | {1000 * r.predicted_step_seconds:.2f} ms"
                 f" | +{100 * (r.predicted_step_seconds / rows[0].predicted_step_seconds - 1):.0f}%"
@@ -279,12 +313,12 @@ def _settings_lines(result: PlanResult) -> list[str]:
                      + (" (with offload 'auto' only the plan offloads)" if result.built.offload == "auto" else "")
                      + "; activations, peak and static + activations are device memory and leave it out.")
     if len(batch_sizes) > 1:
-        lines.append(f"Activations were measured at batch sizes {batch_sizes[0]} and {batch_sizes[1]} and fitted as"
-                     " fixed + per sample x batch.")
+        lines.append(f"The step was measured at batch sizes {batch_sizes[0]} and {batch_sizes[1]} and each setting's"
+                     " peak fitted as peak fixed + peak per sample x batch.")
     if device_memory is not None:
-        lines.append(f"Largest batch: static memory plus activations within {format_bytes(device_memory)}"
-                     f" ({_b(device_memory)} B); the backward pass's transient memory (gradients being computed,"
-                     " recomputed layers, allocator slack) needs some headroom on top.")
+        lines.append(f"Largest batch: static memory (weights, gradients, optimizer state) plus the step's fitted peak"
+                     f" within {format_bytes(device_memory)} ({_b(device_memory)} B); allocator slack needs some"
+                     " headroom on top.")
     return lines
 
 
@@ -365,6 +399,10 @@ def _length_peak_lines(result: PlanResult) -> list[str]:
                        f" | {'unbounded' if length is None else length}")
         lines.append(f"| {row.name} | " + " | ".join(_b(peaks[at.length][row.name]) for at in result.lengths)
                      + largest + " |")
+    if fits:
+        length = result.largest_length.get("plan")
+        lines.append("| plan (least peak) | " + " | ".join(_b(at.least_peak_bytes) for at in result.lengths)
+                     + f" | - | {'unbounded' if length is None else length} |")
     if result.length_fit == "quadratic":
         how = (f"fitted over the {len(result.lengths)} lengths as a quadratic, c0 + c1 x T + c2 x T^2 (attention's"
                " T^2 terms)")
@@ -376,8 +414,53 @@ def _length_peak_lines(result: PlanResult) -> list[str]:
     if fits:
         lines.append(f"Largest length: static memory plus the setting's fitted peak within"
                      f" {format_bytes(result.device_memory)} at batch size {batch}; largest batch (from the Settings"
-                     " table): static memory plus activations at the measured length.")
+                     " table): static memory plus the step's peak at the measured length. plan (least peak): the"
+                     f" least peak a plan reaches with the plan's own settings ({_settings_text(result.built)}),"
+                     " fitted the same way.")
+        lines += _longest_lines(result)
     return lines
+
+
+def _settings_text(built: Built) -> str:
+    """The plan's own settings in words: offload and compression.
+
+    Example::
+
+        >>> built = Built(None, [], None, None, "auto", 0.5, None, compress="fp8")
+        >>> _settings_text(built), _settings_text(Built(None, [], None, None, False, 0.5, None))
+        ("offload 'auto', compress 'fp8'", 'offload off, exact')
+    """
+    offload = "off" if built.offload is False else "on" if built.offload is True else repr(built.offload)
+    return f"offload {offload}, " + (f"compress {built.compress!r}" if built.compress else "exact")
+
+
+def _longest_lines(result: PlanResult) -> list[str]:
+    """The plan's longest length in one paragraph: where it was measured again, the plan there and its time."""
+    longest, memory = result.longest, result.device_memory
+    if longest is None:
+        return []
+    room = memory - result.static.total  # type: ignore[operator]  # with device memory only
+    shape = f"{longest.batch_size} x {longest.length}"
+    head = (f"**The plan's longest length: {longest.length:,} tokens** at batch size {longest.batch_size}"
+            f" ({_settings_text(result.built)})")
+    capped = (f" (the fit gave {longest.fitted:,}; the model's {longest.capped[0]} is {longest.capped[1]:,})"
+              if longest.capped else "")
+    fell_short = (f" (the fit gave {longest.fitted:,}; its least peak there overshot, so shorter lengths were"
+                  " measured)" if longest.length < longest.fitted and not longest.capped else "")
+    if longest.plan is None:
+        return ["", f"{head}: no plan at {shape}, measured again there{capped}{fell_short}: {longest.plan_error}"]
+    plan = longest.plan
+    n = sum(m != "none" for m in plan.layers.values())
+    per_token = longest.seconds_per_token()
+    time = ("" if per_token is None else
+            f"; predicted step time {1000 * plan.predicted_step_seconds:.2f} ms on {plan.device},"  # type: ignore[operator]
+            f" {1e6 * per_token:.3f} us per token")
+    return ["", f"{head}{capped}{fell_short}. The step measured again at {shape}: the plan for"
+                f" {format_bytes(room)} (device memory less static memory) checkpoints {n} of {len(plan.layers)}"
+                f" layers{f', offloads {len(plan.offloaded)}' if plan.offloaded else ''}; peak"
+                f" {format_bytes(plan.peak_bytes)} ({_b(plan.peak_bytes)} B), host memory"
+                f" {format_bytes(plan.planned_host_bytes)}, least reachable {format_bytes(longest.least_peak_bytes)}"
+                f"{time}."]
 
 
 def _plan_data(plan: Optional[CheckpointPlan]) -> Optional[dict[str, Any]]:
@@ -422,7 +505,9 @@ def report_data(result: PlanResult) -> dict[str, Any]:
                       "activation_bytes": r.activation_bytes, "peak_bytes": r.peak_bytes, "host_bytes": r.host_bytes,
                       "recompute_flops": r.recompute_flops,
                       "predicted_step_seconds": r.predicted_step_seconds, "fixed_bytes": r.fixed_bytes,
-                      "per_sample_bytes": r.per_sample_bytes, "largest_batch": r.largest_batch} for r in result.rows],
+                      "per_sample_bytes": r.per_sample_bytes, "peak_fixed_bytes": r.peak_fixed_bytes,
+                      "peak_per_sample_bytes": r.peak_per_sample_bytes, "largest_batch": r.largest_batch}
+                     for r in result.rows],
         "plan": _plan_data(result.plan),
         "plan_error": result.plan_error,
         "front": [dict(p) for p in result.front],
@@ -434,15 +519,20 @@ def report_data(result: PlanResult) -> dict[str, Any]:
 
 def _length_data(result: PlanResult) -> dict[str, Any]:
     """``plan.json``'s ``lengths``, ``length_fit`` and ``largest_length`` (with ``--lengths`` only)."""
+    longest = result.longest
     return {
         "lengths": [{"length": at.length, "batch_size": at.batch_size, "tokens": at.batch_size * at.length,
-                     "plan": _plan_data(at.plan), "plan_error": at.plan_error,
+                     "plan": _plan_data(at.plan), "plan_error": at.plan_error, "least_peak_bytes": at.least_peak_bytes,
                      "settings": [{"name": r.name, "peak_bytes": r.peak_bytes, "activation_bytes": r.activation_bytes,
                                    "recompute_flops": r.recompute_flops,
                                    "predicted_step_seconds": r.predicted_step_seconds} for r in at.rows]}
                     for at in result.lengths],
         "length_fit": result.length_fit,
         "largest_length": dict(result.largest_length) if result.device_memory is not None else None,
+        "longest_plan": None if longest is None else {
+            "fitted_length": longest.fitted, "length": longest.length, "batch_size": longest.batch_size,
+            "least_peak_bytes": longest.least_peak_bytes, "plan": _plan_data(longest.plan),
+            "plan_error": longest.plan_error, "predicted_seconds_per_token": longest.seconds_per_token()},
     }
 
 
@@ -498,7 +588,7 @@ def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
     ax.set_title(f"Checkpointing plan: activations vs recompute\n{data['config']}", fontsize=10)
     ax.grid(alpha=0.3)
     if lengths:
-        _plot_lengths(fig.add_subplot(1, 2, 2), lengths)
+        _plot_lengths(fig.add_subplot(1, 2, 2), data)
     fig.tight_layout()
     markers = [(s[cost], s["activation_bytes"], 160**0.5 if s["name"] == "plan" else 40**0.5) for s in settings]
     place_labels(ax, [labels[-1], *labels[:-1]] if settings and settings[-1]["name"] == "plan" else labels, markers)
@@ -535,13 +625,26 @@ def _byte_axis(axis: Any) -> None:
     axis.set_major_formatter(FuncFormatter(lambda value, _: format_bytes(value)))
 
 
-def _plot_lengths(ax: Any, lengths: list[dict[str, Any]]) -> None:
-    """Each setting's peak (the plan's too, where there is one) against the sequence length: one line per setting."""
+def _plot_lengths(ax: Any, data: Mapping[str, Any]) -> None:
+    """Each setting's peak (the plan's too, where there is one) against the sequence length: one line per setting;
+    with ``--device-memory`` also the least peak the plan's own settings reach, the room the device leaves for
+    activations (device memory less static memory) and the plan's longest length."""
+    lengths = data["lengths"]
     names = list(dict.fromkeys(s["name"] for at in lengths for s in at["settings"]))
     for name in names:
         points = [(at["length"], s["peak_bytes"]) for at in lengths for s in at["settings"] if s["name"] == name]
         ax.plot([x for x, _ in points], [y for _, y in points], "*--" if name == "plan" else "o-", label=name,
                 color="black" if name == "plan" else None)  # tab:red is every_layer's colour here
+    if data.get("largest_length") is not None:
+        ax.plot([at["length"] for at in lengths], [at["least_peak_bytes"] for at in lengths], "s:", color="black",
+                label="plan's settings: least peak")
+        ax.axhline(data["device_memory"] - data["static_bytes_per_device"], color="tab:gray", linewidth=1,
+                   label="device memory less static")
+        longest = data.get("longest_plan")
+        if longest and longest["plan"]:
+            ax.plot([longest["length"]], [longest["plan"]["peak_bytes"]], "P", color="black", markersize=10,
+                    label=f"plan at its longest, {longest['length']:,}")
+        ax.set_ylim(0, 2.5 * (data["device_memory"] - data["static_bytes_per_device"]))
     ax.set_xscale("log", base=2)
     ax.set_xticks([at["length"] for at in lengths], [f"{at['batch_size']} x {at['length']}" for at in lengths])
     _byte_axis(ax.yaxis)
