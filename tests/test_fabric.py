@@ -335,3 +335,21 @@ def test_litgpt_s_fabric_loop_with_a_byte_budget_trains_as_without_and_holds_it(
     assert run["measuring"] == [True, True, True, False, False, False]
     assert 0 < len(run["seen"][3]) < N_LAYER  # length 48 needs part of the model checkpointed
     assert max(reference["peak"]) > LITGPT_BUDGET  # and would not fit without
+
+
+def test_the_example_script_trains_as_its_baseline_under_the_budget():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "train_fabric.py"
+    spec = importlib.util.spec_from_file_location("train_fabric", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    run = example.main(["--steps", "4"])
+    baseline = example.main(["--steps", "4", "--no-checkpointing"])
+    assert run["losses"] == baseline["losses"]
+    # planned before the first step for max_length=33 (4 x 33 tokens: bucket 256), then the shorter sizes: length 8
+    # (36 tokens) with nothing checkpointed
+    assert sorted(run["plans"]) == [64, 128, 256]
+    assert list(run["plans"][256].values()) == ["full", "full", "none", "none"]
+    assert set(run["plans"][64].values()) == {"none"}
