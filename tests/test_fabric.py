@@ -216,6 +216,17 @@ def test_the_longest_batch_is_planned_before_the_first_step_with_loss_fn():
     assert checkpointed_names(model.module) == []  # given back: the failed step undid the checkpointing
 
 
+def test_an_impossible_budget_raises_in_backward_before_any_gradient():
+    ckpt = FabricCheckpointing(cpu_fabric(), memory_budget=100_000)  # below every block checkpointed (400 KB)
+    model = ckpt.setup(tiny_lm())
+    ids = batches(0)[1]
+    with pytest.raises(ValueError, match=r"(?s)asks for an activation peak of at most .* This was for a batch of 132 tokens"):
+        with ckpt.step(ids):
+            ckpt.backward(loss_of(model, ids))
+    assert all(p.grad is None for p in model.parameters())  # refused before the backward ran
+    assert checkpointed_names(model.module) == []
+
+
 # ------------------------------------------------------------------------------------------------ two processes
 
 

@@ -34,7 +34,6 @@ from torch import nn
 
 from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointing
 from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
-from lightning_ckpt.core.placement import check_checkpointing_placement
 from lightning_ckpt.core.planner import CheckpointPlan
 
 #: ``loss_fn(module, batch) -> loss``: the loss of a batch computed from the unwrapped module (used on fake tensors).
@@ -140,9 +139,9 @@ class FabricCheckpointing:
             result: Any = (model, *optimizers) if optimizers else model
         else:
             result = self.fabric.setup(model, *optimizers, **setup_kwargs)
-        fabric_module = result[0] if optimizers else result
-        check_checkpointing_placement(fabric_module._forward_module)
         self._track(optimizers)
+        # After the strategy wrapped or sharded the model: a layer checkpointed twice (a `parallelize_fn` that wraps
+        # it in torch's CheckpointWrapper) is refused, as the callback does under the Trainer.
         self.callback.on_fit_start(self._view, module)  # type: ignore[arg-type]
         self.callback.on_train_start(self._view, module)  # type: ignore[arg-type]
         if self.monitor is not None:
