@@ -57,7 +57,9 @@ class FabricCheckpointing:
 
     The loop: :meth:`setup` checkpoints the model and sets it up with Fabric (or checkpoints a model Fabric already
     set up); each batch runs inside :meth:`step`, whose :meth:`backward` replaces ``fabric.backward``. One ``step``
-    is one optimizer step. With ``memory_budget`` the budget cycle of the callback runs per batch: a size not yet
+    is one optimizer step (the monitor counts steps so; with gradient accumulation it counts micro-batches). An
+    exception inside a ``step`` ends the checkpointing (the layers as they were), as an exception ends a Trainer's
+    fit. With ``memory_budget`` the budget cycle of the callback runs per batch: a size not yet
     planned is measured (fully checkpointed), a plan is solved for it (combined over ranks under DDP and FSDP2, so
     every rank applies the same one), and batches it covers run under it. :meth:`state_dict` holds the plans:
     pass this object to ``fabric.save``/``fabric.load`` with the model and a resumed run does not measure those
