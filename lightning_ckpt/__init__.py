@@ -2,7 +2,7 @@
 
 import logging
 
-from lightning_ckpt.callbacks import GradientCheckpointing, MemoryMonitor
+from lightning_ckpt.callbacks import FabricCheckpointing, GradientCheckpointing, MemoryMonitor
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.planner import CheckpointPlan, plan_checkpointing
 from lightning_ckpt.core.wrapping import apply_checkpointing, remove_checkpointing
@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointingDDPStrategy",
     "CheckpointingFSDPStrategy",
     "DeviceProfile",
+    "FabricCheckpointing",
     "GradientCheckpointing",
     "MemoryMonitor",
     "apply_checkpointing",

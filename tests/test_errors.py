@@ -21,13 +21,17 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_ckpt
-from lightning_ckpt import DeviceProfile, GradientCheckpointing, MemoryMonitor, apply_checkpointing
+from lightning_ckpt import DeviceProfile, FabricCheckpointing, GradientCheckpointing, MemoryMonitor, apply_checkpointing
+from lightning_ckpt.callbacks.fabric import check_fabric_strategy
 from lightning_ckpt.callbacks.gradient_checkpointing import find_checkpointing_callback
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.compare.stats import measurements
@@ -101,6 +105,16 @@ def fit_tiny_gpt(callback: GradientCheckpointing, length: int = 8) -> None:
 def cpu_trainer(**kwargs: Any) -> Trainer:
     return Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False, **kwargs)
+
+
+def cpu_fabric() -> Fabric:
+    return Fabric(accelerator="cpu", devices=1)
+
+
+def fabric_setup_twice() -> None:
+    ckpt = FabricCheckpointing(cpu_fabric())
+    ckpt.setup(tiny_gpt())
+    ckpt.setup(tiny_gpt())
 
 
 def setup_callback(callback: GradientCheckpointing, trainer: Any) -> None:
@@ -306,7 +320,7 @@ CASES: dict[str, Case] = {
         "no option 'every_n'", "the options are layer_cls, every_n_layers", "GradientCheckpointing has no option"),
     # --- the callback in a Trainer
     "budget auto on the CPU": Case(
-        "callbacks.gradient_checkpointing.GradientCheckpointing.setup",
+        "callbacks.gradient_checkpointing.GradientCheckpointing._prepare",
         lambda: setup_callback(GradientCheckpointing(memory_budget="auto"), cpu_trainer()), ValueError,
         "`memory_budget='auto'`", "Pass a fraction of the un-checkpointed activation memory (`memory_budget=0.5`)",
         "plans for the accelerator's memory, but this run is on the CPU"),
@@ -322,6 +336,30 @@ CASES: dict[str, Case] = {
     "two callbacks": Case(
         "callbacks.gradient_checkpointing.find_checkpointing_callback", two_callbacks, ValueError,
         "has 2 `GradientCheckpointing` callbacks", "pass one (its `layer_cls` can be a list", "`GradientCheckpointing` callbacks; pass one"),
+    # --- FabricCheckpointing in a Fabric loop
+    "Fabric loss_fn": Case(
+        "callbacks.fabric.FabricCheckpointing.__init__", lambda: FabricCheckpointing(cpu_fabric(), loss_fn=3),
+        TypeError, "got 3", "`loss_fn(module, batch) -> loss`", "`loss_fn` must be a function"),
+    "Fabric monitor": Case(
+        "callbacks.fabric.FabricCheckpointing.__init__", lambda: FabricCheckpointing(cpu_fabric(), monitor="yes"),
+        TypeError, "got 'yes'", "True, False or a MemoryMonitor", "`monitor` must be True, False or a MemoryMonitor"),
+    "Fabric setup twice": Case(
+        "callbacks.fabric.FabricCheckpointing.setup", fabric_setup_twice, RuntimeError, "was already called",
+        "use one FabricCheckpointing per model", "FabricCheckpointing.setup was already called"),
+    "Fabric step before setup": Case(
+        "callbacks.fabric.FabricCheckpointing.step", lambda: FabricCheckpointing(cpu_fabric()).step(None).__enter__(),
+        RuntimeError, "before the first `step`", "Call `FabricCheckpointing.setup(model)`",
+        "before the first `step`"),
+    "Fabric FSDP checkpointing too": Case(
+        "callbacks.fabric.check_fabric_strategy",
+        lambda: FabricCheckpointing(SimpleNamespace(strategy=FabricFSDPStrategy(activation_checkpointing_policy={Block}))),
+        ValueError, "`FSDPStrategy(activation_checkpointing_policy=...)`",
+        "Remove `activation_checkpointing_policy` from the strategy", "and `FabricCheckpointing` would both checkpoint"),
+    "Fabric DeepSpeed": Case(
+        "callbacks.fabric.check_fabric_strategy",
+        lambda: check_fabric_strategy(FabricDeepSpeedStrategy.__new__(FabricDeepSpeedStrategy)),  # deepspeed not needed
+        ValueError, "DeepSpeed", "shard with FSDP2 (`ModelParallelStrategy`)",
+        "`FabricCheckpointing` does not support DeepSpeed"),
     "Lightning FSDP checkpointing too": Case(
         "callbacks.gradient_checkpointing.check_lightning_strategy",
         lambda: setup_callback(GradientCheckpointing(),

@@ -6,10 +6,11 @@ Also here: finding the callback on a Trainer, and refusing a Lightning strategy 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Generic, Optional, TypeVar, Union, overload
 
@@ -265,14 +266,7 @@ class GradientCheckpointing(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_lightning_strategy(trainer.strategy)
-        if self._settings["memory_budget"] == "auto" and trainer.strategy.root_device.type == "cpu":
-            raise ValueError(
-                "`memory_budget='auto'` plans for the accelerator's memory, but this run is on the CPU. Pass a"
-                " fraction of the un-checkpointed activation memory (`memory_budget=0.5`) or bytes (`'2GiB'`)."
-            )
-        if stage == "fit" and self._device is None and "auto" in (
-                self._settings["memory_budget"], self._settings["offload"]):
-            self._device = _measure_device(trainer)
+        self._prepare(trainer, fit=stage == "fit")
         self._module = pl_module
         if is_overridden("configure_model", pl_module):
             # Layers built in `configure_model` do not exist yet; checkpoint them right after it runs,
@@ -288,6 +282,22 @@ class GradientCheckpointing(Callback):
             pl_module.configure_model = configure_model_then_checkpoint
         else:
             self.apply(pl_module)
+
+    def _prepare(self, trainer: Any, fit: bool = True) -> None:
+        """Refuse ``"auto"`` on the CPU, and measure the accelerator once for ``"auto"`` (the Trainer's, or the view of
+        a Fabric that :class:`~lightning_ckpt.callbacks.fabric.FabricCheckpointing` passes)."""
+        if self._settings["memory_budget"] == "auto" and trainer.strategy.root_device.type == "cpu":
+            raise ValueError(
+                "`memory_budget='auto'` plans for the accelerator's memory, but this run is on the CPU. Pass a"
+                " fraction of the un-checkpointed activation memory (`memory_budget=0.5`) or bytes (`'2GiB'`)."
+            )
+        if fit and self._device is None and "auto" in (self._settings["memory_budget"], self._settings["offload"]):
+            self._device = _measure_device(trainer)
+
+    def _attach(self, module: torch.nn.Module) -> list[str]:
+        """Checkpoint ``module`` now (its layers exist) and keep it as the module re-planned and undone later."""
+        self._module = module  # type: ignore[assignment]
+        return self.apply(module)  # type: ignore[arg-type]
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the strategy wrapped the model: also covers Lightning's own FSDP/ModelParallel strategies.
@@ -390,17 +400,9 @@ class GradientCheckpointing(Callback):
         measured: Optional[RankMeasurement] = None
         if resized is not None:
             modes = ("full",) if self._reentrant() else ("full", "selective")
-            precision = trainer.precision_plugin
-
-            def step(fake_batch: Any) -> torch.Tensor:
-                with precision.train_step_context():
-                    return _loss_of(pl_module.training_step(precision.convert_input(fake_batch), 0))
-
-            trainer_ref, pl_module._trainer = pl_module._trainer, None  # its self.log() must not log fake tensors
             remove_checkpointing(pl_module)
             try:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")
+                with self._longest_step(trainer, pl_module) as step:
                     found = measure_fake_step(pl_module, step, resized, self._settings["layer_cls"], modes)
                 measured = RankMeasurement(found.costs, found.outside_bytes, found.head_bytes, found.head_peak_bytes,
                                            self._settings["compress"])
@@ -409,7 +411,6 @@ class GradientCheckpointing(Callback):
                                f" {longest[1]}) on fake tensors before the first step ({type(err).__name__}: {err});"
                                " the budget is checked on each batch as it comes.")
             finally:
-                pl_module._trainer = trainer_ref
                 self.apply(pl_module)
         elif sequence_length_of(batch) is None and self._settings["max_length"] is not None:
             rank_zero_warn("GradientCheckpointing: `max_length` needs token ids in the batch (a 2-D integer tensor,"
@@ -430,6 +431,24 @@ class GradientCheckpointing(Callback):
                              " that long, pass `max_length=` its longest length.") from None
         rank_zero_info(f"GradientCheckpointing: the budget holds the longest batch, {size}: planned before the first"
                        f" step for length {longest[0]} (from {longest[1]}) on fake tensors.")
+
+    @contextlib.contextmanager
+    def _longest_step(self, trainer: Any, pl_module: Any) -> Iterator[Callable[[Any], torch.Tensor]]:
+        """The loss of a (fake) batch, as the run computes it: here the module's ``training_step`` under the
+        trainer's precision, with its ``self.log()`` off (it must not log fake tensors)."""
+        precision = trainer.precision_plugin
+
+        def step(fake_batch: Any) -> torch.Tensor:
+            with precision.train_step_context():
+                return _loss_of(pl_module.training_step(precision.convert_input(fake_batch), 0))
+
+        trainer_ref, pl_module._trainer = pl_module._trainer, None
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")
+                yield step
+        finally:
+            pl_module._trainer = trainer_ref
 
     def _first_auto(self) -> bool:
         return self._settings["memory_budget"] == "auto" and self._auto is None
