@@ -122,8 +122,9 @@ def solve(options: Sequence[Sequence[LayerOption]], need_bytes: int, timed: bool
 
     With ``transients`` (each layer's :attr:`LayerCost.backward_peak`) the bound holds over the backward too: when
     layer ``i``'s backward runs, the layers before it still hold what they chose and layer ``i`` has
-    ``transients[i]`` alive, and that must not exceed what the forward of all layers is allowed to end with. So
-    the layers before ``i`` must free at least ``need_bytes - sum(options[j][0] for j >= i) + transients[i]``.
+    ``transients[i]`` alive (and what its option adds there, :attr:`LayerOption.backward_extra`), and that must not
+    exceed what the forward of all layers is allowed to end with. So the layers before ``i`` must free at least
+    ``need_bytes - sum(options[j][0] for j >= i) + transients[i] + backward_extra``: a floor per option.
     With ``head``, what the head's backward makes at its start (all the forward holds still held), all layers
     together must free ``need_bytes + head``.
 
@@ -144,8 +145,10 @@ def solve(options: Sequence[Sequence[LayerOption]], need_bytes: int, timed: bool
     base = [opts[0] for opts in options]
     freed = [[opts[0].device_bytes - o.device_bytes for o in opts] for opts in options]
     floors = _backward_floors(base, need_bytes, transients)
+    # A layer's own option can add to its backward (LayerOption.backward_extra): its floor is per option.
+    option_floors = [[f + o.backward_extra if transients else f for o in opts] for f, opts in zip(floors, options)]
     need_bytes += head
-    hardest = max([need_bytes, *floors])
+    hardest = max([need_bytes, *(max(fs) for fs in option_floors)])
     if hardest <= 0:
         return base
     most = list(itertools.accumulate((max(f) for f in freed), initial=0))
@@ -162,34 +165,36 @@ def solve(options: Sequence[Sequence[LayerOption]], need_bytes: int, timed: bool
         quantum, units = divisor, math.ceil(hardest / divisor)
     else:
         quantum, units = hardest / most_units, most_units
-    # The floor the layers before each one must reach, and the end's, in quanta (rounded up: towards safety).
-    floor_units = [min(units, math.ceil(f / quantum)) if f > 0 else 0 for f in [*floors[1:], need_bytes]]
-    # padded[units:] is best (best[j]: least cost freeing >= j quanta); padded[units - s + j] is best[j - s], or
-    # best[0] where an option freeing s quanta alone frees j.
-    padded = numpy.zeros(2 * units + 1)
-    padded[units + 1:] = math.inf
-    picks, steps = [], []
-    for opts, layer_freed, floor in zip(options, freed, floor_units):
+    def in_units(nbytes: float) -> int:  # rounded up: towards safety
+        return min(units, math.ceil(nbytes / quantum)) if nbytes > 0 else 0
+
+    end = in_units(need_bytes)
+    index = numpy.arange(units + 1)
+    best = numpy.full(units + 1, math.inf)  # best[j]: least cost of the layers so far freeing >= j quanta
+    best[0] = 0.0
+    picks, steps, lows = [], [], []
+    for opts, layer_freed, floors_here in zip(options, freed, option_floors):
         step = [min(units, int(f // quantum)) for f in layer_freed]
-        best, pick = padded[units:].copy(), numpy.zeros(units + 1, dtype=numpy.int16)
-        for k in range(1, len(opts)):
-            candidate = padded[units - step[k]:2 * units + 1 - step[k]] + _priced(opts[k], timed, host_price)
-            better = candidate < best  # strict: ties keep the earlier option
-            best[better] = candidate[better]
+        # Option k: the layers before free >= its floor (this layer's backward), then it frees step[k] more.
+        low = [in_units(f) for f in floors_here]
+        new, pick = numpy.full(units + 1, math.inf), numpy.zeros(units + 1, dtype=numpy.int16)
+        for k in range(len(opts)):
+            candidate = best[numpy.maximum(index - step[k], low[k])] + _priced(opts[k], timed, host_price)
+            better = candidate < new  # strict: ties keep the earlier option
+            new[better] = candidate[better]
             pick[better] = k
-        best[:floor] = best[floor]  # what frees less than the next layer's floor is no solution
-        padded[units:] = best
-        padded[:units] = best[0]  # freeing at least a negative amount: at least nothing
+        best = new  # non-decreasing in j, as each candidate is
         picks.append(pick)
         steps.append(step)
-    if math.isinf(float(padded[units + floor_units[-1]])):  # rounding lost the little slack there was
+        lows.append(low)
+    if math.isinf(float(best[end])):  # rounding lost the little slack there was
         return [opts[max(range(len(opts)), key=lambda k: (f[k], -_priced(opts[k], timed, host_price)))]
                 for opts, f in zip(options, freed)]
-    chosen, j = [], floor_units[-1]
-    for opts, step, pick, floor in zip(reversed(options), reversed(steps), reversed(picks), reversed(floor_units)):
-        k = int(pick[max(j, floor)])
+    chosen, j = [], end
+    for opts, step, pick, low in zip(reversed(options), reversed(steps), reversed(picks), reversed(lows)):
+        k = int(pick[j])
         chosen.append(opts[k])
-        j = max(0, max(j, floor) - int(step[k]))
+        j = max(j - step[k], low[k])
     return chosen[::-1]
 
 
