@@ -135,3 +135,137 @@ def test_frozen_head_gets_no_gradient_and_the_same_hidden_gradient():
     loss = lm_loss(hidden, head, labels, chunk_tokens=5)
     loss.backward()
     assert head.weight.grad is None and _rel(hidden.grad, ref) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ the models
+
+
+def _saved_shapes(fn) -> tuple[object, list[tuple[int, ...]]]:
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, shapes
+
+
+def _vocab_shaped(shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The saved tensors with a vocabulary dimension that are not the head's weight: logits, log-softmax."""
+    return [s for s in shapes if VOCAB in s and s != (VOCAB, WIDTH) and s != (VOCAB,)]
+
+
+def _llama(peft_targets=None):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    if peft_targets is not None:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=peft_targets,
+                                                           init_lora_weights=False, task_type="CAUSAL_LM"))
+    return model.train()
+
+
+def _ids(tokens: int = 12):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, tokens), generator=gen)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    return ids, labels
+
+
+def _trainable_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("peft_targets", [None, ["q_proj", "v_proj"], ["q_proj", "lm_head"]],
+                         ids=["llama", "peft lora, frozen head", "peft lora on the head"])
+@pytest.mark.parametrize("num_items", [None, 9])
+def test_transformers_causal_lm_with_labels_trains_the_same_without_logits(peft_targets, num_items):
+    reference = _llama(peft_targets)
+    model = copy.deepcopy(reference)
+    ids, labels = _ids()
+    extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    ref_out = reference(input_ids=ids, labels=labels, **extra)
+    ref_out.loss.backward()
+    assert apply_checkpointing(model, chunk_loss=True)  # the decoder layers, and the loss
+    assert chunk_causal_lm_loss(model, chunk_tokens=5)  # 24 tokens: 5 chunks, the last of 4
+    out, shapes = _saved_shapes(lambda: model(input_ids=ids, labels=labels, **extra))
+    assert not _vocab_shaped(shapes)
+    assert out.logits is None
+    assert torch.allclose(out.loss, ref_out.loss, rtol=1e-6, atol=0)
+    out.loss.backward()
+    want, got = _trainable_grads(reference), _trainable_grads(model)
+    assert got.keys() == want.keys() and any("lm_head" in n for n in got) == (peft_targets != ["q_proj", "v_proj"])
+    for name in want:
+        assert _rel(got[name], want[name]) <= 1e-6, name
+    # without labels, the model's own forward: the logits
+    assert model(input_ids=ids).logits.shape == (2, 12, VOCAB)
+    remove_checkpointing(model)
+    inner = model.get_base_model() if peft_targets is not None else model
+    assert "forward" not in inner.__dict__ and chunk_loss_of(inner) is None
+
+
+def test_transformers_model_changing_logits_before_the_loss_is_refused():
+    model = _llama()
+    chunk_causal_lm_loss(model)
+    ids, labels = _ids()
+    # as Cohere's logit_scale or Gemma-2's soft-capping: what reaches the loss is not what the head returned
+    model.lm_head.register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(RuntimeError, match="changes the logits"):
+        model(input_ids=ids, labels=labels)
+    assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__  # both restored
+
+
+def test_litgpt_gpt_with_targets_returns_the_same_loss_without_logits():
+    litgpt = pytest.importorskip("litgpt")
+    torch.manual_seed(0)
+    reference = litgpt.GPT(litgpt.Config(n_layer=2, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, padded_vocab_size=VOCAB,
+                                         block_size=16, bias=True))
+    model = copy.deepcopy(reference)
+    ids, labels = _ids()
+    ref = F.cross_entropy(reference(ids).flatten(0, 1), labels.flatten())
+    ref.backward()
+    assert apply_checkpointing(model, chunk_loss=True) and chunk_causal_lm_loss(model, chunk_tokens=7) == [""]
+    loss, shapes = _saved_shapes(lambda: model(ids, targets=labels))
+    assert not _vocab_shaped(shapes)
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=0)
+    loss.backward()
+    want, got = _trainable_grads(reference), _trainable_grads(model)
+    for name in want:
+        assert _rel(got[name], want[name]) <= 1e-6, name
+    assert model(ids).shape == (2, 12, VOCAB)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_demo_gpt_training_step_loss(chunked):
+    from lightning_ckpt.demos import GPT
+
+    torch.manual_seed(0)
+    reference = GPT(vocab_size=VOCAB, block_size=16, n_layer=2, n_embd=WIDTH, n_head=2, dropout=0.0)
+    module = copy.deepcopy(reference)
+    ids, labels = _ids()
+    ref = F.cross_entropy(reference(ids).flatten(0, 1), labels.flatten())
+    ref.backward()
+    apply_checkpointing(module, chunk_loss=chunked)
+    if chunked:
+        assert chunk_causal_lm_loss(module, chunk_tokens=5) == ["model"]
+    loss, shapes = _saved_shapes(lambda: module.training_step((ids, labels), 0))
+    assert bool(_vocab_shaped(shapes)) is not chunked
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=0)
+    loss.backward()
+    want, got = _trainable_grads(reference), _trainable_grads(module)
+    for name in want:
+        assert _rel(got[name], want[name]) <= 1e-6, name
+
+
+def test_unsupported_model_keeps_its_loss_and_says_so(caplog):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with caplog.at_level("INFO", logger="lightning_ckpt"):
+        apply_checkpointing(model, layer_cls=nn.Linear, chunk_loss=True)
+    assert "found no loss it can chunk in Sequential" in caplog.text
+    assert unchunk_causal_lm_loss(model) == []
