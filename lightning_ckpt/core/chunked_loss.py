@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "chunk_causal_lm_loss", "chunk_loss_of", "chunked_models", "lm_loss",
+__all__ = ["DEFAULT_CHUNK_TOKENS", "chunk_causal_lm_loss", "chunk_loss_of", "chunked_models", "head_of", "lm_loss",
            "unchunk_causal_lm_loss"]
 
 DEFAULT_CHUNK_TOKENS = 1024
@@ -220,6 +220,18 @@ def _kind(module: nn.Module) -> Optional[str]:
     if getattr(cls, "chunks_own_loss", False):  # the demo GPT reads chunk_loss_of itself
         return "own"
     return None
+
+
+def head_of(model: nn.Module) -> nn.Module:
+    """The LM head of a model :func:`chunked_models` lists: ``lm_head``, or the demo GPT's ``head``.
+
+    Example::
+
+        >>> from lightning_ckpt.demos import Transformer
+        >>> head_of(Transformer(16, 8, 1, 8, 2, 0.0))
+        Linear(in_features=8, out_features=16, bias=True)
+    """
+    return model.lm_head if hasattr(model, "lm_head") else model.head
 
 
 def chunked_models(module: nn.Module) -> list[str]:
