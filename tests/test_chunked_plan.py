@@ -80,6 +80,7 @@ def test_the_chunked_head_removes_the_logits_from_the_counted_peak_and_is_predic
     seen_plain, seen_chunked = counted(plain), counted(chunked)
     logits = TOKENS * VOCAB * 4  # fp32, 2 MiB: the unchunked step holds the logits and their log-softmax
     assert seen_chunked <= seen_plain - 2 * logits
+    assert chunked.recompute_flops == 2 * TOKENS * WIDTH * VOCAB  # no layer recomputed: the head's forward, once
     assert seen_plain == pytest.approx(plain.peak_bytes, rel=0.05)
     assert seen_chunked == pytest.approx(chunked.peak_bytes, rel=0.05)
     print(f"counted {seen_plain} -> {seen_chunked} B; predicted {plain.peak_bytes} -> {chunked.peak_bytes} B")

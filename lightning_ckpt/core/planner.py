@@ -124,11 +124,11 @@ from lightning_ckpt.core.timing import (
     transfer_windows,
 )
 
-__all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Choice", "LayerCost", "LayerCostRecorder",
-           "LayerOption", "Offload", "OpCostMode", "Option", "StepCosts", "StepMeasurement", "cheapest_choices",
-           "choose", "count_cost", "exposed_transfer_seconds", "extra_seconds", "forward_seconds", "held_peak",
-           "kept_on_device", "layer_options", "layer_seconds", "layer_transients", "make_option", "make_plan",
-           "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_peak", "predict_seconds",
+__all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Choice", "ChunkedHead", "LayerCost",
+           "LayerCostRecorder", "LayerOption", "Offload", "OpCostMode", "Option", "StepCosts", "StepMeasurement",
+           "cheapest_choices", "choose", "count_cost", "exposed_transfer_seconds", "extra_seconds", "forward_seconds",
+           "held_peak", "kept_on_device", "layer_options", "layer_seconds", "layer_transients", "make_option",
+           "make_plan", "measure_chunked_head", "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_peak", "predict_seconds",
            "solve", "transfer_windows"]
 
 #: The name :class:`~lightning_ckpt.core.solver.LayerOption` had here before the split; the same class.
@@ -445,7 +445,7 @@ def plan_checkpointing(
         raise TypeError(f"`chunk_loss` is True, False or None, got {chunk_loss!r}.")
     chunk = _chunk_of(module) if chunk_loss is not False else None
     if chunk is not None:  # measured unchunked below, and chunked here
-        chunked = _measure_chunked(module, step, layer_cls, modes, chunk)
+        chunked = measure_chunked_head(module, step, layer_cls, modes, chunk)
     with _unchunked(module):
         measured = measure_step(module, step, layer_cls, modes) if chunk_loss is not True or chunk is None else None
     if measured is None:  # chunk_loss=True: plan from the chunked step alone
@@ -479,9 +479,10 @@ def _unchunked(module: nn.Module) -> Iterator[None]:
                 chunk_causal_lm_loss(module.get_submodule(name), chunk)
 
 
-def _measure_chunked(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg, modes: Sequence[str],
+def measure_chunked_head(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg, modes: Sequence[str],
                      chunk: int) -> tuple[StepCosts, ChunkedHead]:
-    """The step measured with ``module``'s loss in chunks of ``chunk`` tokens, and the head's forward FLOPs (its
+    """The step measured with ``module``'s loss in chunks of ``chunk`` tokens (as :func:`measure_step`), and its
+    :class:`ChunkedHead` for :func:`make_plan`'s ``chunked``: the head's forward FLOPs (its
     matmul, counted from each call's input and output in the forward: what the backward runs again).
 
     The head's backward peak is measured as gradients to the last layer's output; a trained head also makes, from its
