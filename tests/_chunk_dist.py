@@ -49,6 +49,7 @@ class ChunkAndCount(Callback):
                 for name, p in pl_module.named_parameters() if p.grad is not None}
 
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.chunk_by_callback = chunk_loss_of(pl_module.model)  # GradientCheckpointing(chunk_loss=...)'s own
         if self.chunk:
             chunk_causal_lm_loss(pl_module, CHUNK)
         self.chunk_seen = chunk_loss_of(pl_module.model)
@@ -74,7 +75,7 @@ def _fit(strategy: Any, chunk: bool, frozen: bool) -> dict[str, Any]:
             per_step.append(n)
             n = 0
     return {"weights": full_weights(model), "head_calls": per_step, "chunk": count.chunk_seen,
-            "first_grads": count.first_grads}
+            "first_grads": count.first_grads, "chunk_by_callback": count.chunk_by_callback}
 
 
 def _run(name: str) -> dict[str, Any]:

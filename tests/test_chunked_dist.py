@@ -25,6 +25,7 @@ def test_chunked_head_trains_like_the_unchunked_one(results, strategy, frozen):
     for rank in range(2):
         assert "error" not in plain[rank], plain[rank].get("traceback")
         assert "error" not in chunked[rank], chunked[rank].get("traceback")
+        assert plain[rank]["chunk_by_callback"] is None and chunked[rank]["chunk_by_callback"] == 1024
         assert plain[rank]["chunk"] is None and chunked[rank]["chunk"] == 16
         assert plain[rank]["head_calls"] == [1, 1, 1]
         assert chunked[rank]["head_calls"] == [8, 8, 8]  # 4 chunks of 16 tokens, each run again in the backward

@@ -269,3 +269,22 @@ def test_unsupported_model_keeps_its_loss_and_says_so(caplog):
         apply_checkpointing(model, layer_cls=nn.Linear, chunk_loss=True)
     assert "found no loss it can chunk in Sequential" in caplog.text
     assert unchunk_causal_lm_loss(model) == []
+
+
+@pytest.mark.parametrize("chunk_loss", [True, False, None])
+def test_the_callback_chunks_the_loss_only_when_asked_and_undoes_it(chunk_loss):
+    from lightning.pytorch import Trainer
+
+    from lightning_ckpt import GradientCheckpointing
+    from lightning_ckpt.core.chunked_loss import DEFAULT_CHUNK_TOKENS
+    from lightning_ckpt.demos import GPT
+
+    module = GPT(vocab_size=VOCAB, block_size=16, n_layer=2, n_embd=WIDTH, n_head=2)
+    callback = GradientCheckpointing(chunk_loss=chunk_loss)
+    callback.setup(Trainer(logger=False, accelerator="cpu", devices=1), module, "fit")
+    module.configure_model()  # the demo GPT has one: the callback applies right after it, as under a Trainer
+    assert chunk_loss_of(module.model) == (DEFAULT_CHUNK_TOKENS if chunk_loss else None)
+    callback.teardown(None, module, "fit")
+    assert chunk_loss_of(module.model) is None
+    with pytest.raises(TypeError, match="chunk_loss"):
+        GradientCheckpointing(chunk_loss="yes")
