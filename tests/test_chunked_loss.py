@@ -203,6 +203,8 @@ def test_transformers_causal_lm_with_labels_trains_the_same_without_logits(peft_
     assert got.keys() == want.keys() and any("lm_head" in n for n in got) == (peft_targets != ["q_proj", "v_proj"])
     for name in want:
         assert _rel(got[name], want[name]) <= 1e-6, name
+    as_tuple = model(input_ids=ids, labels=labels, return_dict=False, **extra)
+    assert as_tuple[1] is None and torch.allclose(as_tuple[0], ref_out.loss, rtol=1e-6, atol=0)
     # without labels, the model's own forward: the logits
     assert model(input_ids=ids).logits.shape == (2, 12, VOCAB)
     remove_checkpointing(model)

@@ -84,3 +84,14 @@ def test_the_chunked_head_removes_the_logits_from_the_counted_peak_and_is_predic
     assert seen_plain == pytest.approx(plain.peak_bytes, rel=0.05)
     assert seen_chunked == pytest.approx(chunked.peak_bytes, rel=0.05)
     print(f"counted {seen_plain} -> {seen_chunked} B; predicted {plain.peak_bytes} -> {chunked.peak_bytes} B")
+
+
+def test_chunk_loss_true_on_a_model_without_a_known_loss_plans_as_before_and_says_so(caplog):
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    x = torch.randn(4, 8)
+    with caplog.at_level("INFO", logger="lightning_ckpt"):
+        plan = plan_checkpointing(model, lambda: model(x).square().mean(), 1.0, layer_cls=torch.nn.Linear,
+                                  chunk_loss=True)
+    assert plan.chunk_tokens is None and "found no loss it can chunk in Sequential" in caplog.text
+    with pytest.raises(TypeError, match="chunk_loss"):
+        plan_checkpointing(model, lambda: model(x).sum(), 1.0, layer_cls=torch.nn.Linear, chunk_loss="auto")

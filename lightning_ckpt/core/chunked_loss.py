@@ -185,6 +185,8 @@ class _HFCausalLMForward:
                 del model._loss_function
                 if had_loss:
                     model._loss_function = own_loss
+        if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...), the "logits" being the hidden states
+            return (out[0], None, *out[2:])
         out["logits"] = None
         return out
 

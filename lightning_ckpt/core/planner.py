@@ -74,6 +74,8 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Optional, Union
 
+import logging
+
 import psutil
 import torch
 from torch import nn
@@ -101,6 +103,7 @@ from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
 from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.plan import CheckpointPlan
 from lightning_ckpt.core.profiling import OpCostMode, count_cost, format_bytes
+from lightning_ckpt.core.say_once import say_once
 from lightning_ckpt.core.selection import LayerClassArg, parse_memory_budget
 from lightning_ckpt.core.solver import (
     CURVE_POINTS,
@@ -130,6 +133,8 @@ __all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Cho
            "held_peak", "kept_on_device", "layer_options", "layer_seconds", "layer_transients", "make_option",
            "make_plan", "measure_chunked_head", "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_peak", "predict_seconds",
            "solve", "transfer_windows"]
+
+log = logging.getLogger(__name__)
 
 #: The name :class:`~lightning_ckpt.core.solver.LayerOption` had here before the split; the same class.
 Option = LayerOption
@@ -444,6 +449,9 @@ def plan_checkpointing(
     if chunk_loss is not None and not isinstance(chunk_loss, bool):
         raise TypeError(f"`chunk_loss` is True, False or None, got {chunk_loss!r}.")
     chunk = _chunk_of(module) if chunk_loss is not False else None
+    if chunk_loss is True and chunk is None:
+        say_once(log, f"lightning_ckpt: chunk_loss=True found no loss it can chunk in {type(module).__name__}; the plan"
+                      " counts its head and loss as measured, outside the layers.")
     if chunk is not None:  # measured unchunked below, and chunked here
         chunked = measure_chunked_head(module, step, layer_cls, modes, chunk)
     with _unchunked(module):
