@@ -3,6 +3,7 @@
 import logging
 
 from lightning_ckpt.callbacks import FabricCheckpointing, GradientCheckpointing, MemoryMonitor
+from lightning_ckpt.core.chunked_loss import lm_loss
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.planner import CheckpointPlan, plan_checkpointing
 from lightning_ckpt.core.wrapping import apply_checkpointing, remove_checkpointing
@@ -17,6 +18,7 @@ __all__ = [
     "GradientCheckpointing",
     "MemoryMonitor",
     "apply_checkpointing",
+    "lm_loss",
     "plan_checkpointing",
     "remove_checkpointing",
 ]

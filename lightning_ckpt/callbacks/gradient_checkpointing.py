@@ -44,6 +44,7 @@ from lightning_ckpt.core.placement import check_checkpointing_placement, fsdp2
 from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
 from lightning_ckpt.core.planner import CheckpointPlan, LayerCostRecorder, Offload, make_plan
 from lightning_ckpt.core.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
+from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss
 from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.wrapping import (
     CheckpointOptions,
@@ -54,7 +55,7 @@ from lightning_ckpt.core.wrapping import (
 )
 
 _SETTINGS = ("layer_cls", "every_n_layers", "offload", "mode", "memory_budget", "use_reentrant",
-             "preserve_rng_state", "checkpoint_kwargs", "compress", "max_length")
+             "preserve_rng_state", "checkpoint_kwargs", "compress", "max_length", "chunk_loss")
 
 T = TypeVar("T")
 
@@ -127,6 +128,12 @@ class GradientCheckpointing(Callback):
             ``block_size`` / ``max_position_embeddings`` where it has one). Before the first step, the first batch
             at this length (its batch size kept) is measured on fake tensors (no memory) and planned for: an
             impossible budget is refused before anything is trained, and that plan is kept for batches it covers.
+        chunk_loss: ``True``: the LM head and the cross-entropy run in chunks of tokens, so nothing of ``tokens x
+            vocab`` is kept for backward (:func:`lightning_ckpt.lm_loss`), for Transformers ``*ForCausalLM`` called
+            with ``labels`` (PEFT-wrapped too), litgpt's ``GPT`` called with ``targets=`` and the demo GPT; with
+            ``memory_budget`` the plans are measured with it. ``False`` or ``None``: the loss runs as the model
+            computes it (a budget's plan here does not choose the chunked head yet; ``plan_checkpointing(...,
+            chunk_loss=None)`` does). Other models keep their loss, said once.
 
     Layers are checkpointed in ``setup`` and, for models built in ``configure_model``, right after it,
     before any strategy wraps the model. Everything is undone in ``teardown`` (or on an exception).
@@ -176,6 +183,8 @@ class GradientCheckpointing(Callback):
     max_length: _SettingAttribute[Optional[int]] = _SettingAttribute(
         "With ``memory_budget``: the longest sequence the run will see, planned for before the first step; ``None``:"
         " the model's ``block_size`` / ``max_position_embeddings``.")
+    chunk_loss: _SettingAttribute[Optional[bool]] = _SettingAttribute(
+        "``True``: the LM head and loss in chunks of tokens; ``False`` / ``None``: as the model computes them.")
 
     def __init__(
         self,
@@ -190,13 +199,14 @@ class GradientCheckpointing(Callback):
         length_fn: Optional[Callable[[Any], int]] = None,
         compress: Optional[Compress] = None,
         max_length: Optional[int] = None,
+        chunk_loss: Optional[bool] = None,
     ) -> None:
         if length_fn is not None and not callable(length_fn):
             raise TypeError(f"`length_fn` must be a function of the batch returning its tokens, got {length_fn!r}.")
         settings = dict(layer_cls=layer_cls, every_n_layers=every_n_layers, offload=offload, mode=mode,
                         memory_budget=memory_budget, use_reentrant=use_reentrant,
                         preserve_rng_state=preserve_rng_state, checkpoint_kwargs=checkpoint_kwargs, compress=compress,
-                        max_length=max_length)
+                        max_length=max_length, chunk_loss=chunk_loss)
         settings = {name: copy.copy(value) for name, value in settings.items()}
         _validate(settings)
         self._settings: dict[str, Any] = settings  # the one place the options live; attributes read from it
@@ -236,17 +246,20 @@ class GradientCheckpointing(Callback):
         measuring step).
         """
         options = {k: v for k, v in self._settings.items()
-                   if k not in ("memory_budget", "every_n_layers", "mode", "max_length")}
+                   if k not in ("memory_budget", "every_n_layers", "mode", "max_length", "chunk_loss")}
+        chunk_loss = self._settings["chunk_loss"] is True
         if self._settings["memory_budget"] is None:
             names = apply_checkpointing(pl_module, every_n_layers=self._settings["every_n_layers"],
-                                        mode=self._settings["mode"], **options)
+                                        mode=self._settings["mode"], chunk_loss=chunk_loss, **options)
         elif self.plan is not None:
             options.pop("layer_cls")
             options.pop("offload")  # the plan's own, which it was solved for
             options.pop("compress")
             names = self.plan.apply(pl_module, **options)
+            if chunk_loss and self.plan.chunk_tokens is None:
+                chunk_causal_lm_loss(pl_module)
         else:  # measuring: every layer, full, compressed as asked (so it holds no more than the plans can)
-            names = apply_checkpointing(pl_module, **{**options, "offload": False})
+            names = apply_checkpointing(pl_module, **{**options, "offload": False}, chunk_loss=chunk_loss)
         if names != self.checkpointed_layers and self._settings["memory_budget"] is None:
             # with a budget, the line each new plan logs says it (a switch between plans says nothing)
             shown = ", ".join(names) if len(names) <= 8 else ", ".join(names[:8]) + ", ..."
@@ -654,6 +667,8 @@ def _validate(settings: Mapping[str, Any]) -> None:
     CheckpointOptions(False if auto_offload else settings["offload"], settings["mode"], settings["use_reentrant"],
                       settings["preserve_rng_state"], settings["checkpoint_kwargs"] or {}, settings["compress"])
     budget = parse_memory_budget(settings["memory_budget"], allow_auto=True)
+    if settings["chunk_loss"] is not None and not isinstance(settings["chunk_loss"], bool):
+        raise TypeError(f"`chunk_loss` is True, False or None, got {settings['chunk_loss']!r}.")
     max_length = settings["max_length"]
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"`max_length` is the longest sequence the run will see, in tokens: pass an int >= 1 (or"
@@ -670,7 +685,8 @@ def _validate(settings: Mapping[str, Any]) -> None:
         )
 
 
-_PLAN_SETTINGS = {"layer_cls", "memory_budget", "offload", "use_reentrant", "checkpoint_kwargs", "compress"}
+_PLAN_SETTINGS = {"layer_cls", "memory_budget", "offload", "use_reentrant", "checkpoint_kwargs", "compress",
+                  "chunk_loss"}
 # The constructor options a plan does not depend on, each with why (a test keeps the two sets covering them all).
 _KEEPS_PLAN = {
     "every_n_layers": "refused with memory_budget other than 1, so a plan never used it",

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss
 from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.costs import LayerCost, Offload
 from lightning_ckpt.core.op_curve import describe
@@ -72,6 +73,7 @@ class CheckpointPlan:
     peak_bytes: int = 0  # the step's predicted activation peak (0 in a plan saved before it was predicted)
     baseline_peak_bytes: int = 0  # the same without checkpointing: what a fraction budget is a fraction of
     compress: Optional[Compress] = None  # how checkpointed layers hold their inputs (``costs`` count it)
+    chunk_tokens: Optional[int] = None  # the LM head and loss run in chunks of this many tokens (None: unchunked)
 
     def __post_init__(self) -> None:
         self.peak_bytes = self.peak_bytes or self.planned_bytes
@@ -89,7 +91,8 @@ class CheckpointPlan:
 
         ``checkpoint_options`` (``use_reentrant``, ``preserve_rng_state``, ``checkpoint_kwargs``) go to
         :func:`~lightning_ckpt.core.wrapping.apply_checkpointing`; layer selection, mode, offload and ``compress``
-        come from the plan. Returns the checkpointed names, in order.
+        come from the plan, and so does the LM head and loss in chunks (``chunk_tokens``). Returns the checkpointed names,
+        in order.
         Everything is checked before anything changes.
         """
         unknown = set(checkpoint_options) - {"use_reentrant", "preserve_rng_state", "checkpoint_kwargs"}
@@ -114,6 +117,8 @@ class CheckpointPlan:
                                     **self._mode_options(name, mode, checkpoint_options))
         names = [name for name, mode in self.layers.items() if mode != "none"]
         turn_off_caches(module, names)
+        if self.chunk_tokens is not None:
+            chunk_causal_lm_loss(module, self.chunk_tokens)
         return names
 
     def _mode_options(self, name: str, mode: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -158,6 +163,7 @@ class CheckpointPlan:
             + (f"; {format_bytes(self.planned_host_bytes)} offloaded to host ({len(self.offloaded)} layers)"
                if self.offload else "")
             + (f"; inputs held as {self.compress}" if self.compress else "")
+            + (f"; LM head and loss in chunks of {self.chunk_tokens} tokens" if self.chunk_tokens else "")
             + (f"; {self.step_time_text()}" if self.predicted_step_seconds is not None else ""),
         ]
         return "\n".join(lines)

@@ -68,15 +68,26 @@ plus the 7.0 KiB the last one's backward has alive at once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Optional, Union
+
+import logging
 
 import psutil
 import torch
 from torch import nn
 
+from lightning_ckpt.core.chunked_loss import (
+    DEFAULT_CHUNK_TOKENS,
+    chunk_causal_lm_loss,
+    chunk_loss_of,
+    chunked_models,
+    head_of,
+    unchunk_causal_lm_loss,
+)
 from lightning_ckpt.core.compress import COMPRESS, Compress, validate_compress
 from lightning_ckpt.core.costs import PLAN_MODES, Choice, LayerCost, Offload, validate_modes, validate_offload
 from lightning_ckpt.core.device_profile import DeviceProfile, resolve_device
@@ -92,6 +103,7 @@ from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
 from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.plan import CheckpointPlan
 from lightning_ckpt.core.profiling import OpCostMode, count_cost, format_bytes
+from lightning_ckpt.core.say_once import say_once
 from lightning_ckpt.core.selection import LayerClassArg, parse_memory_budget
 from lightning_ckpt.core.solver import (
     CURVE_POINTS,
@@ -115,12 +127,14 @@ from lightning_ckpt.core.timing import (
     transfer_windows,
 )
 
-__all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Choice", "LayerCost", "LayerCostRecorder",
-           "LayerOption", "Offload", "OpCostMode", "Option", "StepCosts", "StepMeasurement", "cheapest_choices",
-           "choose", "count_cost", "exposed_transfer_seconds", "extra_seconds", "forward_seconds", "held_peak",
-           "kept_on_device", "layer_options", "layer_seconds", "layer_transients", "make_option", "make_plan",
-           "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_peak", "predict_seconds",
+__all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Choice", "ChunkedHead", "LayerCost",
+           "LayerCostRecorder", "LayerOption", "Offload", "OpCostMode", "Option", "StepCosts", "StepMeasurement",
+           "cheapest_choices", "choose", "count_cost", "exposed_transfer_seconds", "extra_seconds", "forward_seconds",
+           "held_peak", "kept_on_device", "layer_options", "layer_seconds", "layer_transients", "make_option",
+           "make_plan", "measure_chunked_head", "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_peak", "predict_seconds",
            "solve", "transfer_windows"]
+
+log = logging.getLogger(__name__)
 
 #: The name :class:`~lightning_ckpt.core.solver.LayerOption` had here before the split; the same class.
 Option = LayerOption
@@ -132,7 +146,8 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
               modes: Sequence[str] = PLAN_MODES, offload: Offload = False,
               device: Union[None, str, DeviceProfile] = None, outside_ops: Sequence[OpRecord] = (),
               host_memory: Optional[int] = None, min_bytes: int = DEFAULT_MIN_BYTES,
-              head_bytes: int = 0, head_peak_bytes: int = 0, compress: Optional[Compress] = None) -> CheckpointPlan:
+              head_bytes: int = 0, head_peak_bytes: int = 0, compress: Optional[Compress] = None,
+              chunked: Optional[ChunkedHead] = None, chunk_loss: Optional[bool] = None) -> CheckpointPlan:
     """Solve for the cheapest plan from measured costs (what :func:`plan_checkpointing` does after measuring).
 
     Args:
@@ -153,6 +168,12 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
             everything the forward holds is still there.
         compress: ``None``, ``"bf16"`` or ``"fp8"``: checkpointed layers hold their inputs compressed
             (:meth:`LayerCost.compressed`); the plan applies it.
+        chunked: the same step measured with the LM head and loss in chunks (:class:`ChunkedHead`); ``None``: no
+            chunked head to choose.
+        chunk_loss: with ``chunked``: ``True`` plans with the chunked head, ``False`` without, ``None`` solves both and
+            keeps the cheaper (its recompute, or its predicted time, counts the head's forward run again in chunks),
+            so the chunked head is chosen when it is what reaches the budget or what saves more recompute than it
+            costs. A fraction budget stays a fraction of the peak without checkpointing and without chunking.
 
     Raises ``ValueError`` if the budget cannot be met.
 
@@ -171,10 +192,60 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
                                                              compress)
     problem = _plan_problem(costs, outside_bytes, memory_budget, budget, modes, offload, profile, host_memory,
                             min_bytes, head_bytes, head_peak_bytes, compress)
-    chosen = _solve_plan(problem)
-    if chosen is None:
-        raise ValueError(_out_of_reach_message(problem))
-    return _build_plan(problem, chosen, outside_ops)
+    if chunked is None or chunk_loss is False:
+        chosen = _solve_plan(problem)
+        if chosen is None:
+            raise ValueError(_out_of_reach_message(problem))
+        return _build_plan(problem, chosen, outside_ops)
+    # The chunked head's problem: the same layers under the same bytes (a fraction of the unchunked peak)
+    chunked_problem = _plan_problem(costs, chunked.outside_bytes, memory_budget, problem.budget_bytes, modes, offload,
+                                    profile, host_memory, min_bytes, chunked.head_bytes, chunked.head_peak_bytes,
+                                    compress)
+    timed = profile is not None
+    head_cost = chunked.seconds(profile) if timed else float(chunked.flops)
+    found = []
+    if chunk_loss is None:
+        plain = _solve_plan(problem)
+        if plain is not None:
+            found.append((sum(o.cost(timed) for o in plain), 0, problem, plain))
+    with_chunks = _solve_plan(chunked_problem)
+    if with_chunks is not None:
+        found.append((sum(o.cost(timed) for o in with_chunks) + head_cost, 1, chunked_problem, with_chunks))
+    if not found:
+        raise ValueError(_out_of_reach_message(chunked_problem) + " (with the LM head and loss chunked, "
+                         f"{chunked.chunk_tokens} tokens a chunk)")
+    _, is_chunked, best, chosen = min(found, key=lambda f: f[:2])  # equal costs: unchunked
+    plan = _build_plan(best, chosen, outside_ops)
+    if not is_chunked:
+        return plan
+    seconds = {} if plan.predicted_step_seconds is None else {
+        "predicted_step_seconds": plan.predicted_step_seconds + chunked.seconds(profile)}
+    return replace(plan, chunk_tokens=chunked.chunk_tokens, recompute_flops=plan.recompute_flops + chunked.flops,
+                   baseline_bytes=problem.baseline, baseline_peak_bytes=problem.baseline_peak, **seconds)
+
+
+@dataclass(frozen=True)
+class ChunkedHead:
+    """The step measured with the LM head and loss in chunks of ``chunk_tokens`` tokens
+    (:func:`~lightning_ckpt.core.chunked_loss.lm_loss`): its bytes outside the layers (:func:`make_plan`'s
+    ``outside_bytes``, ``head_bytes``, ``head_peak_bytes``), and ``flops``, the head's forward that the backward
+    runs again chunk by chunk.
+
+    Example::
+
+        >>> ChunkedHead(chunk_tokens=512, outside_bytes=10, head_bytes=4, head_peak_bytes=2, flops=8).seconds(None)
+        0.0
+    """
+
+    chunk_tokens: int
+    outside_bytes: int
+    head_bytes: int
+    head_peak_bytes: int
+    flops: int
+
+    def seconds(self, profile: Optional[DeviceProfile]) -> float:
+        """The recompute's time on ``profile`` (a matmul), 0 without one."""
+        return self.flops / profile.matmul_flops if profile is not None else 0.0
 
 
 def _check_plan_arguments(memory_budget: object, modes: Sequence[str], offload: Offload,
@@ -324,6 +395,7 @@ def plan_checkpointing(
     device: Union[None, str, DeviceProfile] = None,
     host_memory: Optional[int] = None,
     compress: Optional[Compress] = None,
+    chunk_loss: Optional[bool] = None,
 ) -> CheckpointPlan:
     """Measure one step and return the cheapest :class:`CheckpointPlan` whose activations fit ``memory_budget``.
 
@@ -345,6 +417,12 @@ def plan_checkpointing(
         host_memory: bytes of host memory offloaded tensors may take (default: half of the host memory free now).
         compress: ``None``, ``"bf16"`` or ``"fp8"``: checkpointed layers hold their inputs compressed (and offload
             moves the compressed bytes); the plan counts those bytes and applies the compression.
+        chunk_loss: for a model whose loss :func:`~lightning_ckpt.core.chunked_loss.chunk_causal_lm_loss` can chunk
+            (Transformers ``*ForCausalLM`` with labels, litgpt ``GPT``, the demo GPT): ``True`` plans with the LM head
+            and loss in chunks of tokens, ``False`` without, ``None`` measures the step both ways and keeps the
+            cheaper plan (:func:`make_plan`), so chunking is chosen when the budget needs it. Its chunk is
+            :data:`~lightning_ckpt.core.chunked_loss.DEFAULT_CHUNK_TOKENS` tokens (or ``chunk_tokens`` the module
+            already has); ``plan.chunk_tokens`` says what was chosen. Other models: ignored.
 
     Without ``device`` the plan has the fewest recompute FLOPs among those whose predicted bytes fit: layers
     (and op outputs) that free most bytes per recomputed FLOP go first, whatever their position; FLOPs are exact
@@ -368,10 +446,77 @@ def plan_checkpointing(
     cuda = cuda_devices(module)
     if offload == "auto" and profile is None and cuda:
         profile = DeviceProfile.measure(torch.device("cuda", cuda[0]))
-    measured = measure_step(module, step, layer_cls, modes)
+    if chunk_loss is not None and not isinstance(chunk_loss, bool):
+        raise TypeError(f"`chunk_loss` is True, False or None, got {chunk_loss!r}.")
+    chunk = _chunk_of(module) if chunk_loss is not False else None
+    if chunk_loss is True and chunk is None:
+        say_once(log, f"lightning_ckpt: chunk_loss=True found no loss it can chunk in {type(module).__name__}; the plan"
+                      " counts its head and loss as measured, outside the layers.")
+    if chunk is not None:  # measured unchunked below, and chunked here
+        chunked = measure_chunked_head(module, step, layer_cls, modes, chunk)
+    with _unchunked(module):
+        measured = measure_step(module, step, layer_cls, modes) if chunk_loss is not True or chunk is None else None
+    if measured is None:  # chunk_loss=True: plan from the chunked step alone
+        return make_plan(chunked[0].costs, chunked[1].outside_bytes, memory_budget, modes, offload, profile,
+                         chunked[0].outside_ops, host_memory, head_bytes=chunked[1].head_bytes,
+                         head_peak_bytes=chunked[1].head_peak_bytes, compress=compress, chunked=chunked[1],
+                         chunk_loss=True)
     return make_plan(measured.costs, measured.outside_bytes, memory_budget, modes, offload, profile, measured.outside_ops,
                      host_memory, head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes,
-                     compress=compress)
+                     compress=compress, chunked=chunked[1] if chunk is not None else None, chunk_loss=chunk_loss)
+
+
+def _chunk_of(module: nn.Module) -> Optional[int]:
+    """The chunk size to plan ``module``'s chunked loss with; ``None`` when it has no loss to chunk."""
+    names = chunked_models(module)
+    if not names:
+        return None
+    return chunk_loss_of(module.get_submodule(names[0])) or DEFAULT_CHUNK_TOKENS
+
+
+@contextmanager
+def _unchunked(module: nn.Module) -> Iterator[None]:
+    """``module`` with its loss unchunked, chunked again afterwards as it was."""
+    before = {name: chunk_loss_of(module.get_submodule(name)) for name in chunked_models(module)}
+    unchunk_causal_lm_loss(module)
+    try:
+        yield
+    finally:
+        for name, chunk in before.items():
+            if chunk is not None:
+                chunk_causal_lm_loss(module.get_submodule(name), chunk)
+
+
+def measure_chunked_head(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg, modes: Sequence[str],
+                     chunk: int) -> tuple[StepCosts, ChunkedHead]:
+    """The step measured with ``module``'s loss in chunks of ``chunk`` tokens (as :func:`measure_step`), and its
+    :class:`ChunkedHead` for :func:`make_plan`'s ``chunked``: the head's forward FLOPs (its
+    matmul, counted from each call's input and output in the forward: what the backward runs again).
+
+    The head's backward peak is measured as gradients to the last layer's output; a trained head also makes, from its
+    second chunk on, a weight gradient that is added into ``.grad`` and freed: one more copy of its trainable
+    parameters' bytes, counted here."""
+    heads = [head_of(module.get_submodule(name)) for name in chunked_models(module)]
+    flops, calls = [0], [0]
+
+    def count(head: nn.Module, args: tuple, out: Any) -> None:
+        # the backward (the measurement's own, of the head) recomputes each chunk: not the forward's FLOPs
+        if torch.is_tensor(out) and args and torch.is_tensor(args[0]) and torch._C._current_graph_task_id() == -1:
+            flops[0] += 2 * out.numel() * args[0].shape[-1]
+            calls[0] += 1
+
+    with _unchunked(module):
+        chunk_causal_lm_loss(module, chunk)
+        handles = [head.register_forward_hook(count) for head in heads]
+        try:
+            measured = measure_step(module, step, layer_cls, modes)
+        finally:
+            for handle in handles:
+                handle.remove()
+            unchunk_causal_lm_loss(module)
+    grads = sum(p.numel() * p.element_size() for head in heads for p in head.parameters() if p.requires_grad)
+    head_peak = measured.head_peak_bytes + (grads if calls[0] > len(heads) else 0)
+    return measured, ChunkedHead(chunk, measured.outside_bytes, measured.head_bytes, head_peak, flops[0])
 
 
 def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str, str],

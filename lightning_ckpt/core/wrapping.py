@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss, unchunk_causal_lm_loss
 from lightning_ckpt.core.compress import Compress, CompressSaved, check_compress, layer_compress, validate_compress
 from lightning_ckpt.core.layer_state import CallState, LayerState
 from lightning_ckpt.core.offload import OffloadToHost, engine_for
@@ -262,6 +263,7 @@ def apply_checkpointing(
     preserve_rng_state: bool = True,
     checkpoint_kwargs: Mapping[str, Any] | None = None,
     compress: Compress | None = None,
+    chunk_loss: bool = False,
 ) -> list[str]:
     """Checkpoint the selected layers of ``module`` in place and return their qualified names.
 
@@ -279,6 +281,10 @@ def apply_checkpointing(
         compress: ``None`` (exact), ``"bf16"`` or ``"fp8"``: hold the checkpointed layers' inputs compressed until
             their recompute (the forward runs on the exact inputs; the backward starts from the decompressed copy,
             so gradients are close, not equal). See :mod:`~lightning_ckpt.core.compress`.
+        chunk_loss: also compute the LM head and the cross-entropy in chunks of tokens (nothing of
+            ``tokens x vocab`` kept) for the models :func:`~lightning_ckpt.core.chunked_loss.chunk_causal_lm_loss`
+            knows (Transformers ``*ForCausalLM`` with ``labels``, litgpt ``GPT`` with ``targets=``, the demo GPT);
+            ``False`` leaves a chunking applied before as it is. Other models keep their loss, said once.
 
     Applying again with the same selection changes nothing (a layer is never checkpointed twice);
     options given again replace the old ones. Everything is validated before anything changes.
@@ -292,6 +298,8 @@ def apply_checkpointing(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"`apply_checkpointing` takes an `nn.Module`, got {type(module).__name__}.")
+    if not isinstance(chunk_loss, bool):
+        raise TypeError(f"`chunk_loss` is True or False, got {chunk_loss!r}.")
     options = CheckpointOptions(offload, mode, use_reentrant, preserve_rng_state, checkpoint_kwargs or {}, compress)
     every_n_layers = validate_every_n_layers(every_n_layers)
     classes = layer_classes(module, layer_cls)
@@ -317,6 +325,10 @@ def apply_checkpointing(
         _warn_if_offload_does_nothing([layer for _, layer in selected])
     names = [name for name, _ in selected]
     turn_off_caches(module, names)
+    if chunk_loss and not chunk_causal_lm_loss(module):
+        say_once(log, f"lightning_ckpt: chunk_loss=True found no loss it can chunk in {type(module).__name__} (it knows"
+                      " Transformers *ForCausalLM, litgpt GPT and the demo GPT); its loss runs as before. A"
+                      " training_step of your own can call lightning_ckpt.lm_loss.")
     return names
 
 
@@ -346,7 +358,8 @@ def _warn_if_offload_does_nothing(layers: Sequence[nn.Module]) -> None:
 
 
 def remove_checkpointing(module: nn.Module) -> list[str]:
-    """Undo :func:`apply_checkpointing` on ``module`` and all its submodules; return the names restored."""
+    """Undo :func:`apply_checkpointing` on ``module`` and all its submodules (its chunked loss too); return the
+    names of the layers restored."""
     names = []
     for name, sub in module.named_modules():
         if is_checkpointed(sub):
@@ -356,6 +369,7 @@ def remove_checkpointing(module: nn.Module) -> list[str]:
                 sub.forward = original
             names.append(name)
     restore_caches([sub for sub in module.modules() if _CACHE_FLAG in sub.__dict__])
+    unchunk_causal_lm_loss(module)
     return names
 
 

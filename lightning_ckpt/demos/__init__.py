@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_ckpt.core.chunked_loss import chunk_loss_of, lm_loss
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
@@ -56,7 +58,14 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token and position embeddings, ``n_layer`` blocks in an ``nn.ModuleList``, a language-model head."""
+    """Token and position embeddings, ``n_layer`` blocks in an ``nn.ModuleList``, a language-model head.
+
+    Called with ``targets`` it returns the mean cross-entropy instead of the logits: through
+    :func:`lightning_ckpt.lm_loss` in chunks when ``chunk_loss`` turned it on (nothing of ``tokens x vocab``
+    kept for backward), else from the full logits.
+    """
+
+    chunks_own_loss = True  # chunk_loss=True reaches this loss through chunk_loss_of(self), no wrapper
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_embd: int, n_head: int, dropout: float) -> None:
         super().__init__()
@@ -67,12 +76,18 @@ class Transformer(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        hidden = self.ln_f(x)
+        if targets is None:
+            return self.head(hidden)
+        chunk = chunk_loss_of(self)
+        if chunk is not None:
+            return lm_loss(hidden, self.head, targets, chunk_tokens=chunk)
+        return F.cross_entropy(self.head(hidden).flatten(0, 1), targets.flatten())
 
 
 
@@ -164,13 +179,12 @@ class GPT(pl.LightningModule):
         if self.model is None:
             self.model = self._build()
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(idx, targets)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         idx, targets = batch
-        logits = self(idx)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss = self(idx, targets)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 

@@ -1,0 +1,316 @@
+"""The chunked LM head + loss (issue 32): the same loss and gradients as the unchunked head, no ``tokens x vocab``
+tensor kept for backward, and the models it applies to (Transformers with PEFT, litgpt, the demo GPT)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_ckpt import apply_checkpointing, lm_loss, remove_checkpointing
+from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss, chunk_loss_of, unchunk_causal_lm_loss
+
+VOCAB, WIDTH = 97, 16
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _problem(tokens: int = 26, dtype: torch.dtype = torch.float32, bias: bool = True, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    head = nn.Linear(WIDTH, VOCAB, bias=bias).to(dtype)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    hidden = torch.randn(2, tokens // 2, WIDTH, generator=gen).to(dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (2, tokens // 2), generator=gen)
+    labels[0, :3] = -100  # padding, ignored
+    labels[1, -1] = -100
+    return head, hidden, labels
+
+
+def _grads(loss: torch.Tensor, head: nn.Module, hidden: torch.Tensor) -> list[torch.Tensor]:
+    params = [p for p in head.parameters() if p.requires_grad]
+    return list(torch.autograd.grad(loss, [hidden, *params]))
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, 13, 26, 1000])
+@pytest.mark.parametrize("bias", [True, False])
+def test_loss_and_fp32_grads_equal_the_unchunked_head(chunk, bias):
+    head, hidden, labels = _problem(bias=bias)
+    ref = F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten())
+    ref_grads = _grads(ref, head, hidden)
+    loss = lm_loss(hidden, head, labels, chunk_tokens=chunk)
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=0)
+    for got, want in zip(_grads(loss, head, hidden), ref_grads):
+        assert _rel(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("num_items", [None, 37, "tensor"])
+def test_ignore_index_label_smoothing_and_num_items_in_batch(smoothing, num_items):
+    """Transformers' normalisation: the sum over counted labels divided by ``num_items_in_batch`` (gradient
+    accumulation counts the tokens of all micro-batches), else the mean over counted labels only."""
+    head, hidden, labels = _problem()
+    if num_items == "tensor":
+        num_items = torch.tensor(41)
+    counted = int((labels != -100).sum())
+    assert counted == 22  # 26 tokens, 4 ignored
+    logits = head(hidden).flatten(0, 1)
+    if num_items is None:
+        ref = F.cross_entropy(logits, labels.flatten(), label_smoothing=smoothing)
+    else:
+        ref = F.cross_entropy(logits, labels.flatten(), label_smoothing=smoothing, reduction="sum") / num_items
+    loss = lm_loss(hidden, head, labels, label_smoothing=smoothing, num_items_in_batch=num_items, chunk_tokens=4)
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=0)
+    for got, want in zip(_grads(loss, head, hidden), _grads(ref, head, hidden)):
+        assert _rel(got, want) <= 1e-6
+
+
+def test_a_chunk_of_ignored_labels_only_counts_nothing():
+    head, hidden, labels = _problem()
+    labels[0] = -100  # the first 13 tokens, three chunks of 4 and one more, ignored
+    ref = F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten())
+    assert torch.allclose(lm_loss(hidden, head, labels, chunk_tokens=4), ref, rtol=1e-6, atol=0)
+
+
+def test_other_ignore_index():
+    head, hidden, labels = _problem()
+    labels[labels == -100] = 3
+    labels[0, 5] = 3
+    ref = F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten(), ignore_index=3)
+    assert torch.allclose(lm_loss(hidden, head, labels, ignore_index=3, chunk_tokens=6), ref, rtol=1e-6, atol=0)
+
+
+def test_bf16_error_against_fp32_no_larger_than_the_unchunked_path():
+    head32, hidden32, labels = _problem(tokens=64)
+    ref = F.cross_entropy(head32(hidden32).flatten(0, 1), labels.flatten())
+    ref_grads = _grads(ref, head32, hidden32)
+    head = copy.deepcopy(head32).to(torch.bfloat16)
+    hidden = hidden32.detach().to(torch.bfloat16).requires_grad_()
+    unchunked = F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten())
+    chunked = lm_loss(hidden, head, labels, chunk_tokens=16)
+    err_unchunked, err_chunked = abs(float(unchunked.detach()) - float(ref.detach())), abs(float(chunked.detach()) - float(ref.detach()))
+    assert err_chunked <= err_unchunked
+    for got, plain, want in zip(_grads(chunked, head, hidden), _grads(unchunked, head, hidden), ref_grads):
+        assert _rel(got, want) <= _rel(plain, want)
+
+
+def _saved_numels(fn) -> list[int]:
+    """The element counts of the tensors autograd keeps for backward while ``fn`` runs (outside any checkpoint)."""
+    seen: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return seen
+
+
+def test_nothing_of_tokens_x_vocab_is_kept_for_backward():
+    head, hidden, labels = _problem()
+    unchunked = _saved_numels(lambda: F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten()))
+    assert max(unchunked) == 26 * VOCAB  # the logits (or their log-softmax), kept by the plain head
+    assert max(_saved_numels(lambda: lm_loss(hidden, head, labels, chunk_tokens=4))) <= 26 * WIDTH
+
+
+def test_chunk_tokens_must_be_positive_and_shapes_match():
+    head, hidden, labels = _problem()
+    with pytest.raises(ValueError, match="positive"):
+        lm_loss(hidden, head, labels, chunk_tokens=0)
+    with pytest.raises(ValueError, match="26 hidden states and 25 labels"):
+        lm_loss(hidden, head, labels.flatten()[:-1])
+
+
+def test_frozen_head_gets_no_gradient_and_the_same_hidden_gradient():
+    head, hidden, labels = _problem()
+    head.requires_grad_(False)
+    ref = torch.autograd.grad(F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten()), hidden)[0]
+    loss = lm_loss(hidden, head, labels, chunk_tokens=5)
+    loss.backward()
+    assert head.weight.grad is None and _rel(hidden.grad, ref) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ the models
+
+
+def _saved_shapes(fn) -> tuple[object, list[tuple[int, ...]]]:
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, shapes
+
+
+def _vocab_shaped(shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The saved tensors with a vocabulary dimension that are not the head's weight: logits, log-softmax."""
+    return [s for s in shapes if VOCAB in s and s != (VOCAB, WIDTH) and s != (VOCAB,)]
+
+
+def _llama(peft_targets=None):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    if peft_targets is not None:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=peft_targets,
+                                                           init_lora_weights=False, task_type="CAUSAL_LM"))
+    return model.train()
+
+
+def _ids(tokens: int = 12):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, tokens), generator=gen)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    return ids, labels
+
+
+def _trainable_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("peft_targets", [None, ["q_proj", "v_proj"], ["q_proj", "lm_head"]],
+                         ids=["llama", "peft lora, frozen head", "peft lora on the head"])
+@pytest.mark.parametrize("num_items", [None, 9])
+def test_transformers_causal_lm_with_labels_trains_the_same_without_logits(peft_targets, num_items):
+    reference = _llama(peft_targets)
+    model = copy.deepcopy(reference)
+    ids, labels = _ids()
+    extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    ref_out = reference(input_ids=ids, labels=labels, **extra)
+    ref_out.loss.backward()
+    assert apply_checkpointing(model, chunk_loss=True)  # the decoder layers, and the loss
+    assert chunk_causal_lm_loss(model, chunk_tokens=5)  # 24 tokens: 5 chunks, the last of 4
+    out, shapes = _saved_shapes(lambda: model(input_ids=ids, labels=labels, **extra))
+    assert not _vocab_shaped(shapes)
+    assert out.logits is None
+    assert torch.allclose(out.loss, ref_out.loss, rtol=1e-6, atol=0)
+    out.loss.backward()
+    want, got = _trainable_grads(reference), _trainable_grads(model)
+    assert got.keys() == want.keys() and any("lm_head" in n for n in got) == (peft_targets != ["q_proj", "v_proj"])
+    for name in want:
+        assert _rel(got[name], want[name]) <= 1e-6, name
+    as_tuple = model(input_ids=ids, labels=labels, return_dict=False, **extra)
+    assert as_tuple[1] is None and torch.allclose(as_tuple[0], ref_out.loss, rtol=1e-6, atol=0)
+    # without labels, the model's own forward: the logits
+    assert model(input_ids=ids).logits.shape == (2, 12, VOCAB)
+    remove_checkpointing(model)
+    inner = model.get_base_model() if peft_targets is not None else model
+    assert "forward" not in inner.__dict__ and chunk_loss_of(inner) is None
+
+
+def test_transformers_model_changing_logits_before_the_loss_is_refused():
+    model = _llama()
+    chunk_causal_lm_loss(model)
+    ids, labels = _ids()
+    # as Cohere's logit_scale or Gemma-2's soft-capping: what reaches the loss is not what the head returned
+    model.lm_head.register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(RuntimeError, match="changes the logits"):
+        model(input_ids=ids, labels=labels)
+    assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__  # both restored
+
+
+def test_litgpt_gpt_with_targets_returns_the_same_loss_without_logits():
+    litgpt = pytest.importorskip("litgpt")
+    torch.manual_seed(0)
+    reference = litgpt.GPT(litgpt.Config(n_layer=2, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, padded_vocab_size=VOCAB,
+                                         block_size=16, bias=True))
+    model = copy.deepcopy(reference)
+    ids, labels = _ids()
+    ref = F.cross_entropy(reference(ids).flatten(0, 1), labels.flatten())
+    ref.backward()
+    assert apply_checkpointing(model, chunk_loss=True) and chunk_causal_lm_loss(model, chunk_tokens=7) == [""]
+    loss, shapes = _saved_shapes(lambda: model(ids, targets=labels))
+    assert not _vocab_shaped(shapes)
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=0)
+    loss.backward()
+    want, got = _trainable_grads(reference), _trainable_grads(model)
+    for name in want:
+        assert _rel(got[name], want[name]) <= 1e-6, name
+    assert model(ids).shape == (2, 12, VOCAB)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_demo_gpt_training_step_loss(chunked):
+    from lightning_ckpt.demos import GPT
+
+    torch.manual_seed(0)
+    reference = GPT(vocab_size=VOCAB, block_size=16, n_layer=2, n_embd=WIDTH, n_head=2, dropout=0.0)
+    module = copy.deepcopy(reference)
+    ids, labels = _ids()
+    ref = F.cross_entropy(reference(ids).flatten(0, 1), labels.flatten())
+    ref.backward()
+    apply_checkpointing(module, chunk_loss=chunked)
+    if chunked:
+        assert chunk_causal_lm_loss(module, chunk_tokens=5) == ["model"]
+    loss, shapes = _saved_shapes(lambda: module.training_step((ids, labels), 0))
+    assert bool(_vocab_shaped(shapes)) is not chunked
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=0)
+    loss.backward()
+    want, got = _trainable_grads(reference), _trainable_grads(module)
+    for name in want:
+        assert _rel(got[name], want[name]) <= 1e-6, name
+
+
+def test_unsupported_model_keeps_its_loss_and_says_so(caplog):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with caplog.at_level("INFO", logger="lightning_ckpt"):
+        apply_checkpointing(model, layer_cls=nn.Linear, chunk_loss=True)
+    assert "found no loss it can chunk in Sequential" in caplog.text
+    assert unchunk_causal_lm_loss(model) == []
+
+
+@pytest.mark.parametrize("chunk_loss", [True, False, None])
+def test_the_callback_chunks_the_loss_only_when_asked_and_undoes_it(chunk_loss):
+    from lightning.pytorch import Trainer
+
+    from lightning_ckpt import GradientCheckpointing
+    from lightning_ckpt.core.chunked_loss import DEFAULT_CHUNK_TOKENS
+    from lightning_ckpt.demos import GPT
+
+    module = GPT(vocab_size=VOCAB, block_size=16, n_layer=2, n_embd=WIDTH, n_head=2)
+    callback = GradientCheckpointing(chunk_loss=chunk_loss)
+    callback.setup(Trainer(logger=False, accelerator="cpu", devices=1), module, "fit")
+    module.configure_model()  # the demo GPT has one: the callback applies right after it, as under a Trainer
+    assert chunk_loss_of(module.model) == (DEFAULT_CHUNK_TOKENS if chunk_loss else None)
+    callback.teardown(None, module, "fit")
+    assert chunk_loss_of(module.model) is None
+    with pytest.raises(TypeError, match="chunk_loss"):
+        GradientCheckpointing(chunk_loss="yes")
+
+
+def test_under_bf16_autocast_the_head_weight_gradient_is_the_one_that_moves():
+    """Under autocast each chunk's weight gradient is a bf16 matmul, rounded before the chunks are summed in fp32:
+    its error against fp32 grows (24 tokens in 5 chunks: 4.3e-3 against 3.1e-3 unchunked); the loss and every other
+    gradient are the unchunked path's."""
+    reference, ids_labels = _llama(), _ids()
+    model, fp32 = copy.deepcopy(reference), copy.deepcopy(reference)
+    ids, labels = ids_labels
+    with torch.autocast("cpu", torch.bfloat16):
+        plain = reference(input_ids=ids, labels=labels).loss
+    plain.backward()
+    chunk_causal_lm_loss(model, chunk_tokens=5)
+    with torch.autocast("cpu", torch.bfloat16):
+        chunked = model(input_ids=ids, labels=labels).loss
+    chunked.backward()
+    fp32(input_ids=ids, labels=labels).loss.backward()
+    assert torch.allclose(chunked, plain, rtol=1e-6, atol=0)
+    want, got, exact = _trainable_grads(reference), _trainable_grads(model), _trainable_grads(fp32)
+    for name in want:
+        if name != "lm_head.weight":
+            assert _rel(got[name], want[name]) <= 1e-6, name
+    head = "lm_head.weight"
+    assert _rel(want[head], exact[head]) < _rel(got[head], exact[head]) < 2 * _rel(want[head], exact[head])
