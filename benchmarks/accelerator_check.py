@@ -362,6 +362,61 @@ def compress_check(device: torch.device, seq: int = 2048, layers: int = 8, hidde
                       f" {batch}, every layer checkpointed; medians of {rounds - 1} interleaved rounds)", "", *rows])
 
 
+def chunk_check(device: torch.device, seq: int = 16384, layers: int = 4, hidden: int = 1024, heads: int = 8,
+                vocab: int = 32000, rounds: int = 3) -> str:
+    """The LM head and loss whole against in chunks (``chunk_loss=True``), every layer checkpointed (Markdown): the
+    step's peak (CUDA: the allocator's over the step, gradients in; CPU: live storages without gradients), the
+    median step time over ``rounds`` interleaved rounds (the first warms up), and the loss and gradients in fp32 against
+    the whole head's (largest difference relative to the largest gradient of the same parameter)."""
+    torch.manual_seed(0)
+    model = Transformer(vocab, seq, layers, hidden, heads, dropout=0.0).to(device)
+    idx = torch.randint(0, vocab, (1, seq + 1), device=device)
+    arms = (False, True)
+    times: dict[bool, list[float]] = {arm: [] for arm in arms}
+    peaks, losses, grads = {}, {}, {}
+    for r in range(rounds):
+        for chunked in arms if r % 2 == 0 else arms[::-1]:
+            apply_checkpointing(model, layer_cls=Block, chunk_loss=chunked)
+            model.zero_grad(set_to_none=True)
+            _sync_reset(device)
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            start = time.perf_counter()
+            if device.type == "cuda":
+                loss = model(idx[:, :-1], idx[:, 1:])
+                loss.backward()
+                torch.cuda.synchronize(device)
+                peak = torch.cuda.max_memory_allocated(device) - before
+            else:
+                from _peak import LiveStorages, grad_storages
+                with LiveStorages() as live:
+                    loss = model(idx[:, :-1], idx[:, 1:])
+                    loss.backward()
+                peak = live.peak(exclude=grad_storages(model))
+            times[chunked].append(time.perf_counter() - start)
+            remove_checkpointing(model)
+            if r == 0:
+                peaks[chunked], losses[chunked] = peak, loss.item()
+                grads[chunked] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    median = {arm: statistics.median(t[1:] or t) for arm, t in times.items()}
+    worst = max(float((g - grads[False][n]).abs().max() / grads[False][n].abs().max().clamp_min(1e-30))
+                for n, g in grads[True].items())
+    rows = ["| head and loss | step peak | step time / whole | loss | largest relative gradient difference |",
+            "| --- | ---: | ---: | ---: | ---: |"]
+    for chunked in arms:
+        rows.append(f"| {'chunks' if chunked else 'whole'} | {peaks[chunked] / 2**20:.1f} MiB"
+                    f" | {median[chunked] / median[False]:.3f} | {losses[chunked]:.6f}"
+                    f" | {f'{worst:.2e}' if chunked else 'reference'} |")
+    return "\n".join([f"### Chunked LM head and loss (demo GPT, {layers} layers, hidden {hidden}, length {seq}, batch 1,"
+                      f" vocabulary {vocab}, fp32, every layer checkpointed; medians of {rounds - 1} interleaved rounds)",
+                      "", *rows])
+
+
+def _sync_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=280.0, help="tests and benchmark together")
@@ -377,6 +432,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(peak_check(torch.device("cpu"), seq=64, layers=4, hidden=64, heads=2, vocab=64))
             print(compress_check(torch.device("cpu"), seq=64, layers=4, hidden=128, heads=2, vocab=64, batch=2,
                                  rounds=3))
+            print(chunk_check(torch.device("cpu"), seq=256, layers=2, hidden=64, heads=2, vocab=512))
             return 0 if all(r.measured_s is not None and r.predicted_s is not None for r in rows) else 1
         print("no accelerator: torch.cuda.is_available() is False, so nothing was run and nothing was written.")
         return 0
@@ -392,6 +448,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(peak_table, flush=True)
     compress_table = compress_check(torch.device("cuda", torch.cuda.current_device()))
     print(compress_table, flush=True)
+    chunk_table = chunk_check(torch.device("cuda", torch.cuda.current_device()))
+    print(chunk_table, flush=True)
     bench_budget = max(30.0, args.budget_s - (time.perf_counter() - start) - 20.0)
     rows, bench = bench_offload.run([2048, 8192, 32768], steps=3, warmup=1, budget_s=bench_budget)
     failed = [name for name, outcome in results if outcome not in ("passed", "skipped")]
@@ -416,6 +474,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         peak_table,
         "",
         compress_table,
+        "",
+        chunk_table,
     ]
     write_section("gpu", "\n".join(lines))
     print("\n".join(lines))

@@ -12,8 +12,9 @@ GPT-style model (20 blocks, hidden 2048, about 1.1B parameters), bf16 autocast w
 Step time is the median of the timed steps (forward, backward, SGD step) after warm-up; peak is
 ``torch.cuda.max_memory_allocated`` over those steps. A variant that runs out of memory is reported as such.
 Before timing, at each sequence length, every variant runs one step from the same weights and RNG state, and its loss
-and gradients are compared with ``full`` (checkpointing without offload): offload only moves bytes, so anything but
-bit-equality is a bug, reported in the table, and the script then exits 1.
+and gradients are compared with ``full`` (checkpointing without offload, its second run: the first warms the
+kernels up, and its difference from the second is the machine's own spread): offload only moves bytes, so an
+offload row that differs by more than that spread is a bug, reported in the table, and the script then exits 1.
 Results go to RESULTS.md ("offload"); ``accelerator_check.py`` puts them in its "gpu" section instead.
 
     python benchmarks/bench_offload.py [--steps 3] [--seqs 2048 8192 32768] [--budget-s 200]
@@ -99,31 +100,40 @@ def _loss_and_grads(model: torch.nn.Module, seq: int, device: torch.device) -> t
 
 
 def check_equal(model: torch.nn.Module, seq: int, device: torch.device) -> dict[str, str]:
-    """Per variant: "bit-equal" to ``full``'s loss and gradients, or the largest difference, or why it did not run.
+    """Per variant: "bit-equal" to ``full``'s loss and gradients, or the largest difference, or why it did not run;
+    ``"full (again)"``: ``full`` run a second time against itself, the spread of the machine's own kernels.
 
-    Under ``torch.use_deterministic_algorithms`` (warnings only, for kernels with no deterministic version): on an H200
-    without it even ``none`` differed from ``full`` (by up to 3.8e-06; the embedding's backward adds with atomics),
-    and so did offload, so a difference said nothing about offload."""
+    Under ``torch.use_deterministic_algorithms`` (warnings only, for kernels with no deterministic version). On an
+    H200 every variant, ``none`` included, differed from ``full`` by 3.81e-06 with and without it (one float32 step
+    at magnitude 32 to 64); the reference is therefore ``full``'s second run, after one that warms the kernels up."""
     verdicts: dict[str, str] = {}
-    reference = None
+    runs: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
     with _deterministic():
-        for variant in ("full", *(v for v in VARIANTS if v != "full")):
+        for variant in ("full", "full (again)", *(v for v in VARIANTS if v != "full")):
             try:
-                with _configure(model, variant):
-                    loss, grads = _loss_and_grads(model, seq, device)
+                with _configure(model, variant.removesuffix(" (again)")):
+                    runs[variant] = _loss_and_grads(model, seq, device)
             except torch.OutOfMemoryError:
                 verdicts[variant] = "out of memory"
-                continue
             finally:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            if reference is None:
-                reference = (loss, grads)
-                verdicts[variant] = "reference"
-                continue
-            diff = max([(loss - reference[0]).abs().item()]
-                       + [(g - r).abs().max().item() for g, r in zip(grads, reference[1])])
-            verdicts[variant] = "bit-equal" if diff == 0 else f"differs: max {diff:.3g}"
+    reference = runs.get("full (again)")
+    if reference is None:
+        return verdicts
+
+    def diff(variant: str) -> float:
+        loss, grads = runs[variant]
+        return max([(loss - reference[0]).abs().item()]
+                   + [(g - r).abs().max().item() for g, r in zip(grads, reference[1])])
+
+    spread = diff("full") if "full" in runs else 0.0
+    for variant in runs:
+        if variant != "full (again)":
+            d = diff(variant)
+            verdicts[variant] = ("bit-equal" if d == 0 else f"within the spread: max {d:.3g}" if d <= spread
+                                 else f"differs: max {d:.3g}")
+    verdicts["full (again)"] = "reference"
     return verdicts
 
 
@@ -301,8 +311,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def mismatched(rows: list[Row]) -> list[Row]:
-    """Rows whose loss or gradients differ from ``full``'s."""
-    return [r for r in rows if r.vs_full.startswith("differs")]
+    """Offload rows whose loss or gradients differ from ``full``'s (``none`` and ``full``'s first run are shown, as
+    the machine's own spread, not checked)."""
+    return [r for r in rows if "offload" in r.variant and r.vs_full.startswith("differs")]
 
 
 if __name__ == "__main__":
