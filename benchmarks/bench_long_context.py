@@ -63,10 +63,14 @@ class Row:
 
 
 ROWS = (
-    Row("exact full checkpointing", "every_layer", ("--compress", "none", "--offload", "false")),
-    Row("full checkpointing, fp8", "every_layer", ("--compress", "fp8", "--offload", "false")),
-    Row("plan: offload auto, fp8", "plan", ("--compress", "fp8", "--offload", "auto")),
+    Row("exact full checkpointing", "every_layer", ("--compress", "none", "--offload", "false", "--chunk-loss", "false")),
+    Row("full checkpointing, fp8", "every_layer", ("--compress", "fp8", "--offload", "false", "--chunk-loss", "false")),
+    Row("plan: offload auto, fp8", "plan", ("--compress", "fp8", "--offload", "auto", "--chunk-loss", "false")),
+    Row("plan: offload auto, fp8, chunk_loss auto", "plan",
+        ("--compress", "fp8", "--offload", "auto", "--chunk-loss", "auto")),
 )
+#: The row issue 32's targets are checked on: the plan with every setting it has (the chunked LM head and loss too).
+TARGET_ROW = 3
 
 
 @dataclass
@@ -79,6 +83,8 @@ class Longest:
     outside_bytes: Optional[int]  # held outside the layers there (embeddings, head logits, loss)
     wall_seconds: float
     data: Optional[dict[str, Any]] = None  # the row's plan.json
+    chunk_tokens: Optional[int] = None  # the plan's LM head and loss in chunks of this many tokens
+    head_peak_bytes: Optional[int] = None  # what the head's backward has alive at once there
 
     @property
     def per_token(self) -> Optional[float]:
@@ -101,8 +107,11 @@ def longest(row: Row) -> Longest:
         if plan_at is None or plan_at.plan is None:
             return Longest(row, None, None, static, None, None, time.perf_counter() - start, report_data(result))
         at = _measure(built, measured.main.batch_size, plan_at.length)
+        chunks = plan_at.plan.chunk_tokens
+        head = at.chunked if chunks is not None and at.chunked is not None else at
         return Longest(row, plan_at.length, plan_at.plan.peak_bytes, static, plan_at.plan.predicted_step_seconds,
-                       at.outside_bytes, time.perf_counter() - start, report_data(result))
+                       head.outside_bytes, time.perf_counter() - start, report_data(result), chunks,
+                       head.head_peak_bytes)
     length = result.largest_length[row.setting]
     assert length is not None, row
     check_length(built, length)
@@ -111,7 +120,19 @@ def longest(row: Row) -> Longest:
     costs = as_planned(at.costs, profile)
     peak = predict_peak(costs, at.outside_bytes, layers, head_bytes=at.head_bytes, head_peak_bytes=at.head_peak_bytes)
     seconds, _ = predict_seconds(costs, at.outside_ops, layers, profile)
-    return Longest(row, length, peak, static, seconds, at.outside_bytes, time.perf_counter() - start)
+    return Longest(row, length, peak, static, seconds, at.outside_bytes, time.perf_counter() - start,
+                   head_peak_bytes=at.head_peak_bytes)
+
+
+def parts(r: Longest) -> str:
+    """The peak's parts at the row's longest length, in words: static memory, the layers' share of the activation
+    peak, what is held outside the layers and what the LM head's backward has alive at once."""
+    if r.length is None or r.peak_bytes is None or r.outside_bytes is None:
+        return "no plan"
+    chunks = f"LM head and loss in chunks of {r.chunk_tokens:,} tokens" if r.chunk_tokens else "LM head and loss whole"
+    return (f"{chunks}; static {format_bytes(r.static_bytes)} + peak {format_bytes(r.peak_bytes)}, of which"
+            f" {format_bytes(r.outside_bytes)} outside the layers and {format_bytes(r.peak_bytes - r.outside_bytes)}"
+            f" layers; the head's backward has {format_bytes(r.head_peak_bytes or 0)} alive at once")
 
 
 def table(results: list[Longest]) -> str:
@@ -168,9 +189,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         results.append(longest(row))
         r = results[-1]
         print(f"{row.name}: longest {r.length} tokens, {r.per_token and 1e6 * r.per_token:.1f} us per token"
-              f" (planned in {r.wall_seconds:.0f} s)", flush=True)
+              f" (planned in {r.wall_seconds:.0f} s); {parts(r)}", flush=True)
     text = table(results)
-    exact, plan = results[0], results[2]
+    exact, plan = results[0], results[TARGET_ROW]
     longer = plan.length / exact.length if plan.length and exact.length else 0.0
     slower = plan.per_token / exact.per_token if plan.per_token and exact.per_token else float("inf")
     verdict = (f"Targets (issue 32): the plan's longest length {longer:.2f}x exact full checkpointing's (target >= 2x):"

@@ -212,6 +212,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--compress", choices=("bf16", "fp8", "none"), default=None,
                         help="plan with the checkpointed layers' inputs held as bf16 or fp8 (see the guide 'Compressed"
                              " checkpoints'), or 'none' (exact); default: the config's GradientCheckpointing compress")
+    parser.add_argument("--chunk-loss", choices=("auto", "true", "false"), default=None,
+                        help="plan with the LM head and loss in chunks of tokens (see the guide 'Long sequences'):"
+                             " 'true', 'false', or 'auto' (the plan chooses them where it is cheaper or only reaches"
+                             " the budget with them); default: the config's GradientCheckpointing chunk_loss, else"
+                             " 'auto'")
     parser.add_argument("--lengths", type=_lengths, default=(),
                         help="sequence lengths to plan at too (512,2048,8192): the step measured at each, the batch's"
                              " token ids and every tensor of their length cut or tiled; with --device-memory also the"
@@ -305,6 +310,8 @@ def _build(args: argparse.Namespace) -> Built:
         built.offload = {"true": True, "false": False, "auto": "auto"}[args.offload]
     if args.compress is not None:
         built.compress = None if args.compress == "none" else args.compress
+    if args.chunk_loss is not None:
+        built.chunk_loss = {"true": True, "false": False, "auto": None}[args.chunk_loss]
     return built
 
 
@@ -354,9 +361,9 @@ def _measure(built: Built, batch_size: int, length: Optional[int] = None) -> Mea
 
 
 def plan_settings(built: Built, profile: Optional[DeviceProfile]) -> PlanSettings:
-    """The settings every plan of the command is made with: the one place they are gathered (a chunked head and
-    loss joins offload and compression here)."""
-    return PlanSettings(offload=built.offload, device=profile, compress=built.compress)
+    """The settings every plan of the command is made with: the one place they are gathered (offload, compression
+    and the chunked LM head and loss)."""
+    return PlanSettings(offload=built.offload, device=profile, compress=built.compress, chunk_loss=built.chunk_loss)
 
 
 def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profile: Optional[DeviceProfile],
@@ -388,8 +395,9 @@ def _rows(measured: Measurement, plan: Optional[CheckpointPlan], offload: Offloa
           other: Optional[Measurement] = None, room: Optional[int] = None) -> list[SettingRow]:
     """Every standard setting's predictions on ``measured``, and the plan's when there is one."""
     names = [c.name for c in measured.costs]
-    return setting_rows(measured, setting_choices(names, plan), offload, other, room,
-                        plan.kept_ops if plan is not None else {}, profile, plan.offloaded if plan is not None else ())
+    return setting_rows(measured, setting_choices(names, plan, measured.chunked is not None), offload, other, room,
+                        plan.kept_ops if plan is not None else {}, profile, plan.offloaded if plan is not None else (),
+                        plan_chunked=plan is not None and plan.chunk_tokens is not None)
 
 
 def _across_lengths(result: PlanResult, at_lengths: Sequence[Measurement], room: Optional[int],
