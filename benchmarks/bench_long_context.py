@@ -35,8 +35,8 @@ from typing import Any, Optional
 import torch
 
 from _results import machine, write_section
-from lightning_ckpt.commands.plan import _build, _compute, _measure, _parse, _run
-from lightning_ckpt.commands.plan.measure import check_length, device_profile
+from lightning_ckpt.commands.plan import _build, _compute, _measure, _parse, _run, plan_settings
+from lightning_ckpt.commands.plan.measure import check_length, device_profile, static_memory
 from lightning_ckpt.commands.plan.predictions import as_planned
 from lightning_ckpt.commands.plan.report import _plot_lengths, report_data
 from lightning_ckpt.core.planner import predict_peak, predict_seconds
@@ -135,6 +135,55 @@ def parts(r: Longest) -> str:
             f" layers; the head's backward has {format_bytes(r.head_peak_bytes or 0)} alive at once")
 
 
+@dataclass
+class SameLength:
+    """Exact full checkpointing and the target row's plan at one length: predicted step times (the plan's made for
+    80 GiB less static memory there)."""
+
+    length: int
+    exact_seconds: float
+    exact_fits: bool  # its peak plus static memory within 80 GiB
+    plan_seconds: Optional[float]
+    chunk_tokens: Optional[int]
+
+
+def same_lengths(lengths: list[int]) -> list[SameLength]:
+    """Exact full checkpointing's predicted step time and the target row's plan's at each of ``lengths``: the cost of
+    the plan's choices (offload, fp8, the chunked head) at equal lengths, where attention's T^2 is the same."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        exact_built = _build(_parse([*COMMON, *ROWS[0].options, *MODEL]))
+        args = _parse([*COMMON, *ROWS[TARGET_ROW].options, *MODEL])
+        built = _build(args)
+        profile = device_profile(args.device, built)
+        room = args.device_memory - static_memory(built).total
+        settings = plan_settings(built, profile)
+        out = []
+        for length in lengths:
+            at = _measure(exact_built, 1, length)
+            costs, layers = as_planned(at.costs, profile), {c.name: "full" for c in at.costs}
+            seconds, _ = predict_seconds(costs, at.outside_ops, layers, profile)
+            peak = predict_peak(costs, at.outside_bytes, layers, head_bytes=at.head_bytes,
+                                head_peak_bytes=at.head_peak_bytes)
+            plan, _ = settings.plan(_measure(built, 1, length), room)
+            out.append(SameLength(length, seconds, peak <= room, plan and plan.predicted_step_seconds,
+                                  plan and plan.chunk_tokens))
+    return out
+
+
+def same_table(rows: list[SameLength]) -> str:
+    lines = ["| length (tokens) | exact full: step time | per token | fits 80 GiB | plan (offload auto, fp8, chunk_loss"
+             " auto): step time | per token | LM head and loss | plan / exact per token |",
+             "|---:|---:|---:|---|---:|---:|---|---:|"]
+    for r in rows:
+        plan = ("no plan | | |" if r.plan_seconds is None else
+                f"{r.plan_seconds:.2f} s | {1e6 * r.plan_seconds / r.length:.1f} us |"
+                f" {f'chunks of {r.chunk_tokens:,}' if r.chunk_tokens else 'whole'} |"
+                f" {r.plan_seconds / r.exact_seconds:.2f}")
+        lines.append(f"| {r.length:,} | {r.exact_seconds:.2f} s | {1e6 * r.exact_seconds / r.length:.1f} us |"
+                     f" {'yes' if r.exact_fits else 'no'} | {plan} |")
+    return "\n".join(lines)
+
+
 def table(results: list[Longest]) -> str:
     exact = results[0]
     lines = ["| setting | longest length (tokens) | x exact | peak there + static | of which outside the layers"
@@ -199,6 +248,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                f" own longest length (target <= 1.3x): {'met' if slower <= 1.3 else 'missed'}.")
     print(text)
     print(verdict)
+    lengths = sorted({exact.length, 2 * exact.length, plan.length} - {None})
+    same = same_table(same_lengths(lengths))  # type: ignore[arg-type]
+    print(same)
     if args.plot is not None and plan.data is not None:
         plot_lengths(plan.data, args.plot)
     if not args.no_write:

@@ -23,9 +23,9 @@ peak, recompute FLOPs and, with ``--device``, step time) and each setting's peak
 the shape measured (batch x length). With ``--device-memory`` and 2 or more lengths, each setting's peak is fitted
 over the length (a quadratic through 3 or more lengths, for attention's ``T^2`` terms; a line through 2) and the
 largest length it fits is printed beside the largest batch (static memory plus the fitted peak). So is the plan's
-own longest length: the least peak its settings (:func:`plan_settings`: offload, compression) reach at each length,
-fitted alike; the step is measured again at that length and the plan made there for the device memory less static
-memory, with its predicted step time.
+own longest length: the least peak its settings (:func:`plan_settings`: offload, compression, the chunked LM head and
+loss) reach at each length, fitted alike; the step is measured again at that length and the plan made there for the
+device memory less static memory, with its predicted step time.
 
 With ``--fake``, or by default when the static memory would not fit this machine, the model is built and
 the step run under ``torch._subclasses.FakeTensorMode``: shapes, dtypes and bytes without any storage, as
@@ -62,6 +62,12 @@ plan minimises the predicted step time on that device, and every setting gets it
 layer what lives in host memory, shown in the per-layer table (``+offload``) and in ``plan.json``'s ``offloaded``.
 ``--compress bf16|fp8|none`` (default: the config's ``GradientCheckpointing`` compress) counts every setting's
 checkpointed layers with their inputs held compressed (:meth:`~lightning_ckpt.core.costs.LayerCost.compressed`).
+``--chunk-loss auto|true|false`` (default: the config's ``GradientCheckpointing`` chunk_loss, else ``auto``): for a
+model whose loss :func:`~lightning_ckpt.core.chunked_loss.chunk_causal_lm_loss` can chunk (Transformers
+``*ForCausalLM``, litgpt's ``GPT``, the demo GPT), the step is measured a second time with the LM head and loss in
+chunks of tokens (:func:`~lightning_ckpt.core.planner.measure_chunked_head`); the plan then runs them chunked
+(``true``), never (``false``) or where that is cheaper or the only way to the budget (``auto``), and the Settings
+table gets ``every_layer_chunked`` (every layer full, the head and loss chunked).
 
 It prints a Markdown report and writes it to ``plan.md`` in ``--output-dir`` (default
 ``lightning_ckpt_plan/<config name>``), with every figure in ``plan.json`` and a plot in ``plan.png``.
@@ -96,9 +102,10 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
   memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when the peak does not grow with the
   batch). Every setting's figures count the costs as the planner plans them (with ``--device``, every layer's
   inputs can move to host memory), so the ``plan`` row is the plan's own line.
-- ``plan``: ``{layers, offloaded, compress, kept_ops, budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
+- ``plan``: ``{layers, offloaded, compress, chunk_tokens, kept_ops, budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
   predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
-  memory, the op outputs an ``ops`` layer keeps, the budget in bytes and the plan's predictions; ``null`` with
+  memory, the op outputs an ``ops`` layer keeps, the tokens a chunk of the LM head and loss (``null``: whole), the
+  budget in bytes and the plan's predictions; ``null`` with
   ``plan_error`` saying why when the budget cannot be met.
 - ``front``: the planner's plans for budgets from the least setting up to no checkpointing, planned with the same
   offload as the plan, each ``{budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
