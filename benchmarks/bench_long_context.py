@@ -66,7 +66,8 @@ class Row:
 
 
 ROWS = (
-    Row("exact full checkpointing", "every_layer", ("--compress", "none", "--offload", "false", "--chunk-loss", "false")),
+    Row("exact full checkpointing", "every_layer",
+        ("--compress", "none", "--offload", "false", "--chunk-loss", "false")),
     Row("full checkpointing, fp8", "every_layer", ("--compress", "fp8", "--offload", "false", "--chunk-loss", "false")),
     Row("plan: offload auto, fp8", "plan", ("--compress", "fp8", "--offload", "auto", "--chunk-loss", "false")),
     Row("plan: offload auto, fp8, chunk_loss auto", "plan",

@@ -95,15 +95,16 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
   on the device at the end of the forward; ``peak_bytes``: the step's activation peak on the device, forward and
   backward, which a budget bounds; ``host_bytes``: held in host memory by offloaded layers, in neither), names
   ``none``, ``every_4th``,
-  ``every_2nd``, ``every_layer``, ``selective`` and ``plan`` (when the budget can be met).
+  ``every_2nd``, ``every_layer``, ``selective``, ``every_layer_chunked`` (when the step was measured with the LM head
+  and loss in chunks too) and ``plan`` (when the budget can be met).
   ``predicted_step_seconds``: on the ``--device`` profile, ``null`` without one. ``fixed_bytes`` and ``per_sample_bytes``: the fit
   ``activations = fixed + per_sample x batch``, ``peak_fixed_bytes`` and ``peak_per_sample_bytes`` the same for the
   peak, and ``largest_batch`` the largest batch per device whose peak fits in ``device_memory`` with the static
   memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when the peak does not grow with the
   batch). Every setting's figures count the costs as the planner plans them (with ``--device``, every layer's
   inputs can move to host memory), so the ``plan`` row is the plan's own line.
-- ``plan``: ``{layers, offloaded, compress, chunk_tokens, kept_ops, budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
-  predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
+- ``plan``: ``{layers, offloaded, compress, chunk_tokens, kept_ops, budget_bytes, activation_bytes, peak_bytes,
+  host_bytes, recompute_flops, predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
   memory, the op outputs an ``ops`` layer keeps, the tokens a chunk of the LM head and loss (``null``: whole), the
   budget in bytes and the plan's predictions; ``null`` with
   ``plan_error`` saying why when the budget cannot be met.

@@ -454,6 +454,7 @@ def _longest_lines(result: PlanResult) -> list[str]:
         return ["", f"{head}: no plan at {shape}, measured again there{capped}{fell_short}: {longest.plan_error}"]
     plan = longest.plan
     n = sum(m != "none" for m in plan.layers.values())
+    chunks = f", runs the LM head and loss in chunks of {plan.chunk_tokens:,} tokens" if plan.chunk_tokens else ""
     per_token = longest.seconds_per_token()
     time = ("" if per_token is None else
             f"; predicted step time {1000 * plan.predicted_step_seconds:.2f} ms on {plan.device},"  # type: ignore[operator]
@@ -461,7 +462,7 @@ def _longest_lines(result: PlanResult) -> list[str]:
     return ["", f"{head}{capped}{fell_short}. The step measured again at {shape}: the plan for"
                 f" {format_bytes(room)} (device memory less static memory) checkpoints {n} of {len(plan.layers)}"
                 f" layers{f', offloads {len(plan.offloaded)}' if plan.offloaded else ''}"
-                f"{f', runs the LM head and loss in chunks of {plan.chunk_tokens:,} tokens' if plan.chunk_tokens else ''}; peak"
+                f"{chunks}; peak"
                 f" {format_bytes(plan.peak_bytes)} ({_b(plan.peak_bytes)} B), host memory"
                 f" {format_bytes(plan.planned_host_bytes)}, least reachable {format_bytes(longest.least_peak_bytes)}"
                 f"{time}."]
