@@ -178,3 +178,16 @@ def test_plan_chunk_loss_true_plans_the_tiny_gpt_with_its_head_in_chunks(tmp_pat
         names = [s["name"] for s in data["settings"]]
         assert ("every_layer_chunked" in names) is (option == "true")  # --chunk-loss false: not measured chunked
     assert lengths["true"] > lengths["false"], lengths
+
+
+@pytest.mark.parametrize(("option", "expected"), [([], True), (["--chunk-loss", "auto"], None)])
+def test_the_config_s_chunk_loss_is_the_default_and_the_option_overrides_it(tmp_path, option, expected):
+    config = tmp_path / "chunked.yaml"
+    config.write_text(TINY.read_text().replace("        every_n_layers: 2\n",
+                                               "        every_n_layers: 2\n        chunk_loss: true\n"))
+    built = _build(_parse(["--config", str(config), "--fake", *option]))
+    assert built.chunk_loss is expected
+
+
+def test_without_the_option_or_the_config_s_chunk_loss_the_plan_chooses():
+    assert _build(_parse(["--config", str(TINY), "--fake"])).chunk_loss is None
