@@ -15,10 +15,13 @@ Issue 32's targets, checked and printed: the plan's longest length at least 2x e
 time per token at most 1.3x exact full checkpointing's at that setting's own longest length. Predictions only: nothing
 ran on a GPU.
 
-A row for a plan option the command gains later (a chunked head and loss) is one ``--plan-option`` away::
+The last row is the plan with the chunked LM head and loss (``--chunk-loss auto``), the row the targets are checked
+on; a table then compares its time per token with exact full checkpointing's at equal lengths (exact's longest,
+twice it, and the plan's longest), where attention's T^2 is the same for both. One more plan row is one
+``--plan-option`` away::
 
     python benchmarks/bench_long_context.py                       # writes RESULTS.md ("long context")
-    python benchmarks/bench_long_context.py --plan-option=--chunk-loss=auto
+    python benchmarks/bench_long_context.py --plan-option=--chunk-loss=true --plot docs/images/long_context.png
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from typing import Any, Optional
 import torch
 
 from _results import machine, write_section
-from lightning_ckpt.commands.plan import _build, _compute, _measure, _parse, _run
-from lightning_ckpt.commands.plan.measure import check_length, device_profile
+from lightning_ckpt.commands.plan import _build, _compute, _measure, _parse, _run, plan_settings
+from lightning_ckpt.commands.plan.measure import check_length, device_profile, static_memory
 from lightning_ckpt.commands.plan.predictions import as_planned
 from lightning_ckpt.commands.plan.report import _plot_lengths, report_data
 from lightning_ckpt.core.planner import predict_peak, predict_seconds
@@ -63,10 +66,15 @@ class Row:
 
 
 ROWS = (
-    Row("exact full checkpointing", "every_layer", ("--compress", "none", "--offload", "false")),
-    Row("full checkpointing, fp8", "every_layer", ("--compress", "fp8", "--offload", "false")),
-    Row("plan: offload auto, fp8", "plan", ("--compress", "fp8", "--offload", "auto")),
+    Row("exact full checkpointing", "every_layer",
+        ("--compress", "none", "--offload", "false", "--chunk-loss", "false")),
+    Row("full checkpointing, fp8", "every_layer", ("--compress", "fp8", "--offload", "false", "--chunk-loss", "false")),
+    Row("plan: offload auto, fp8", "plan", ("--compress", "fp8", "--offload", "auto", "--chunk-loss", "false")),
+    Row("plan: offload auto, fp8, chunk_loss auto", "plan",
+        ("--compress", "fp8", "--offload", "auto", "--chunk-loss", "auto")),
 )
+#: The row issue 32's targets are checked on: the plan with every setting it has (the chunked LM head and loss too).
+TARGET_ROW = 3
 
 
 @dataclass
@@ -79,6 +87,8 @@ class Longest:
     outside_bytes: Optional[int]  # held outside the layers there (embeddings, head logits, loss)
     wall_seconds: float
     data: Optional[dict[str, Any]] = None  # the row's plan.json
+    chunk_tokens: Optional[int] = None  # the plan's LM head and loss in chunks of this many tokens
+    head_peak_bytes: Optional[int] = None  # what the head's backward has alive at once there
 
     @property
     def per_token(self) -> Optional[float]:
@@ -101,8 +111,11 @@ def longest(row: Row) -> Longest:
         if plan_at is None or plan_at.plan is None:
             return Longest(row, None, None, static, None, None, time.perf_counter() - start, report_data(result))
         at = _measure(built, measured.main.batch_size, plan_at.length)
+        chunks = plan_at.plan.chunk_tokens
+        head = at.chunked if chunks is not None and at.chunked is not None else at
         return Longest(row, plan_at.length, plan_at.plan.peak_bytes, static, plan_at.plan.predicted_step_seconds,
-                       at.outside_bytes, time.perf_counter() - start, report_data(result))
+                       head.outside_bytes, time.perf_counter() - start, report_data(result), chunks,
+                       head.head_peak_bytes)
     length = result.largest_length[row.setting]
     assert length is not None, row
     check_length(built, length)
@@ -111,7 +124,68 @@ def longest(row: Row) -> Longest:
     costs = as_planned(at.costs, profile)
     peak = predict_peak(costs, at.outside_bytes, layers, head_bytes=at.head_bytes, head_peak_bytes=at.head_peak_bytes)
     seconds, _ = predict_seconds(costs, at.outside_ops, layers, profile)
-    return Longest(row, length, peak, static, seconds, at.outside_bytes, time.perf_counter() - start)
+    return Longest(row, length, peak, static, seconds, at.outside_bytes, time.perf_counter() - start,
+                   head_peak_bytes=at.head_peak_bytes)
+
+
+def parts(r: Longest) -> str:
+    """The peak's parts at the row's longest length, in words: static memory, the layers' share of the activation
+    peak, what is held outside the layers and what the LM head's backward has alive at once."""
+    if r.length is None or r.peak_bytes is None or r.outside_bytes is None:
+        return "no plan"
+    chunks = f"LM head and loss in chunks of {r.chunk_tokens:,} tokens" if r.chunk_tokens else "LM head and loss whole"
+    return (f"{chunks}; static {format_bytes(r.static_bytes)} + peak {format_bytes(r.peak_bytes)}, of which"
+            f" {format_bytes(r.outside_bytes)} outside the layers and {format_bytes(r.peak_bytes - r.outside_bytes)}"
+            f" layers; the head's backward has {format_bytes(r.head_peak_bytes or 0)} alive at once")
+
+
+@dataclass
+class SameLength:
+    """Exact full checkpointing and the target row's plan at one length: predicted step times (the plan's made for
+    80 GiB less static memory there)."""
+
+    length: int
+    exact_seconds: float
+    exact_fits: bool  # its peak plus static memory within 80 GiB
+    plan_seconds: Optional[float]
+    chunk_tokens: Optional[int]
+
+
+def same_lengths(lengths: list[int]) -> list[SameLength]:
+    """Exact full checkpointing's predicted step time and the target row's plan's at each of ``lengths``: the cost of
+    the plan's choices (offload, fp8, the chunked head) at equal lengths, where attention's T^2 is the same."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        exact_built = _build(_parse([*COMMON, *ROWS[0].options, *MODEL]))
+        args = _parse([*COMMON, *ROWS[TARGET_ROW].options, *MODEL])
+        built = _build(args)
+        profile = device_profile(args.device, built)
+        room = args.device_memory - static_memory(built).total
+        settings = plan_settings(built, profile)
+        out = []
+        for length in lengths:
+            at = _measure(exact_built, 1, length)
+            costs, layers = as_planned(at.costs, profile), {c.name: "full" for c in at.costs}
+            seconds, _ = predict_seconds(costs, at.outside_ops, layers, profile)
+            peak = predict_peak(costs, at.outside_bytes, layers, head_bytes=at.head_bytes,
+                                head_peak_bytes=at.head_peak_bytes)
+            plan, _ = settings.plan(_measure(built, 1, length), room)
+            out.append(SameLength(length, seconds, peak <= room, plan and plan.predicted_step_seconds,
+                                  plan and plan.chunk_tokens))
+    return out
+
+
+def same_table(rows: list[SameLength]) -> str:
+    lines = ["| length (tokens) | exact full: step time | per token | fits 80 GiB | plan (offload auto, fp8, chunk_loss"
+             " auto): step time | per token | LM head and loss | plan / exact per token |",
+             "|---:|---:|---:|---|---:|---:|---|---:|"]
+    for r in rows:
+        plan = ("no plan | | |" if r.plan_seconds is None else
+                f"{r.plan_seconds:.2f} s | {1e6 * r.plan_seconds / r.length:.1f} us |"
+                f" {f'chunks of {r.chunk_tokens:,}' if r.chunk_tokens else 'whole'} |"
+                f" {r.plan_seconds / r.exact_seconds:.2f}")
+        lines.append(f"| {r.length:,} | {r.exact_seconds:.2f} s | {1e6 * r.exact_seconds / r.length:.1f} us |"
+                     f" {'yes' if r.exact_fits else 'no'} | {plan} |")
+    return "\n".join(lines)
 
 
 def table(results: list[Longest]) -> str:
@@ -142,7 +216,7 @@ def plot_lengths(data: dict[str, Any], path: Path) -> None:
     ax = fig.add_subplot()
     _plot_lengths(ax, data)
     ax.set_title("Llama-3-8B-shaped, batch 1, fsdp over 8, 80 GiB: peak across lengths\n(settings with fp8 inputs;"
-                 " plan: offload auto, fp8)", fontsize=9)
+                 " plan: offload auto, fp8, chunk_loss auto)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -168,16 +242,32 @@ def main(argv: Optional[list[str]] = None) -> int:
         results.append(longest(row))
         r = results[-1]
         print(f"{row.name}: longest {r.length} tokens, {r.per_token and 1e6 * r.per_token:.1f} us per token"
-              f" (planned in {r.wall_seconds:.0f} s)", flush=True)
+              f" (planned in {r.wall_seconds:.0f} s); {parts(r)}", flush=True)
     text = table(results)
-    exact, plan = results[0], results[2]
+    exact, plan = results[0], results[TARGET_ROW]
     longer = plan.length / exact.length if plan.length and exact.length else 0.0
     slower = plan.per_token / exact.per_token if plan.per_token and exact.per_token else float("inf")
     verdict = (f"Targets (issue 32): the plan's longest length {longer:.2f}x exact full checkpointing's (target >= 2x):"
                f" {'met' if longer >= 2 else 'missed'}; its predicted time per token {slower:.2f}x exact's at exact's"
                f" own longest length (target <= 1.3x): {'met' if slower <= 1.3 else 'missed'}.")
+    lengths = sorted({exact.length, 2 * exact.length, plan.length} - {None})
+    equal = same_lengths(lengths)  # type: ignore[arg-type]
+    same = same_table(equal)
+    twice = next((r for r in equal if exact.length and r.length == 2 * exact.length), None)
+    if twice is not None and twice.plan_seconds is not None and exact.per_token:
+        at_twice = twice.plan_seconds / twice.length / exact.per_token
+        verdict += (f" At 2x exact's longest length ({twice.length:,} tokens) the same plan takes"
+                    f" {at_twice:.2f}x exact's time per token: {'both met' if at_twice <= 1.3 else 'missed'} there;"
+                    " exact full checkpointing's own time per token grows"
+                    f" {twice.exact_seconds / twice.length / exact.per_token:.2f}x from its longest length to that"
+                    " one (attention's T^2).")
+    longest_data = plan.data and plan.data.get("longest_plan")
+    if longest_data and longest_data["fitted_length"] != plan.length:
+        verdict += (f" The plan's fit gave {longest_data['fitted_length']:,} tokens; the model's block_size caps it at"
+                    f" {plan.length:,}.")
     print(text)
     print(verdict)
+    print(same)
     if args.plot is not None and plan.data is not None:
         plot_lengths(plan.data, args.plot)
     if not args.no_write:
@@ -193,8 +283,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             f" Machine: {machine()}.",
             text, verdict,
             "The head's logits and the cross-entropy (length x 128,256 values, in bf16 and again in fp32) are what"
-            " grows outside the layers; without a chunked head and loss they stay in every row. A row for it:"
-            " `--plan-option=--chunk-loss=...` once `plan` takes the option."]))
+            " grows outside the layers; without the chunked head and loss (`--chunk-loss false`) they stay in every"
+            " row. With `--chunk-loss auto` the plan runs them in chunks of 1,024 tokens at these lengths, and what"
+            " stays outside the layers is a few GiB. Time per token at equal lengths, exact full checkpointing against"
+            " the last row's plan made there for 80 GiB (exact full checkpointing's own step time priced whether or"
+            " not it fits):",
+            same]))
     return 0
 
 

@@ -23,9 +23,9 @@ peak, recompute FLOPs and, with ``--device``, step time) and each setting's peak
 the shape measured (batch x length). With ``--device-memory`` and 2 or more lengths, each setting's peak is fitted
 over the length (a quadratic through 3 or more lengths, for attention's ``T^2`` terms; a line through 2) and the
 largest length it fits is printed beside the largest batch (static memory plus the fitted peak). So is the plan's
-own longest length: the least peak its settings (:func:`plan_settings`: offload, compression) reach at each length,
-fitted alike; the step is measured again at that length and the plan made there for the device memory less static
-memory, with its predicted step time.
+own longest length: the least peak its settings (:func:`plan_settings`: offload, compression, the chunked LM head and
+loss) reach at each length, fitted alike; the step is measured again at that length and the plan made there for the
+device memory less static memory, with its predicted step time.
 
 With ``--fake``, or by default when the static memory would not fit this machine, the model is built and
 the step run under ``torch._subclasses.FakeTensorMode``: shapes, dtypes and bytes without any storage, as
@@ -62,6 +62,12 @@ plan minimises the predicted step time on that device, and every setting gets it
 layer what lives in host memory, shown in the per-layer table (``+offload``) and in ``plan.json``'s ``offloaded``.
 ``--compress bf16|fp8|none`` (default: the config's ``GradientCheckpointing`` compress) counts every setting's
 checkpointed layers with their inputs held compressed (:meth:`~lightning_ckpt.core.costs.LayerCost.compressed`).
+``--chunk-loss auto|true|false`` (default: the config's ``GradientCheckpointing`` chunk_loss, else ``auto``): for a
+model whose loss :func:`~lightning_ckpt.core.chunked_loss.chunk_causal_lm_loss` can chunk (Transformers
+``*ForCausalLM``, litgpt's ``GPT``, the demo GPT), the step is measured a second time with the LM head and loss in
+chunks of tokens (:func:`~lightning_ckpt.core.planner.measure_chunked_head`); the plan then runs them chunked
+(``true``), never (``false``) or where that is cheaper or the only way to the budget (``auto``), and the Settings
+table gets ``every_layer_chunked`` (every layer full, the head and loss chunked).
 
 It prints a Markdown report and writes it to ``plan.md`` in ``--output-dir`` (default
 ``lightning_ckpt_plan/<config name>``), with every figure in ``plan.json`` and a plot in ``plan.png``.
@@ -89,16 +95,18 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
   on the device at the end of the forward; ``peak_bytes``: the step's activation peak on the device, forward and
   backward, which a budget bounds; ``host_bytes``: held in host memory by offloaded layers, in neither), names
   ``none``, ``every_4th``,
-  ``every_2nd``, ``every_layer``, ``selective`` and ``plan`` (when the budget can be met).
+  ``every_2nd``, ``every_layer``, ``selective``, ``every_layer_chunked`` (when the step was measured with the LM head
+  and loss in chunks too) and ``plan`` (when the budget can be met).
   ``predicted_step_seconds``: on the ``--device`` profile, ``null`` without one. ``fixed_bytes`` and ``per_sample_bytes``: the fit
   ``activations = fixed + per_sample x batch``, ``peak_fixed_bytes`` and ``peak_per_sample_bytes`` the same for the
   peak, and ``largest_batch`` the largest batch per device whose peak fits in ``device_memory`` with the static
   memory, all ``null`` without ``--device-memory`` (``largest_batch`` also when the peak does not grow with the
   batch). Every setting's figures count the costs as the planner plans them (with ``--device``, every layer's
   inputs can move to host memory), so the ``plan`` row is the plan's own line.
-- ``plan``: ``{layers, offloaded, compress, kept_ops, budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
-  predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
-  memory, the op outputs an ``ops`` layer keeps, the budget in bytes and the plan's predictions; ``null`` with
+- ``plan``: ``{layers, offloaded, compress, chunk_tokens, kept_ops, budget_bytes, activation_bytes, peak_bytes,
+  host_bytes, recompute_flops, predicted_step_seconds, baseline_step_seconds}``: each layer's mode, the layers whose held tensors go to host
+  memory, the op outputs an ``ops`` layer keeps, the tokens a chunk of the LM head and loss (``null``: whole), the
+  budget in bytes and the plan's predictions; ``null`` with
   ``plan_error`` saying why when the budget cannot be met.
 - ``front``: the planner's plans for budgets from the least setting up to no checkpointing, planned with the same
   offload as the plan, each ``{budget_bytes, activation_bytes, peak_bytes, host_bytes, recompute_flops,
@@ -212,6 +220,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--compress", choices=("bf16", "fp8", "none"), default=None,
                         help="plan with the checkpointed layers' inputs held as bf16 or fp8 (see the guide 'Compressed"
                              " checkpoints'), or 'none' (exact); default: the config's GradientCheckpointing compress")
+    parser.add_argument("--chunk-loss", choices=("auto", "true", "false"), default=None,
+                        help="plan with the LM head and loss in chunks of tokens (see the guide 'Long sequences'):"
+                             " 'true', 'false', or 'auto' (the plan chooses them where it is cheaper or only reaches"
+                             " the budget with them); default: the config's GradientCheckpointing chunk_loss, else"
+                             " 'auto'")
     parser.add_argument("--lengths", type=_lengths, default=(),
                         help="sequence lengths to plan at too (512,2048,8192): the step measured at each, the batch's"
                              " token ids and every tensor of their length cut or tiled; with --device-memory also the"
@@ -305,6 +318,8 @@ def _build(args: argparse.Namespace) -> Built:
         built.offload = {"true": True, "false": False, "auto": "auto"}[args.offload]
     if args.compress is not None:
         built.compress = None if args.compress == "none" else args.compress
+    if args.chunk_loss is not None:
+        built.chunk_loss = {"true": True, "false": False, "auto": None}[args.chunk_loss]
     return built
 
 
@@ -354,9 +369,9 @@ def _measure(built: Built, batch_size: int, length: Optional[int] = None) -> Mea
 
 
 def plan_settings(built: Built, profile: Optional[DeviceProfile]) -> PlanSettings:
-    """The settings every plan of the command is made with: the one place they are gathered (a chunked head and
-    loss joins offload and compression here)."""
-    return PlanSettings(offload=built.offload, device=profile, compress=built.compress)
+    """The settings every plan of the command is made with: the one place they are gathered (offload, compression
+    and the chunked LM head and loss)."""
+    return PlanSettings(offload=built.offload, device=profile, compress=built.compress, chunk_loss=built.chunk_loss)
 
 
 def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profile: Optional[DeviceProfile],
@@ -388,8 +403,9 @@ def _rows(measured: Measurement, plan: Optional[CheckpointPlan], offload: Offloa
           other: Optional[Measurement] = None, room: Optional[int] = None) -> list[SettingRow]:
     """Every standard setting's predictions on ``measured``, and the plan's when there is one."""
     names = [c.name for c in measured.costs]
-    return setting_rows(measured, setting_choices(names, plan), offload, other, room,
-                        plan.kept_ops if plan is not None else {}, profile, plan.offloaded if plan is not None else ())
+    return setting_rows(measured, setting_choices(names, plan, measured.chunked is not None), offload, other, room,
+                        plan.kept_ops if plan is not None else {}, profile, plan.offloaded if plan is not None else (),
+                        plan_chunked=plan is not None and plan.chunk_tokens is not None)
 
 
 def _across_lengths(result: PlanResult, at_lengths: Sequence[Measurement], room: Optional[int],

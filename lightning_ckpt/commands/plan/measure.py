@@ -36,7 +36,8 @@ from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
 from lightning_ckpt.core.longest import batch_of_length as core_batch_of_length
 from lightning_ckpt.core.longest import length_limit, sequence_length_of
 from lightning_ckpt.core.op_curve import OpRecord
-from lightning_ckpt.core.planner import LayerCost, Offload, measure_step
+from lightning_ckpt.core.chunked_loss import DEFAULT_CHUNK_TOKENS, chunk_loss_of, chunked_models
+from lightning_ckpt.core.planner import PLAN_MODES, ChunkedHead, LayerCost, Offload, measure_chunked_head, measure_step
 from lightning_ckpt.core.profiling import storage_key, tensor_bytes
 from lightning_ckpt.strategies import CheckpointingFSDPStrategy
 
@@ -247,6 +248,9 @@ class Built:
     attention_kernels: set[str] = field(default_factory=set)
     #: How the checkpointed layers hold their inputs: the config's callback's ``compress``, or --compress.
     compress: Optional[Compress] = None
+    #: The LM head and loss in chunks: the config's callback's ``chunk_loss``, or --chunk-loss (``None``: the plan
+    #: chooses).
+    chunk_loss: Optional[bool] = None
     #: How the configured strategy shards static memory (the trainer itself is built for one device).
     sharding: Sharding = field(default_factory=Sharding)
 
@@ -320,7 +324,7 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
         data.setup("fit")
     return Built(module, data.train_dataloader(), device, settings.get("layer_cls"), settings.get("offload") or False,
                  settings.get("memory_budget"), fake_mode, precision, planned_for, compress=settings.get("compress"),
-                 sharding=sharding)
+                 chunk_loss=settings.get("chunk_loss"), sharding=sharding)
 
 
 def _auto_devices(cli: Any, planned_for: Optional[str]) -> int:
@@ -446,6 +450,7 @@ class Measurement:
     head_bytes: int = 0  # of outside_bytes, saved after the last layer (see LayerCostRecorder.head_bytes)
     head_peak_bytes: int = 0  # what the head's backward makes alive at once (LayerCostRecorder.head_peak_bytes)
     length: Optional[int] = None  # the sequence length measured (dim 1 of the token ids); None without token ids
+    chunked: Optional[ChunkedHead] = None  # the same step with the LM head and loss in chunks (see chunk_size)
 
 
 def measure(built: Built, batch_size: Optional[int] = None, length: Optional[int] = None) -> Measurement:
@@ -475,13 +480,31 @@ def measure(built: Built, batch_size: Optional[int] = None, length: Optional[int
         warnings.filterwarnings("ignore", message=_LOG_WARNING)
         try:
             measured = measure_step(module, step, built.layer_cls)
+            chunk = chunk_size(built)
+            chunked = None if chunk is None else measure_chunked_head(module, step, built.layer_cls, PLAN_MODES,
+                                                                      chunk)[1]
         except (IndexError, RuntimeError) as err:
             if length is None:
                 raise
             raise ValueError(f"plan: --lengths: the step failed at a length of {length} tokens, which the model may"
                              f" not take ({type(err).__name__}: {err})") from err
     return Measurement(batch_size, measured.costs, measured.outside_bytes, measured.outside_ops, measured.head_bytes,
-                       measured.head_peak_bytes, measured_length)
+                       measured.head_peak_bytes, measured_length, chunked)
+
+
+def chunk_size(built: Built) -> Optional[int]:
+    """The tokens a chunk the plan measures the chunked LM head and loss with: the model's own chunk size if it has
+    one, else :data:`~lightning_ckpt.core.chunked_loss.DEFAULT_CHUNK_TOKENS`; ``None`` when ``built.chunk_loss`` is
+    ``False`` or the model has no loss :func:`~lightning_ckpt.core.chunked_loss.chunk_causal_lm_loss` can chunk.
+
+    Example::
+
+        >>> chunk_size(Built(torch.nn.Linear(2, 2), [], torch.device("cpu"), None, False, 0.5, None))  # no LM loss
+    """
+    names = chunked_models(built.module) if built.chunk_loss is not False else []
+    if not names:
+        return None
+    return chunk_loss_of(built.module.get_submodule(names[0])) or DEFAULT_CHUNK_TOKENS
 
 
 @dataclass

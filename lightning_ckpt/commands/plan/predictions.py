@@ -20,6 +20,7 @@ from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
 from lightning_ckpt.core.planner import (
     PLAN_MODES,
     CheckpointPlan,
+    ChunkedHead,
     LayerCost,
     Offload,
     _least_peak,
@@ -40,17 +41,24 @@ SETTINGS = {
     "every_2nd": "every 2nd layer, full",
     "every_layer": "every layer, full",
     "selective": "every layer, selective",
+    "every_layer_chunked": "every layer, full, with the LM head and loss in chunks",
     "plan": "the plan for the budget",
 }
+#: The settings whose LM head and loss run in chunks (the measurement's ``chunked``), besides a chunked plan.
+CHUNKED_SETTINGS = ("every_layer_chunked",)
 
 
-def setting_choices(names: Sequence[str], plan: Optional[CheckpointPlan]) -> dict[str, dict[str, str]]:
-    """Layer modes of each standard setting (``"plan"`` only when there is one).
+def setting_choices(names: Sequence[str], plan: Optional[CheckpointPlan], chunked: bool = False,
+                    ) -> dict[str, dict[str, str]]:
+    """Layer modes of each standard setting (``"plan"`` only when there is one, ``"every_layer_chunked"`` only when
+    the LM head and loss were measured ``chunked`` too).
 
     Example::
 
         >>> setting_choices(["a", "b", "c"], None)["every_2nd"]
         {'a': 'full', 'c': 'full'}
+        >>> list(setting_choices(["a"], None, chunked=True))[-1]
+        'every_layer_chunked'
     """
     out: dict[str, dict[str, str]] = {
         "none": {},
@@ -59,6 +67,8 @@ def setting_choices(names: Sequence[str], plan: Optional[CheckpointPlan]) -> dic
         "every_layer": dict.fromkeys(names, "full"),
         "selective": dict.fromkeys(names, "selective"),
     }
+    if chunked:
+        out["every_layer_chunked"] = dict.fromkeys(names, "full")
     if plan is not None:
         out["plan"] = dict(plan.layers)
     return out
@@ -111,11 +121,18 @@ class PlanSettings:
         230
         >>> PlanSettings(offload=True).least_peak(Measurement(8, costs, 100))  # l0-l2 hold nothing on the device
         210
+        >>> chunked = Measurement(8, costs, 100, chunked=ChunkedHead(64, outside_bytes=40, head_bytes=0,
+        ...                                                        head_peak_bytes=0, flops=8))
+        >>> [PlanSettings(chunk_loss=c).least_peak(chunked) for c in (None, True, False)]  # 40 outside, not 100
+        [170, 170, 230]
     """
 
     offload: Offload = False
     device: Optional[DeviceProfile] = None
     compress: Optional[Compress] = None
+    #: The LM head and loss in chunks (``measured.chunked``): ``True`` always, ``False`` never, ``None`` where the
+    #: plan is cheaper or only reaches the budget with them (:func:`~lightning_ckpt.core.planner.make_plan`).
+    chunk_loss: Optional[bool] = None
 
     def plan(self, measured: Measurement, budget: object) -> tuple[Optional[CheckpointPlan], Optional[str]]:
         """``(plan, None)``: the planner's plan for ``budget`` on ``measured``; ``(None, why)`` when it cannot be
@@ -123,16 +140,25 @@ class PlanSettings:
         try:
             return make_plan(measured.costs, measured.outside_bytes, budget, offload=self.offload, device=self.device,
                              outside_ops=measured.outside_ops, head_bytes=measured.head_bytes,
-                             head_peak_bytes=measured.head_peak_bytes, compress=self.compress), None
+                             head_peak_bytes=measured.head_peak_bytes, compress=self.compress,
+                             chunked=measured.chunked, chunk_loss=self.chunk_loss), None
         except ValueError as err:
             return None, str(err)
 
     def least_peak(self, measured: Measurement) -> int:
         """The least activation peak a plan with these settings reaches on ``measured``: every layer at the option
-        that holds the least (checkpointed, compressed, offloaded), as the planner's "least reachable" says."""
+        that holds the least (checkpointed, compressed, offloaded), as the planner's "least reachable" says; with
+        ``measured.chunked`` and ``chunk_loss`` not ``False``, the chunked head's bytes outside the layers (the least of
+        both ways under ``None``)."""
         costs = [c.compressed(self.compress) for c in as_planned(measured.costs, self.device)]
-        return _least_peak(costs, measured.outside_bytes, PLAN_MODES, self.offload, DEFAULT_MIN_BYTES,
-                           measured.head_bytes, measured.head_peak_bytes)
+        plain = _least_peak(costs, measured.outside_bytes, PLAN_MODES, self.offload, DEFAULT_MIN_BYTES,
+                            measured.head_bytes, measured.head_peak_bytes)
+        head = measured.chunked
+        if head is None or self.chunk_loss is False:
+            return plain
+        chunked = _least_peak(costs, head.outside_bytes, PLAN_MODES, self.offload, DEFAULT_MIN_BYTES, head.head_bytes,
+                              head.head_peak_bytes)
+        return chunked if self.chunk_loss else min(plain, chunked)
 
 
 def host_bytes(costs: Sequence[LayerCost], layers: Mapping[str, str], moved: Union[bool, Sequence[str]],
@@ -209,32 +235,57 @@ def plan_for(measured: Measurement, budget: object, offload: Offload, device: Op
     return PlanSettings(offload, device, compress).plan(measured, budget)
 
 
+def outside_of(measured: Measurement, chunked: bool) -> tuple[int, int, int, int]:
+    """``(outside_bytes, head_bytes, head_peak_bytes, head_flops)`` of ``measured``: as measured, or with ``chunked``
+    (and a chunked measurement) the chunked LM head and loss's, whose backward runs the head's forward again
+    (``head_flops``).
+
+    Example::
+
+        >>> from lightning_ckpt.commands.plan.measure import Measurement
+        >>> m = Measurement(8, [], 100, head_bytes=60, head_peak_bytes=80, chunked=ChunkedHead(64, 40, 5, 7, 9))
+        >>> outside_of(m, False), outside_of(m, True)
+        ((100, 60, 80, 0), (40, 5, 7, 9))
+    """
+    head = measured.chunked if chunked else None
+    if head is None:
+        return measured.outside_bytes, measured.head_bytes, measured.head_peak_bytes, 0
+    return head.outside_bytes, head.head_bytes, head.head_peak_bytes, head.flops
+
+
 def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], offload: Offload,
                  other: Optional[Measurement] = None, room: Optional[int] = None,
                  kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({}),
-                 device: Optional[DeviceProfile] = None, plan_offloaded: Sequence[str] = ()) -> list[SettingRow]:
+                 device: Optional[DeviceProfile] = None, plan_offloaded: Sequence[str] = (),
+                 plan_chunked: bool = False) -> list[SettingRow]:
     """Predicted bytes and FLOPs of each setting at ``main``'s batch size; with ``other`` (a second batch size)
     the linear fits of the activations and of the peak, with ``room`` (device memory minus static memory) the largest
     batch whose peak fits, and with ``device`` the predicted step time. An ``"ops"`` layer keeps the ops at positions
-    ``kept_ops[name]``. The costs are counted as the planner plans them (:func:`as_planned`)."""
+    ``kept_ops[name]``. The costs are counted as the planner plans them (:func:`as_planned`). The settings of
+    :data:`CHUNKED_SETTINGS`, and the plan with ``plan_chunked``, count the chunked LM head and loss
+    (:func:`outside_of`): its bytes outside the layers, and its recompute in FLOPs and time."""
     costs = as_planned(main.costs, device)
     other_costs = as_planned(other.costs, device) if other is not None else []
     rows = []
     for name, layers in choices.items():
         # "auto" is the plan's choice (its layers, in `plan_offloaded`); the standard settings then offload nothing
         moved: Union[bool, list[str]] = list(plan_offloaded) if name == "plan" else offload is True
-        act, flops = predict(costs, main.outside_bytes, layers, moved, kept_ops)
-        row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops,
+        chunked = name in CHUNKED_SETTINGS or (name == "plan" and plan_chunked)
+        outside, head, head_peak, head_flops = outside_of(main, chunked)
+        act, flops = predict(costs, outside, layers, moved, kept_ops)
+        row = SettingRow(name, sum(m != "none" for m in layers.values()), act, flops + head_flops,
                          host_bytes=host_bytes(costs, layers, moved, kept_ops))
-        row.peak_bytes = predict_peak(costs, main.outside_bytes, layers, moved, kept_ops,
-                                      head_bytes=main.head_bytes, head_peak_bytes=main.head_peak_bytes)
+        row.peak_bytes = predict_peak(costs, outside, layers, moved, kept_ops, head_bytes=head,
+                                      head_peak_bytes=head_peak)
         if device is not None:
-            row.predicted_step_seconds, _ = predict_seconds(costs, main.outside_ops, layers, device, moved, kept_ops)
+            seconds, _ = predict_seconds(costs, main.outside_ops, layers, device, moved, kept_ops)
+            row.predicted_step_seconds = seconds + head_flops / device.matmul_flops
         if other is not None:
-            act2, _ = predict(other_costs, other.outside_bytes, layers, moved, kept_ops)
+            outside2, head2, head_peak2, _ = outside_of(other, chunked)
+            act2, _ = predict(other_costs, outside2, layers, moved, kept_ops)
             row.fixed_bytes, row.per_sample_bytes = fit_line(main.batch_size, act, other.batch_size, act2)
-            peak2 = predict_peak(other_costs, other.outside_bytes, layers, moved, kept_ops,
-                                 head_bytes=other.head_bytes, head_peak_bytes=other.head_peak_bytes)
+            peak2 = predict_peak(other_costs, outside2, layers, moved, kept_ops, head_bytes=head2,
+                                 head_peak_bytes=head_peak2)
             row.peak_fixed_bytes, row.peak_per_sample_bytes = fit_line(main.batch_size, row.peak_bytes,
                                                                        other.batch_size, peak2)
             if room is not None:  # the step's peak, not the end of the forward: the backward must fit too

@@ -415,23 +415,26 @@ def _length_peak_lines(result: PlanResult) -> list[str]:
         lines.append(f"Largest length: static memory plus the setting's fitted peak within"
                      f" {format_bytes(result.device_memory)} at batch size {batch}; largest batch (from the Settings"
                      " table): static memory plus the step's peak at the measured length. plan (least peak): the"
-                     f" least peak a plan reaches with the plan's own settings ({_settings_text(result.built)}),"
-                     " fitted the same way.")
+                     " least peak a plan reaches with the plan's own settings"
+                     f" ({_settings_text(result.built, result.main.chunked is not None)}), fitted the same way.")
         lines += _longest_lines(result)
     return lines
 
 
-def _settings_text(built: Built) -> str:
-    """The plan's own settings in words: offload and compression.
+def _settings_text(built: Built, chunkable: bool = False) -> str:
+    """The plan's own settings in words: offload, compression and, for a model whose LM head and loss can run in
+    chunks (``chunkable``), ``chunk_loss``.
 
     Example::
 
         >>> built = Built(None, [], None, None, "auto", 0.5, None, compress="fp8")
-        >>> _settings_text(built), _settings_text(Built(None, [], None, None, False, 0.5, None))
-        ("offload 'auto', compress 'fp8'", 'offload off, exact')
+        >>> _settings_text(built), _settings_text(Built(None, [], None, None, False, 0.5, None, chunk_loss=True), True)
+        ("offload 'auto', compress 'fp8'", 'offload off, exact, chunk_loss on')
     """
     offload = "off" if built.offload is False else "on" if built.offload is True else repr(built.offload)
-    return f"offload {offload}, " + (f"compress {built.compress!r}" if built.compress else "exact")
+    chunks = "'auto'" if built.chunk_loss is None else "on" if built.chunk_loss else "off"
+    return (f"offload {offload}, " + (f"compress {built.compress!r}" if built.compress else "exact")
+            + (f", chunk_loss {chunks}" if chunkable else ""))
 
 
 def _longest_lines(result: PlanResult) -> list[str]:
@@ -442,7 +445,7 @@ def _longest_lines(result: PlanResult) -> list[str]:
     room = memory - result.static.total  # type: ignore[operator]  # with device memory only
     shape = f"{longest.batch_size} x {longest.length}"
     head = (f"**The plan's longest length: {longest.length:,} tokens** at batch size {longest.batch_size}"
-            f" ({_settings_text(result.built)})")
+            f" ({_settings_text(result.built, result.main.chunked is not None)})")
     capped = (f" (the fit gave {longest.fitted:,}; the model's {longest.capped[0]} is {longest.capped[1]:,})"
               if longest.capped else "")
     fell_short = (f" (the fit gave {longest.fitted:,}; its least peak there overshot, so shorter lengths were"
@@ -451,13 +454,15 @@ def _longest_lines(result: PlanResult) -> list[str]:
         return ["", f"{head}: no plan at {shape}, measured again there{capped}{fell_short}: {longest.plan_error}"]
     plan = longest.plan
     n = sum(m != "none" for m in plan.layers.values())
+    chunks = f", runs the LM head and loss in chunks of {plan.chunk_tokens:,} tokens" if plan.chunk_tokens else ""
     per_token = longest.seconds_per_token()
     time = ("" if per_token is None else
             f"; predicted step time {1000 * plan.predicted_step_seconds:.2f} ms on {plan.device},"  # type: ignore[operator]
             f" {1e6 * per_token:.3f} us per token")
     return ["", f"{head}{capped}{fell_short}. The step measured again at {shape}: the plan for"
                 f" {format_bytes(room)} (device memory less static memory) checkpoints {n} of {len(plan.layers)}"
-                f" layers{f', offloads {len(plan.offloaded)}' if plan.offloaded else ''}; peak"
+                f" layers{f', offloads {len(plan.offloaded)}' if plan.offloaded else ''}"
+                f"{chunks}; peak"
                 f" {format_bytes(plan.peak_bytes)} ({_b(plan.peak_bytes)} B), host memory"
                 f" {format_bytes(plan.planned_host_bytes)}, least reachable {format_bytes(longest.least_peak_bytes)}"
                 f"{time}."]
@@ -468,7 +473,7 @@ def _plan_data(plan: Optional[CheckpointPlan]) -> Optional[dict[str, Any]]:
     return None if plan is None else {
         "layers": dict(plan.layers),
         "offloaded": list(plan.offloaded),
-        "compress": plan.compress,
+        "compress": plan.compress, "chunk_tokens": plan.chunk_tokens,
         "budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes, "peak_bytes": plan.peak_bytes,
         "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops,
         "kept_ops": plan.kept_ops, "predicted_step_seconds": plan.predicted_step_seconds,
