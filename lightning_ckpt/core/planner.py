@@ -128,8 +128,8 @@ from lightning_ckpt.core.timing import (
 )
 
 __all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Choice", "ChunkedHead", "LayerCost",
-           "LayerCostRecorder", "LayerOption", "Offload", "OpCostMode", "Option", "StepCosts", "StepMeasurement",
-           "cheapest_choices", "choose", "count_cost", "exposed_transfer_seconds", "extra_seconds", "forward_seconds",
+           "LayerCostRecorder", "MIN_CHUNK_TOKENS", "OPS_PER_CHUNK", "LayerOption", "Offload", "OpCostMode", "Option", "StepCosts", "StepMeasurement",
+           "cheapest_choices", "choose", "chunk_sizes", "count_cost", "exposed_transfer_seconds", "extra_seconds", "forward_seconds",
            "held_peak", "kept_on_device", "layer_options", "layer_seconds", "layer_transients", "make_option",
            "make_plan", "measure_chunked_head", "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_peak", "predict_seconds",
            "solve", "transfer_windows"]
@@ -224,6 +224,28 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
                    baseline_bytes=problem.baseline, baseline_peak_bytes=problem.baseline_peak, **seconds)
 
 
+#: The ops each chunk's recompute runs again (the head's matmul, the log-softmax, the loss), each launched once.
+OPS_PER_CHUNK = 3
+#: The smallest chunk the planner tries (:func:`chunk_sizes`): below it a chunk's launches cost more than its bytes.
+MIN_CHUNK_TOKENS = 256
+
+
+def chunk_sizes(largest: int, smallest: Optional[int] = None) -> list[int]:
+    """The chunk sizes :func:`plan_checkpointing` tries, largest first: ``largest`` halved down to ``smallest``
+    (default :data:`MIN_CHUNK_TOKENS`; ``largest`` alone when it is no larger).
+
+    Example::
+
+        >>> chunk_sizes(1024), chunk_sizes(100), chunk_sizes(96, smallest=16)
+        ([1024, 512, 256], [100], [96, 48, 24])
+    """
+    smallest = MIN_CHUNK_TOKENS if smallest is None else smallest
+    sizes = [largest]
+    while sizes[-1] // 2 >= smallest and sizes[-1] // 2 >= 1:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
 @dataclass(frozen=True)
 class ChunkedHead:
     """The step measured with the LM head and loss in chunks of ``chunk_tokens`` tokens
@@ -242,10 +264,23 @@ class ChunkedHead:
     head_bytes: int
     head_peak_bytes: int
     flops: int
+    chunks: int = 1  # the head's calls in the forward: each chunk's recompute launches its ops again
+    tokens: int = 0  # the tokens the head saw in the forward (0: not counted)
 
     def seconds(self, profile: Optional[DeviceProfile]) -> float:
-        """The recompute's time on ``profile`` (a matmul), 0 without one."""
-        return self.flops / profile.matmul_flops if profile is not None else 0.0
+        """The recompute's time on ``profile``: a matmul, and the launch of each chunk's ops
+        (:data:`OPS_PER_CHUNK`); 0 without one.
+
+        Example::
+
+            >>> from lightning_ckpt.core.device_profile import DeviceProfile
+            >>> fast = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e12, host_bandwidth=1e10, op_overhead=1e-5)
+            >>> ChunkedHead(256, 0, 0, 0, flops=10**12, chunks=8).seconds(fast)  # 1 s + 8 x 3 x 10 us
+            1.00024
+        """
+        if profile is None:
+            return 0.0
+        return self.flops / profile.matmul_flops + self.chunks * OPS_PER_CHUNK * profile.op_overhead
 
 
 def _check_plan_arguments(memory_budget: object, modes: Sequence[str], offload: Offload,
@@ -420,9 +455,11 @@ def plan_checkpointing(
         chunk_loss: for a model whose loss :func:`~lightning_ckpt.core.chunked_loss.chunk_causal_lm_loss` can chunk
             (Transformers ``*ForCausalLM`` with labels, litgpt ``GPT``, the demo GPT): ``True`` plans with the LM head
             and loss in chunks of tokens, ``False`` without, ``None`` measures the step both ways and keeps the
-            cheaper plan (:func:`make_plan`), so chunking is chosen when the budget needs it. Its chunk is
+            cheaper plan (:func:`make_plan`), so chunking is chosen when the budget needs it. The chunk is the
+            largest of :func:`chunk_sizes` whose plan fits: from
             :data:`~lightning_ckpt.core.chunked_loss.DEFAULT_CHUNK_TOKENS` tokens (or ``chunk_tokens`` the module
-            already has); ``plan.chunk_tokens`` says what was chosen. Other models: ignored.
+            already has) halved down to :data:`MIN_CHUNK_TOKENS`, each smaller one measured (one more step) only
+            when the larger misses the budget; ``plan.chunk_tokens`` says what was chosen. Other models: ignored.
 
     Without ``device`` the plan has the fewest recompute FLOPs among those whose predicted bytes fit: layers
     (and op outputs) that free most bytes per recomputed FLOP go first, whatever their position; FLOPs are exact
@@ -452,18 +489,31 @@ def plan_checkpointing(
     if chunk_loss is True and chunk is None:
         say_once(log, f"lightning_ckpt: chunk_loss=True found no loss it can chunk in {type(module).__name__}; the plan"
                       " counts its head and loss as measured, outside the layers.")
-    if chunk is not None:  # measured unchunked below, and chunked here
-        chunked = measure_chunked_head(module, step, layer_cls, modes, chunk)
     with _unchunked(module):
         measured = measure_step(module, step, layer_cls, modes) if chunk_loss is not True or chunk is None else None
-    if measured is None:  # chunk_loss=True: plan from the chunked step alone
-        return make_plan(chunked[0].costs, chunked[1].outside_bytes, memory_budget, modes, offload, profile,
-                         chunked[0].outside_ops, host_memory, head_bytes=chunked[1].head_bytes,
-                         head_peak_bytes=chunked[1].head_peak_bytes, compress=compress, chunked=chunked[1],
-                         chunk_loss=True)
-    return make_plan(measured.costs, measured.outside_bytes, memory_budget, modes, offload, profile, measured.outside_ops,
-                     host_memory, head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes,
-                     compress=compress, chunked=chunked[1] if chunk is not None else None, chunk_loss=chunk_loss)
+    if chunk is None:
+        assert measured is not None
+        return make_plan(measured.costs, measured.outside_bytes, memory_budget, modes, offload, profile,
+                         measured.outside_ops, host_memory, head_bytes=measured.head_bytes,
+                         head_peak_bytes=measured.head_peak_bytes, compress=compress)
+    # The largest chunk whose plan fits: a smaller one only adds launches, measured only when the larger misses
+    error: Optional[ValueError] = None
+    tokens = None
+    for size in chunk_sizes(chunk, min(chunk, MIN_CHUNK_TOKENS)):
+        if tokens is not None and size >= tokens:
+            continue  # still one chunk of every token: the bytes already measured
+        steps, head = measure_chunked_head(module, step, layer_cls, modes, size)
+        tokens = head.tokens or None
+        # chunk_loss=True: the chunked step alone, its head's peak with the weight gradient's extra copy
+        base = measured if measured is not None else replace(steps, head_peak_bytes=head.head_peak_bytes)
+        try:
+            return make_plan(base.costs, base.outside_bytes, memory_budget, modes, offload, profile, base.outside_ops,
+                             host_memory, head_bytes=base.head_bytes, head_peak_bytes=base.head_peak_bytes,
+                             compress=compress, chunked=head, chunk_loss=chunk_loss)
+        except ValueError as missed:
+            error = missed
+    assert error is not None
+    raise error
 
 
 def _chunk_of(module: nn.Module) -> Optional[int]:
@@ -497,13 +547,14 @@ def measure_chunked_head(module: nn.Module, step: Callable[[], Any], layer_cls: 
     second chunk on, a weight gradient that is added into ``.grad`` and freed: one more copy of its trainable
     parameters' bytes, counted here."""
     heads = [head_of(module.get_submodule(name)) for name in chunked_models(module)]
-    flops, calls = [0], [0]
+    flops, calls, tokens = [0], [0], [0]
 
     def count(head: nn.Module, args: tuple, out: Any) -> None:
         # the backward (the measurement's own, of the head) recomputes each chunk: not the forward's FLOPs
         if torch.is_tensor(out) and args and torch.is_tensor(args[0]) and torch._C._current_graph_task_id() == -1:
             flops[0] += 2 * out.numel() * args[0].shape[-1]
             calls[0] += 1
+            tokens[0] += args[0].numel() // args[0].shape[-1]
 
     with _unchunked(module):
         chunk_causal_lm_loss(module, chunk)
@@ -516,7 +567,8 @@ def measure_chunked_head(module: nn.Module, step: Callable[[], Any], layer_cls: 
             unchunk_causal_lm_loss(module)
     grads = sum(p.numel() * p.element_size() for head in heads for p in head.parameters() if p.requires_grad)
     head_peak = measured.head_peak_bytes + (grads if calls[0] > len(heads) else 0)
-    return measured, ChunkedHead(chunk, measured.outside_bytes, measured.head_bytes, head_peak, flops[0])
+    return measured, ChunkedHead(chunk, measured.outside_bytes, measured.head_bytes, head_peak, flops[0], calls[0],
+                                 tokens[0])
 
 
 def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str, str],
