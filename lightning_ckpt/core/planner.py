@@ -127,7 +127,7 @@ from lightning_ckpt.core.timing import (
     transfer_windows,
 )
 
-__all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Choice", "ChunkedHead", "LayerCost",
+__all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Choice", "ChunkedHead", "HeadCount", "LayerCost",
            "LayerCostRecorder", "MIN_CHUNK_TOKENS", "OPS_PER_CHUNK", "LayerOption", "Offload", "OpCostMode", "Option", "StepCosts", "StepMeasurement",
            "cheapest_choices", "choose", "chunk_sizes", "count_cost", "exposed_transfer_seconds", "extra_seconds", "forward_seconds",
            "held_peak", "kept_on_device", "layer_options", "layer_seconds", "layer_transients", "make_option",
@@ -537,38 +537,63 @@ def _unchunked(module: nn.Module) -> Iterator[None]:
                 chunk_causal_lm_loss(module.get_submodule(name), chunk)
 
 
-def measure_chunked_head(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg, modes: Sequence[str],
-                     chunk: int) -> tuple[StepCosts, ChunkedHead]:
-    """The step measured with ``module``'s loss in chunks of ``chunk`` tokens (as :func:`measure_step`), and its
-    :class:`ChunkedHead` for :func:`make_plan`'s ``chunked``: the head's forward FLOPs (its
-    matmul, counted from each call's input and output in the forward: what the backward runs again).
+class HeadCount:
+    """Counts, while entered, the forward calls of ``module``'s LM heads (:func:`chunked_models`): their matmul FLOPs
+    (what the chunked backward runs again), the calls (chunks) and the tokens; calls inside a backward (the
+    recompute) are not counted. :meth:`chunked_head` turns a step measured meanwhile into a :class:`ChunkedHead`.
 
-    The head's backward peak is measured as gradients to the last layer's output; a trained head also makes, from its
-    second chunk on, a weight gradient that is added into ``.grad`` and freed: one more copy of its trainable
-    parameters' bytes, counted here."""
-    heads = [head_of(module.get_submodule(name)) for name in chunked_models(module)]
-    flops, calls, tokens = [0], [0], [0]
+    Example::
 
-    def count(head: nn.Module, args: tuple, out: Any) -> None:
-        # the backward (the measurement's own, of the head) recomputes each chunk: not the forward's FLOPs
+        >>> from lightning_ckpt.demos import Transformer
+        >>> model = Transformer(16, 8, 1, 8, 2, 0.0)
+        >>> with HeadCount(model) as count:
+        ...     _ = model(torch.zeros(2, 8, dtype=torch.long))
+        >>> count.flops, count.calls, count.tokens  # 2 x 16 tokens x 8 in x 16 out
+        (4096, 1, 16)
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.heads = [head_of(module.get_submodule(name)) for name in chunked_models(module)]
+        self.flops = self.calls = self.tokens = 0
+        self._handles: list[Any] = []
+
+    def _count(self, head: nn.Module, args: tuple, out: Any) -> None:
         if torch.is_tensor(out) and args and torch.is_tensor(args[0]) and torch._C._current_graph_task_id() == -1:
-            flops[0] += 2 * out.numel() * args[0].shape[-1]
-            calls[0] += 1
-            tokens[0] += args[0].numel() // args[0].shape[-1]
+            self.flops += 2 * out.numel() * args[0].shape[-1]
+            self.calls += 1
+            self.tokens += args[0].numel() // args[0].shape[-1]
 
+    def __enter__(self) -> "HeadCount":
+        self._handles = [head.register_forward_hook(self._count) for head in self.heads]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def chunked_head(self, chunk: int, outside_bytes: int, head_bytes: int, head_peak_bytes: int) -> ChunkedHead:
+        """The :class:`ChunkedHead` of a step measured with these bytes while counted. A trained head also makes,
+        from its second chunk on, a weight gradient that is added into ``.grad`` and freed: one more copy of its
+        trainable parameters' bytes on top of the measured ``head_peak_bytes``."""
+        grads = sum(p.numel() * p.element_size() for head in self.heads for p in head.parameters() if p.requires_grad)
+        head_peak = head_peak_bytes + (grads if self.calls > len(self.heads) else 0)
+        return ChunkedHead(chunk, outside_bytes, head_bytes, head_peak, self.flops, self.calls, self.tokens)
+
+
+def measure_chunked_head(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg, modes: Sequence[str],
+                         chunk: int) -> tuple[StepCosts, ChunkedHead]:
+    """The step measured with ``module``'s loss in chunks of ``chunk`` tokens (as :func:`measure_step`), and its
+    :class:`ChunkedHead` for :func:`make_plan`'s ``chunked`` (counted by :class:`HeadCount`). The head's backward
+    peak is measured as gradients to the last layer's output."""
     with _unchunked(module):
         chunk_causal_lm_loss(module, chunk)
-        handles = [head.register_forward_hook(count) for head in heads]
         try:
-            measured = measure_step(module, step, layer_cls, modes)
+            with HeadCount(module) as count:
+                measured = measure_step(module, step, layer_cls, modes)
         finally:
-            for handle in handles:
-                handle.remove()
             unchunk_causal_lm_loss(module)
-    grads = sum(p.numel() * p.element_size() for head in heads for p in head.parameters() if p.requires_grad)
-    head_peak = measured.head_peak_bytes + (grads if calls[0] > len(heads) else 0)
-    return measured, ChunkedHead(chunk, measured.outside_bytes, measured.head_bytes, head_peak, flops[0], calls[0],
-                                 tokens[0])
+    return measured, count.chunked_head(chunk, measured.outside_bytes, measured.head_bytes, measured.head_peak_bytes)
 
 
 def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str, str],
