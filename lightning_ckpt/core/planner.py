@@ -78,6 +78,7 @@ import logging
 
 import psutil
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_ckpt.core.chunked_loss import (
@@ -86,6 +87,7 @@ from lightning_ckpt.core.chunked_loss import (
     chunk_loss_of,
     chunked_models,
     head_of,
+    lm_loss,
     unchunk_causal_lm_loss,
 )
 from lightning_ckpt.core.compress import COMPRESS, Compress, validate_compress
@@ -102,7 +104,14 @@ from lightning_ckpt.core.measure import (
 from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
 from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.plan import CheckpointPlan
-from lightning_ckpt.core.profiling import OpCostMode, count_cost, format_bytes
+from lightning_ckpt.core.profiling import (
+    LiveBytes,
+    OpCostMode,
+    SavedTensorCounter,
+    count_cost,
+    format_bytes,
+    hidden_from_counters,
+)
 from lightning_ckpt.core.say_once import say_once
 from lightning_ckpt.core.selection import LayerClassArg, parse_memory_budget
 from lightning_ckpt.core.solver import (
@@ -129,7 +138,7 @@ from lightning_ckpt.core.timing import (
 
 __all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Choice", "ChunkedHead", "HeadCount", "LayerCost",
            "LayerCostRecorder", "MIN_CHUNK_TOKENS", "OPS_PER_CHUNK", "LayerOption", "Offload", "OpCostMode", "Option", "StepCosts", "StepMeasurement",
-           "cheapest_choices", "choose", "chunk_sizes", "count_cost", "exposed_transfer_seconds", "extra_seconds", "forward_seconds",
+           "cheapest_choices", "choose", "chunk_sizes", "count_cost", "exposed_transfer_seconds", "head_and_loss_bytes", "extra_seconds", "forward_seconds",
            "held_peak", "kept_on_device", "layer_options", "layer_seconds", "layer_transients", "make_option",
            "make_plan", "measure_chunked_head", "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_peak", "predict_seconds",
            "solve", "transfer_windows"]
@@ -555,6 +564,7 @@ class HeadCount:
     def __init__(self, module: nn.Module) -> None:
         self.heads = [head_of(module.get_submodule(name)) for name in chunked_models(module)]
         self.flops = self.calls = self.tokens = 0
+        self.dtypes: Optional[tuple[torch.dtype, torch.dtype]] = None  # the last call's input and output dtypes
         self._handles: list[Any] = []
 
     def _count(self, head: nn.Module, args: tuple, out: Any) -> None:
@@ -562,6 +572,7 @@ class HeadCount:
             self.flops += 2 * out.numel() * args[0].shape[-1]
             self.calls += 1
             self.tokens += args[0].numel() // args[0].shape[-1]
+            self.dtypes = (args[0].dtype, out.dtype)
 
     def __enter__(self) -> "HeadCount":
         self._handles = [head.register_forward_hook(self._count) for head in self.heads]
@@ -579,6 +590,47 @@ class HeadCount:
         grads = sum(p.numel() * p.element_size() for head in self.heads for p in head.parameters() if p.requires_grad)
         head_peak = head_peak_bytes + (grads if self.calls > len(self.heads) else 0)
         return ChunkedHead(chunk, outside_bytes, head_bytes, head_peak, self.flops, self.calls, self.tokens)
+
+
+def head_and_loss_bytes(head: nn.Module, tokens: int, chunk: Optional[int],
+                        dtypes: Optional[tuple[torch.dtype, torch.dtype]] = None) -> tuple[int, int]:
+    """``(saved, backward peak)`` bytes of the LM head and the cross-entropy alone over ``tokens`` tokens, unchunked
+    (``chunk=None``: ``cross_entropy(head(hidden).float(), labels)``) or through
+    :func:`~lightning_ckpt.core.chunked_loss.lm_loss`; measured on fake tensors (nothing allocated, the head left as
+    it was). ``dtypes``: the hidden states' and the logits' (the logits' differ under autocast).
+
+    Example::
+
+        >>> head = nn.Linear(8, 100, bias=False)
+        >>> head_and_loss_bytes(head, 10, None)
+        (4404, 8004)
+
+    Saved: the input (10 x 8 x 4 B), the labels (10 x 8 B), the log-softmax (10 x 100 x 4 B) and a 4-byte count;
+    the backward's peak: two 10 x 100 fp32 gradients (the log-softmax's, the logits') and the loss's own.
+    """
+    from torch._subclasses import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    weight = next(head.parameters())
+    hidden_dtype, out_dtype = dtypes if dtypes is not None else (weight.dtype, weight.dtype)
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with mode:
+        fakes = {name: mode.from_tensor(t).requires_grad_(t.requires_grad)
+                 for name, t in (*head.named_parameters(remove_duplicate=False),
+                                 *head.named_buffers(remove_duplicate=False))}
+    autocast = torch.autocast(weight.device.type, dtype=out_dtype, enabled=out_dtype not in (weight.dtype, hidden_dtype))
+    with _reparametrize_module(head, fakes), mode, autocast:
+        hidden = torch.empty(tokens, head.in_features if hasattr(head, "in_features") else weight.shape[-1],
+                             dtype=hidden_dtype, device=weight.device, requires_grad=True)
+        labels = torch.zeros(tokens, dtype=torch.long, device=weight.device)
+        with hidden_from_counters(), SavedTensorCounter(exclude=list(fakes.values())) as saved:
+            if chunk is None:
+                loss = F.cross_entropy(head(hidden).float(), labels)
+            else:
+                loss = lm_loss(hidden, head, labels, chunk_tokens=chunk)
+        with hidden_from_counters(), LiveBytes() as live:
+            torch.autograd.grad(loss, hidden)
+    return saved.bytes, live.peak()
 
 
 def measure_chunked_head(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg, modes: Sequence[str],
