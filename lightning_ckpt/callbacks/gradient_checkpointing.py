@@ -140,9 +140,10 @@ class GradientCheckpointing(Callback):
         chunk_loss: ``True``: the LM head and the cross-entropy run in chunks of tokens, so nothing of ``tokens x
             vocab`` is kept for backward (:func:`lightning_ckpt.lm_loss`), for Transformers ``*ForCausalLM`` called
             with ``labels`` (PEFT-wrapped too), litgpt's ``GPT`` called with ``targets=`` and the demo GPT; with
-            ``memory_budget`` the plans are measured with it. ``False`` or ``None``: the loss runs as the model
-            computes it (a budget's plan here does not choose the chunked head yet; ``plan_checkpointing(...,
-            chunk_loss=None)`` does). Other models keep their loss, said once.
+            ``memory_budget`` the plans are measured with it. ``False``: the loss runs as the model computes it.
+            ``None``: so too without a budget; with a byte or fraction budget (not under FSDP2) each plan chooses:
+            the measuring step runs the head chunked (1024 tokens a chunk), the plain head and loss are priced apart
+            on fake tensors, and ``plan.chunk_tokens`` says what was chosen. Other models keep their loss, said once.
 
     Layers are checkpointed in ``setup`` and, for models built in ``configure_model``, right after it,
     before any strategy wraps the model. Everything is undone in ``teardown`` (or on an exception).
