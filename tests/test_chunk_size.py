@@ -114,3 +114,22 @@ def test_more_chunks_cost_their_launches_on_a_profile():
     plan = make_plan(costs, 10, 1.0, device=profile, chunked=many, chunk_loss=True)
     assert plan.predicted_step_seconds == pytest.approx(make_plan(costs, 10, 1.0, device=profile)
                                                         .predicted_step_seconds + many.seconds(profile))
+
+
+def test_out_of_reach_names_the_outside_bytes_by_part():
+    from lightning_ckpt.core.measure import measure_step
+    from lightning_ckpt.core.profiling import format_bytes
+
+    model = gpt()
+    measured = measure_step(model, step(model), None, ("full", "selective"))
+    # after the layers: the log-softmax (tokens x vocab fp32), the inputs of the final norm and of the head
+    # (tokens x width fp32 each), the norm's mean and rstd, the labels (int64) and a 4-byte count
+    after = 4 * TOKENS * VOCAB + 2 * 4 * TOKENS * WIDTH + 2 * 4 * TOKENS + 8 * TOKENS + 4
+    backward = 2 * 4 * TOKENS * VOCAB + 4  # the gradients of the log-softmax and of the logits, and of the loss
+    assert (measured.head_bytes, measured.head_peak_bytes) == (after, backward) == (8667140, 16777220)
+    with pytest.raises(ValueError) as caught:
+        planned(2**20, False, chunk=512)
+    floor = next(line for line in str(caught.value).splitlines() if "Floor" in line)
+    assert (f": {format_bytes(measured.outside_bytes - after)} saved before them (embeddings), {format_bytes(after)}"
+            f" after them (final norm, head, loss), and {format_bytes(backward)} made alive at once by the backward"
+            " of the head and loss") in floor, floor

@@ -740,6 +740,7 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
             f" reachable is {format_bytes(minimum)} ({_pct(minimum, baseline)}), with every matched layer checkpointed"
             + (" or offloaded" if offload == "auto" else "") + ". Nothing was applied.")
     floor = (f"  Floor: {format_bytes(outside)} of it is outside the matched layers (embeddings, head, loss)"
+             + _outside_parts(outside, head_bytes, head_peak_bytes)
              + _floor_text(costs, [o.device_bytes for o in _smallest(costs, modes, offload, min_bytes)],
                            outside - head_bytes, outside + head_peak_bytes) + ".")
     if bool(offload) and minimum <= budget_bytes:  # the device could hold it: host memory is what is short
@@ -818,6 +819,23 @@ def _floor_text(costs: Sequence[LayerCost], held: Sequence[int], outside_during:
         return ""
     return (f"; the backward of `{costs[i].name}` sets that floor: it has {format_bytes(costs[i].backward_peak)} alive"
             " at once (its recompute, what it saves and its gradients) while the layers before it hold their inputs")
+
+
+def _outside_parts(outside: int, head_bytes: int, head_peak_bytes: int) -> str:
+    """The bytes outside the layers by part: saved before them (embeddings), after them (final norm, LM head and
+    loss), and what the head's and loss's backward makes alive at once (the logits' gradient), when measured.
+
+    Example::
+
+        >>> _outside_parts(3 * 2**20, 2**20, 4 * 2**20)
+        ': 2.0 MiB saved before them (embeddings), 1.0 MiB after them (final norm, head, loss), and 4.0 MiB made alive at once by the backward of the head and loss'
+    """
+    if not head_bytes and not head_peak_bytes:
+        return ""
+    return (f": {format_bytes(outside - head_bytes)} saved before them (embeddings), {format_bytes(head_bytes)} after"
+            " them (final norm, head, loss)"
+            + (f", and {format_bytes(head_peak_bytes)} made alive at once by the backward of the head and loss"
+               if head_peak_bytes else ""))
 
 
 def _pct(part: int, whole: int) -> str:
