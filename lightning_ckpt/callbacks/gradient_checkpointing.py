@@ -552,7 +552,9 @@ class GradientCheckpointing(Callback):
         else:
             measured, _ = _combine_over_ranks(trainer.strategy, measured, [])
         chunked: Optional[ChunkedHead] = None
-        if self._chunked is not None:  # every rank has one (the fake step's agreement)
+        if self._chooses_chunks(pl_module) and not _all_ranks(trainer.strategy, self._chunked is not None):
+            self._chunked = None  # a rank whose outside bytes were not measured: no choice, and no unmatched gather
+        if self._chunked is not None:  # on every rank
             mine = self._chunked
             both, figures = _combine_over_ranks(trainer.strategy, mine, [0, *self._chunked_figures])
             chunked = ChunkedHead(DEFAULT_CHUNK_TOKENS, both.outside_bytes, both.head_bytes, both.head_peak_bytes,
