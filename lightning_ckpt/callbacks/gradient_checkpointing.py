@@ -53,7 +53,12 @@ from lightning_ckpt.core.planner import (
     make_plan,
 )
 from lightning_ckpt.core.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
-from lightning_ckpt.core.chunked_loss import DEFAULT_CHUNK_TOKENS, chunk_causal_lm_loss, chunked_models
+from lightning_ckpt.core.chunked_loss import (
+    DEFAULT_CHUNK_TOKENS,
+    chunk_causal_lm_loss,
+    chunked_models,
+    unchunk_causal_lm_loss,
+)
 from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.wrapping import (
     CheckpointOptions,
@@ -373,6 +378,8 @@ class GradientCheckpointing(Callback):
             self._chunked = None
             if self._chooses_chunks(pl_module):
                 self._head_count = HeadCount(pl_module).__enter__()
+            elif self._settings["chunk_loss"] is None:  # sharded since `setup` chunked it: the model's own head
+                unchunk_causal_lm_loss(pl_module)
             layers = [(name, pl_module.get_submodule(name)) for name in self.checkpointed_layers]
             if self._first_auto():
                 reset_device_peaks(trainer.strategy.root_device)
