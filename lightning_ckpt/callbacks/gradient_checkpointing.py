@@ -11,6 +11,7 @@ import copy
 import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Generic, Optional, TypeVar, Union, overload
 
@@ -42,9 +43,22 @@ from lightning_ckpt.core.longest import batch_of_length, longest_length, measure
 from lightning_ckpt.core.offload import release_all
 from lightning_ckpt.core.placement import check_checkpointing_placement, fsdp2
 from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
-from lightning_ckpt.core.planner import CheckpointPlan, LayerCostRecorder, Offload, make_plan
+from lightning_ckpt.core.planner import (
+    CheckpointPlan,
+    ChunkedHead,
+    HeadCount,
+    LayerCostRecorder,
+    Offload,
+    head_and_loss_bytes,
+    make_plan,
+)
 from lightning_ckpt.core.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
-from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss
+from lightning_ckpt.core.chunked_loss import (
+    DEFAULT_CHUNK_TOKENS,
+    chunk_causal_lm_loss,
+    chunked_models,
+    unchunk_causal_lm_loss,
+)
 from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.wrapping import (
     CheckpointOptions,
@@ -131,9 +145,10 @@ class GradientCheckpointing(Callback):
         chunk_loss: ``True``: the LM head and the cross-entropy run in chunks of tokens, so nothing of ``tokens x
             vocab`` is kept for backward (:func:`lightning_ckpt.lm_loss`), for Transformers ``*ForCausalLM`` called
             with ``labels`` (PEFT-wrapped too), litgpt's ``GPT`` called with ``targets=`` and the demo GPT; with
-            ``memory_budget`` the plans are measured with it. ``False`` or ``None``: the loss runs as the model
-            computes it (a budget's plan here does not choose the chunked head yet; ``plan_checkpointing(...,
-            chunk_loss=None)`` does). Other models keep their loss, said once.
+            ``memory_budget`` the plans are measured with it. ``False``: the loss runs as the model computes it.
+            ``None``: so too without a budget; with a byte or fraction budget (not under FSDP2) each plan chooses:
+            the measuring step runs the head chunked (1024 tokens a chunk), the plain head and loss are priced apart
+            on fake tensors, and ``plan.chunk_tokens`` says what was chosen. Other models keep their loss, said once.
 
     Layers are checkpointed in ``setup`` and, for models built in ``configure_model``, right after it,
     before any strategy wraps the model. Everything is undone in ``teardown`` (or on an exception).
@@ -222,6 +237,11 @@ class GradientCheckpointing(Callback):
         self._start_step = 0
         self._device: Optional[tuple[DeviceProfile, int]] = None  # profile and host memory, for "auto"
         self._longest_checked = False  # the longest batch planned for (or found unknown) before the first step
+        # chunk_loss=None with a budget: the measuring step runs the head chunked; the unchunked head and loss are
+        # measured apart on fake tensors, and the plan chooses between them
+        self._head_count: Optional[HeadCount] = None
+        self._chunked: Optional[RankMeasurement] = None  # this rank's chunked measuring step, until the plan
+        self._chunked_figures: list[int] = []  # its head's FLOPs, calls and tokens (HeadCount)
 
     @property
     def plan(self) -> Optional[CheckpointPlan]:
@@ -258,8 +278,10 @@ class GradientCheckpointing(Callback):
             names = self.plan.apply(pl_module, **options)
             if chunk_loss and self.plan.chunk_tokens is None:
                 chunk_causal_lm_loss(pl_module)
-        else:  # measuring: every layer, full, compressed as asked (so it holds no more than the plans can)
-            names = apply_checkpointing(pl_module, **{**options, "offload": False}, chunk_loss=chunk_loss)
+        else:  # measuring: every layer, full, compressed as asked (so it holds no more than the plans can), and the
+            # head chunked when the plan may choose it (no more than the unchunked head holds)
+            names = apply_checkpointing(pl_module, **{**options, "offload": False},
+                                        chunk_loss=chunk_loss or self._chooses_chunks(pl_module))
         if names != self.checkpointed_layers and self._settings["memory_budget"] is None:
             # with a budget, the line each new plan logs says it (a switch between plans says nothing)
             shown = ", ".join(names) if len(names) <= 8 else ", ".join(names[:8]) + ", ..."
@@ -353,6 +375,11 @@ class GradientCheckpointing(Callback):
             self._check.__enter__()
         if step.measure:
             # Every matched layer is fully checkpointed; measure it during this ordinary step.
+            self._chunked = None
+            if self._chooses_chunks(pl_module):
+                self._head_count = HeadCount(pl_module).__enter__()
+            elif self._settings["chunk_loss"] is None:  # sharded since `setup` chunked it: the model's own head
+                unchunk_causal_lm_loss(pl_module)
             layers = [(name, pl_module.get_submodule(name)) for name in self.checkpointed_layers]
             if self._first_auto():
                 reset_device_peaks(trainer.strategy.root_device)
@@ -463,6 +490,13 @@ class GradientCheckpointing(Callback):
         finally:
             pl_module._trainer = trainer_ref
 
+    def _chooses_chunks(self, pl_module: Any) -> bool:
+        """Whether the plans choose between the LM head and loss chunked and unchunked: ``chunk_loss=None`` with a
+        byte or fraction budget, a model whose loss can be chunked, not sharded by FSDP2 (whose layers cannot run
+        on fake tensors)."""
+        return (self._settings["chunk_loss"] is None and self._settings["memory_budget"] not in (None, "auto")
+                and bool(chunked_models(pl_module)) and not _sharded(pl_module))
+
     def _first_auto(self) -> bool:
         return self._settings["memory_budget"] == "auto" and self._auto is None
 
@@ -480,6 +514,9 @@ class GradientCheckpointing(Callback):
         """Leave the measuring hooks (if measuring; the head's backward measured from ``loss``, when given); ``True``
         when this ended a measurement."""
         recorder, self._recorder = self._recorder, None
+        count, self._head_count = self._head_count, None
+        if count is not None:
+            count.__exit__(None, None, None)
         if recorder is None:
             return False
         if loss is not None:
@@ -493,6 +530,12 @@ class GradientCheckpointing(Callback):
                            " (other saved-tensor hooks were entered after this callback's); the plan counts them as 0."
                            " Put GradientCheckpointing after such callbacks in `callbacks`.")
         self._measured = measured
+        if count is not None and count.calls and recorder.held_bytes >= measured.layer_bytes:
+            # measured chunked: the plan chooses, the unchunked head and loss priced apart
+            head = count.chunked_head(DEFAULT_CHUNK_TOKENS, 0, 0, measured.head_peak_bytes)
+            self._chunked = replace(measured, head_peak_bytes=head.head_peak_bytes)
+            self._chunked_figures = [head.flops, head.chunks, head.tokens]
+            self._measured = _unchunked_measurement(measured, count)
         return True
 
     def _make_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -515,19 +558,29 @@ class GradientCheckpointing(Callback):
             budget = auto.budget_bytes
         else:
             measured, _ = _combine_over_ranks(trainer.strategy, measured, [])
+        chunked: Optional[ChunkedHead] = None
+        if self._chooses_chunks(pl_module) and not _all_ranks(trainer.strategy, self._chunked is not None):
+            self._chunked = None  # a rank whose outside bytes were not measured: no choice, and no unmatched gather
+        if self._chunked is not None:  # on every rank
+            mine = self._chunked
+            both, figures = _combine_over_ranks(trainer.strategy, mine, [0, *self._chunked_figures])
+            chunked = ChunkedHead(DEFAULT_CHUNK_TOKENS, both.outside_bytes, both.head_bytes, both.head_peak_bytes,
+                                  *figures[1:])
         size = self._cycle.measuring
-        self._measured = None
+        self._measured = self._chunked = None
         try:
             # An impossible budget raises here; the step's own full checkpointing is undone by `on_exception`.
-            plan = self._solve(trainer, measured, budget)
+            plan = self._solve(trainer, measured, budget, chunked)
         except ValueError as err:
             raise ValueError(f"{err}\n  This was for a batch of {size} (the largest over ranks).") from None
         self._cycle.planned(plan, measured)
         if trainer.is_global_zero:
             _report_plan(trainer, plan, self._settings["memory_budget"], auto, size)
 
-    def _solve(self, trainer: pl.Trainer, measured: RankMeasurement, budget: object = None) -> CheckpointPlan:
-        """The plan for ``measured`` (combined over ranks) at ``budget`` (``None``: the byte budget, or "auto"'s)."""
+    def _solve(self, trainer: pl.Trainer, measured: RankMeasurement, budget: object = None,
+               chunked: Optional[ChunkedHead] = None) -> CheckpointPlan:
+        """The plan for ``measured`` (combined over ranks) at ``budget`` (``None``: the byte budget, or "auto"'s);
+        with ``chunked``, the cheaper of the LM head and loss unchunked (``measured``) or chunked."""
         if budget is None:
             budget = self._auto.budget_bytes if self._auto is not None else self._settings["memory_budget"]
         modes = ("full",) if self._reentrant() else ("full", "selective")
@@ -535,7 +588,7 @@ class GradientCheckpointing(Callback):
         return make_plan(measured.costs, measured.outside_bytes, budget, modes, self._settings["offload"], profile,
                          host_memory=host_memory, min_bytes=offload_min_bytes(trainer.strategy.root_device),
                          head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes,
-                         compress=self._settings["compress"])
+                         compress=self._settings["compress"], chunked=chunked)
 
     # ------------------------------------------------------------------ end, state
 
@@ -549,6 +602,10 @@ class GradientCheckpointing(Callback):
         if self._recorder is not None:
             self._recorder.__exit__(None, None, None)
             self._recorder = None
+        if self._head_count is not None:
+            self._head_count.__exit__(None, None, None)
+            self._head_count = None
+        self._chunked = None
         if self._check is not None:
             self._check.__exit__(None, None, None)
             self._check = None
@@ -699,6 +756,20 @@ _KEEPS_PLAN = {
 
 
 # --------------------------------------------------------------------------------------------- budget: the calls
+
+
+def _unchunked_measurement(chunked: RankMeasurement, count: HeadCount) -> RankMeasurement:
+    """The measuring step as it would have been with the LM heads unchunked: the chunked step's bytes, plus what
+    the head and loss alone hold more unchunked (:func:`~lightning_ckpt.core.planner.head_and_loss_bytes`, on fake
+    tensors, per head over its share of the tokens)."""
+    saved = peak = 0
+    for head in count.heads:
+        tokens = count.tokens // len(count.heads)
+        plain = head_and_loss_bytes(head, tokens, None, count.dtypes)
+        chunks = head_and_loss_bytes(head, tokens, DEFAULT_CHUNK_TOKENS, count.dtypes)
+        saved, peak = saved + plain[0] - chunks[0], peak + plain[1] - chunks[1]
+    return replace(chunked, outside_bytes=chunked.outside_bytes + saved, head_bytes=chunked.head_bytes + saved,
+                   head_peak_bytes=max(0, chunked.head_peak_bytes + peak))
 
 
 def _combine_over_ranks(strategy: Strategy, measured: RankMeasurement, figures: list[int]) -> tuple[RankMeasurement, list[int]]:

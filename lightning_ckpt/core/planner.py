@@ -78,6 +78,7 @@ import logging
 
 import psutil
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_ckpt.core.chunked_loss import (
@@ -86,6 +87,7 @@ from lightning_ckpt.core.chunked_loss import (
     chunk_loss_of,
     chunked_models,
     head_of,
+    lm_loss,
     unchunk_causal_lm_loss,
 )
 from lightning_ckpt.core.compress import COMPRESS, Compress, validate_compress
@@ -102,7 +104,14 @@ from lightning_ckpt.core.measure import (
 from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
 from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.plan import CheckpointPlan
-from lightning_ckpt.core.profiling import OpCostMode, count_cost, format_bytes
+from lightning_ckpt.core.profiling import (
+    LiveBytes,
+    OpCostMode,
+    SavedTensorCounter,
+    count_cost,
+    format_bytes,
+    hidden_from_counters,
+)
 from lightning_ckpt.core.say_once import say_once
 from lightning_ckpt.core.selection import LayerClassArg, parse_memory_budget
 from lightning_ckpt.core.solver import (
@@ -127,9 +136,9 @@ from lightning_ckpt.core.timing import (
     transfer_windows,
 )
 
-__all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Choice", "ChunkedHead", "LayerCost",
-           "LayerCostRecorder", "LayerOption", "Offload", "OpCostMode", "Option", "StepCosts", "StepMeasurement",
-           "cheapest_choices", "choose", "count_cost", "exposed_transfer_seconds", "extra_seconds", "forward_seconds",
+__all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Choice", "ChunkedHead", "HeadCount", "LayerCost",
+           "LayerCostRecorder", "MIN_CHUNK_TOKENS", "OPS_PER_CHUNK", "LayerOption", "Offload", "OpCostMode", "Option", "StepCosts", "StepMeasurement",
+           "cheapest_choices", "choose", "chunk_sizes", "count_cost", "exposed_transfer_seconds", "head_and_loss_bytes", "extra_seconds", "forward_seconds",
            "held_peak", "kept_on_device", "layer_options", "layer_seconds", "layer_transients", "make_option",
            "make_plan", "measure_chunked_head", "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_peak", "predict_seconds",
            "solve", "transfer_windows"]
@@ -224,6 +233,28 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
                    baseline_bytes=problem.baseline, baseline_peak_bytes=problem.baseline_peak, **seconds)
 
 
+#: The ops each chunk's recompute runs again (the head's matmul, the log-softmax, the loss), each launched once.
+OPS_PER_CHUNK = 3
+#: The smallest chunk the planner tries (:func:`chunk_sizes`): below it a chunk's launches cost more than its bytes.
+MIN_CHUNK_TOKENS = 256
+
+
+def chunk_sizes(largest: int, smallest: Optional[int] = None) -> list[int]:
+    """The chunk sizes :func:`plan_checkpointing` tries, largest first: ``largest`` halved down to ``smallest``
+    (default :data:`MIN_CHUNK_TOKENS`; ``largest`` alone when it is no larger).
+
+    Example::
+
+        >>> chunk_sizes(1024), chunk_sizes(100), chunk_sizes(96, smallest=16)
+        ([1024, 512, 256], [100], [96, 48, 24])
+    """
+    smallest = MIN_CHUNK_TOKENS if smallest is None else smallest
+    sizes = [largest]
+    while sizes[-1] // 2 >= smallest and sizes[-1] // 2 >= 1:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
 @dataclass(frozen=True)
 class ChunkedHead:
     """The step measured with the LM head and loss in chunks of ``chunk_tokens`` tokens
@@ -242,10 +273,23 @@ class ChunkedHead:
     head_bytes: int
     head_peak_bytes: int
     flops: int
+    chunks: int = 1  # the head's calls in the forward: each chunk's recompute launches its ops again
+    tokens: int = 0  # the tokens the head saw in the forward (0: not counted)
 
     def seconds(self, profile: Optional[DeviceProfile]) -> float:
-        """The recompute's time on ``profile`` (a matmul), 0 without one."""
-        return self.flops / profile.matmul_flops if profile is not None else 0.0
+        """The recompute's time on ``profile``: a matmul, and the launch of each chunk's ops
+        (:data:`OPS_PER_CHUNK`); 0 without one.
+
+        Example::
+
+            >>> from lightning_ckpt.core.device_profile import DeviceProfile
+            >>> fast = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e12, host_bandwidth=1e10, op_overhead=1e-5)
+            >>> ChunkedHead(256, 0, 0, 0, flops=10**12, chunks=8).seconds(fast)  # 1 s + 8 x 3 x 10 us
+            1.00024
+        """
+        if profile is None:
+            return 0.0
+        return self.flops / profile.matmul_flops + self.chunks * OPS_PER_CHUNK * profile.op_overhead
 
 
 def _check_plan_arguments(memory_budget: object, modes: Sequence[str], offload: Offload,
@@ -420,9 +464,11 @@ def plan_checkpointing(
         chunk_loss: for a model whose loss :func:`~lightning_ckpt.core.chunked_loss.chunk_causal_lm_loss` can chunk
             (Transformers ``*ForCausalLM`` with labels, litgpt ``GPT``, the demo GPT): ``True`` plans with the LM head
             and loss in chunks of tokens, ``False`` without, ``None`` measures the step both ways and keeps the
-            cheaper plan (:func:`make_plan`), so chunking is chosen when the budget needs it. Its chunk is
+            cheaper plan (:func:`make_plan`), so chunking is chosen when the budget needs it. The chunk is the
+            largest of :func:`chunk_sizes` whose plan fits: from
             :data:`~lightning_ckpt.core.chunked_loss.DEFAULT_CHUNK_TOKENS` tokens (or ``chunk_tokens`` the module
-            already has); ``plan.chunk_tokens`` says what was chosen. Other models: ignored.
+            already has) halved down to :data:`MIN_CHUNK_TOKENS`, each smaller one measured (one more step) only
+            when the larger misses the budget; ``plan.chunk_tokens`` says what was chosen. Other models: ignored.
 
     Without ``device`` the plan has the fewest recompute FLOPs among those whose predicted bytes fit: layers
     (and op outputs) that free most bytes per recomputed FLOP go first, whatever their position; FLOPs are exact
@@ -452,18 +498,31 @@ def plan_checkpointing(
     if chunk_loss is True and chunk is None:
         say_once(log, f"lightning_ckpt: chunk_loss=True found no loss it can chunk in {type(module).__name__}; the plan"
                       " counts its head and loss as measured, outside the layers.")
-    if chunk is not None:  # measured unchunked below, and chunked here
-        chunked = measure_chunked_head(module, step, layer_cls, modes, chunk)
     with _unchunked(module):
         measured = measure_step(module, step, layer_cls, modes) if chunk_loss is not True or chunk is None else None
-    if measured is None:  # chunk_loss=True: plan from the chunked step alone
-        return make_plan(chunked[0].costs, chunked[1].outside_bytes, memory_budget, modes, offload, profile,
-                         chunked[0].outside_ops, host_memory, head_bytes=chunked[1].head_bytes,
-                         head_peak_bytes=chunked[1].head_peak_bytes, compress=compress, chunked=chunked[1],
-                         chunk_loss=True)
-    return make_plan(measured.costs, measured.outside_bytes, memory_budget, modes, offload, profile, measured.outside_ops,
-                     host_memory, head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes,
-                     compress=compress, chunked=chunked[1] if chunk is not None else None, chunk_loss=chunk_loss)
+    if chunk is None:
+        assert measured is not None
+        return make_plan(measured.costs, measured.outside_bytes, memory_budget, modes, offload, profile,
+                         measured.outside_ops, host_memory, head_bytes=measured.head_bytes,
+                         head_peak_bytes=measured.head_peak_bytes, compress=compress)
+    # The largest chunk whose plan fits: a smaller one only adds launches, measured only when the larger misses
+    error: Optional[ValueError] = None
+    tokens = None
+    for size in chunk_sizes(chunk, min(chunk, MIN_CHUNK_TOKENS)):
+        if tokens is not None and size >= tokens:
+            continue  # still one chunk of every token: the bytes already measured
+        steps, head = measure_chunked_head(module, step, layer_cls, modes, size)
+        tokens = head.tokens or None
+        # chunk_loss=True: the chunked step alone, its head's peak with the weight gradient's extra copy
+        base = measured if measured is not None else replace(steps, head_peak_bytes=head.head_peak_bytes)
+        try:
+            return make_plan(base.costs, base.outside_bytes, memory_budget, modes, offload, profile, base.outside_ops,
+                             host_memory, head_bytes=base.head_bytes, head_peak_bytes=base.head_peak_bytes,
+                             compress=compress, chunked=head, chunk_loss=chunk_loss)
+        except ValueError as missed:
+            error = missed
+    assert error is not None
+    raise error
 
 
 def _chunk_of(module: nn.Module) -> Optional[int]:
@@ -487,36 +546,106 @@ def _unchunked(module: nn.Module) -> Iterator[None]:
                 chunk_causal_lm_loss(module.get_submodule(name), chunk)
 
 
-def measure_chunked_head(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg, modes: Sequence[str],
-                     chunk: int) -> tuple[StepCosts, ChunkedHead]:
-    """The step measured with ``module``'s loss in chunks of ``chunk`` tokens (as :func:`measure_step`), and its
-    :class:`ChunkedHead` for :func:`make_plan`'s ``chunked``: the head's forward FLOPs (its
-    matmul, counted from each call's input and output in the forward: what the backward runs again).
+class HeadCount:
+    """Counts, while entered, the forward calls of ``module``'s LM heads (:func:`chunked_models`): their matmul FLOPs
+    (what the chunked backward runs again), the calls (chunks) and the tokens; calls inside a backward (the
+    recompute) are not counted. :meth:`chunked_head` turns a step measured meanwhile into a :class:`ChunkedHead`.
 
-    The head's backward peak is measured as gradients to the last layer's output; a trained head also makes, from its
-    second chunk on, a weight gradient that is added into ``.grad`` and freed: one more copy of its trainable
-    parameters' bytes, counted here."""
-    heads = [head_of(module.get_submodule(name)) for name in chunked_models(module)]
-    flops, calls = [0], [0]
+    Example::
 
-    def count(head: nn.Module, args: tuple, out: Any) -> None:
-        # the backward (the measurement's own, of the head) recomputes each chunk: not the forward's FLOPs
+        >>> from lightning_ckpt.demos import Transformer
+        >>> model = Transformer(16, 8, 1, 8, 2, 0.0)
+        >>> with HeadCount(model) as count:
+        ...     _ = model(torch.zeros(2, 8, dtype=torch.long))
+        >>> count.flops, count.calls, count.tokens  # 2 x 16 tokens x 8 in x 16 out
+        (4096, 1, 16)
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.heads = [head_of(module.get_submodule(name)) for name in chunked_models(module)]
+        self.flops = self.calls = self.tokens = 0
+        self.dtypes: Optional[tuple[torch.dtype, torch.dtype]] = None  # the last call's input and output dtypes
+        self._handles: list[Any] = []
+
+    def _count(self, head: nn.Module, args: tuple, out: Any) -> None:
         if torch.is_tensor(out) and args and torch.is_tensor(args[0]) and torch._C._current_graph_task_id() == -1:
-            flops[0] += 2 * out.numel() * args[0].shape[-1]
-            calls[0] += 1
+            self.flops += 2 * out.numel() * args[0].shape[-1]
+            self.calls += 1
+            self.tokens += args[0].numel() // args[0].shape[-1]
+            self.dtypes = (args[0].dtype, out.dtype)
 
+    def __enter__(self) -> "HeadCount":
+        self._handles = [head.register_forward_hook(self._count) for head in self.heads]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def chunked_head(self, chunk: int, outside_bytes: int, head_bytes: int, head_peak_bytes: int) -> ChunkedHead:
+        """The :class:`ChunkedHead` of a step measured with these bytes while counted. A trained head also makes,
+        from its second chunk on, a weight gradient that is added into ``.grad`` and freed: one more copy of its
+        trainable parameters' bytes on top of the measured ``head_peak_bytes``."""
+        grads = sum(p.numel() * p.element_size() for head in self.heads for p in head.parameters() if p.requires_grad)
+        head_peak = head_peak_bytes + (grads if self.calls > len(self.heads) else 0)
+        return ChunkedHead(chunk, outside_bytes, head_bytes, head_peak, self.flops, self.calls, self.tokens)
+
+
+def head_and_loss_bytes(head: nn.Module, tokens: int, chunk: Optional[int],
+                        dtypes: Optional[tuple[torch.dtype, torch.dtype]] = None) -> tuple[int, int]:
+    """``(saved, backward peak)`` bytes of the LM head and the cross-entropy alone over ``tokens`` tokens, unchunked
+    (``chunk=None``: ``cross_entropy(head(hidden).float(), labels)``) or through
+    :func:`~lightning_ckpt.core.chunked_loss.lm_loss`; measured on fake tensors (nothing allocated, the head left as
+    it was). ``dtypes``: the hidden states' and the logits' (the logits' differ under autocast).
+
+    Example::
+
+        >>> head = nn.Linear(8, 100, bias=False)
+        >>> head_and_loss_bytes(head, 10, None)
+        (4404, 8004)
+
+    Saved: the input (10 x 8 x 4 B), the labels (10 x 8 B), the log-softmax (10 x 100 x 4 B) and a 4-byte count;
+    the backward's peak: two 10 x 100 fp32 gradients (the log-softmax's, the logits') and the loss's own.
+    """
+    from torch._subclasses import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    weight = next(head.parameters())
+    hidden_dtype, out_dtype = dtypes if dtypes is not None else (weight.dtype, weight.dtype)
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with mode:
+        fakes = {name: mode.from_tensor(t).requires_grad_(t.requires_grad)
+                 for name, t in (*head.named_parameters(remove_duplicate=False),
+                                 *head.named_buffers(remove_duplicate=False))}
+    autocast = torch.autocast(weight.device.type, dtype=out_dtype, enabled=out_dtype not in (weight.dtype, hidden_dtype))
+    with _reparametrize_module(head, fakes), mode, autocast:
+        hidden = torch.empty(tokens, head.in_features if hasattr(head, "in_features") else weight.shape[-1],
+                             dtype=hidden_dtype, device=weight.device, requires_grad=True)
+        labels = torch.zeros(tokens, dtype=torch.long, device=weight.device)
+        with hidden_from_counters(), SavedTensorCounter(exclude=list(fakes.values())) as saved:
+            if chunk is None:
+                loss = F.cross_entropy(head(hidden).float(), labels)
+            else:
+                loss = lm_loss(hidden, head, labels, chunk_tokens=chunk)
+        with hidden_from_counters(), LiveBytes() as live:
+            torch.autograd.grad(loss, hidden)
+    return saved.bytes, live.peak()
+
+
+def measure_chunked_head(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg, modes: Sequence[str],
+                         chunk: int) -> tuple[StepCosts, ChunkedHead]:
+    """The step measured with ``module``'s loss in chunks of ``chunk`` tokens (as :func:`measure_step`), and its
+    :class:`ChunkedHead` for :func:`make_plan`'s ``chunked`` (counted by :class:`HeadCount`). The head's backward
+    peak is measured as gradients to the last layer's output."""
     with _unchunked(module):
         chunk_causal_lm_loss(module, chunk)
-        handles = [head.register_forward_hook(count) for head in heads]
         try:
-            measured = measure_step(module, step, layer_cls, modes)
+            with HeadCount(module) as count:
+                measured = measure_step(module, step, layer_cls, modes)
         finally:
-            for handle in handles:
-                handle.remove()
             unchunk_causal_lm_loss(module)
-    grads = sum(p.numel() * p.element_size() for head in heads for p in head.parameters() if p.requires_grad)
-    head_peak = measured.head_peak_bytes + (grads if calls[0] > len(heads) else 0)
-    return measured, ChunkedHead(chunk, measured.outside_bytes, measured.head_bytes, head_peak, flops[0])
+    return measured, count.chunked_head(chunk, measured.outside_bytes, measured.head_bytes, measured.head_peak_bytes)
 
 
 def predict(costs: Sequence[LayerCost], outside_bytes: int, choices: Mapping[str, str],
@@ -611,6 +740,7 @@ def _impossible_message(costs: Sequence[LayerCost], outside: int, baseline: int,
             f" reachable is {format_bytes(minimum)} ({_pct(minimum, baseline)}), with every matched layer checkpointed"
             + (" or offloaded" if offload == "auto" else "") + ". Nothing was applied.")
     floor = (f"  Floor: {format_bytes(outside)} of it is outside the matched layers (embeddings, head, loss)"
+             + _outside_parts(outside, head_bytes, head_peak_bytes)
              + _floor_text(costs, [o.device_bytes for o in _smallest(costs, modes, offload, min_bytes)],
                            outside - head_bytes, outside + head_peak_bytes) + ".")
     if bool(offload) and minimum <= budget_bytes:  # the device could hold it: host memory is what is short
@@ -689,6 +819,23 @@ def _floor_text(costs: Sequence[LayerCost], held: Sequence[int], outside_during:
         return ""
     return (f"; the backward of `{costs[i].name}` sets that floor: it has {format_bytes(costs[i].backward_peak)} alive"
             " at once (its recompute, what it saves and its gradients) while the layers before it hold their inputs")
+
+
+def _outside_parts(outside: int, head_bytes: int, head_peak_bytes: int) -> str:
+    """The bytes outside the layers by part: saved before them (embeddings), after them (final norm, LM head and
+    loss), and what the head's and loss's backward makes alive at once (the logits' gradient), when measured.
+
+    Example::
+
+        >>> _outside_parts(3 * 2**20, 2**20, 4 * 2**20)
+        ': 2.0 MiB saved before them (embeddings), 1.0 MiB after them (final norm, head, loss), and 4.0 MiB made alive at once by the backward of the head and loss'
+    """
+    if not head_bytes and not head_peak_bytes:
+        return ""
+    return (f": {format_bytes(outside - head_bytes)} saved before them (embeddings), {format_bytes(head_bytes)} after"
+            " them (final norm, head, loss)"
+            + (f", and {format_bytes(head_peak_bytes)} made alive at once by the backward of the head and loss"
+               if head_peak_bytes else ""))
 
 
 def _pct(part: int, whole: int) -> str:
