@@ -36,10 +36,11 @@ from lightning_ckpt.callbacks.gradient_checkpointing import find_checkpointing_c
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.compare.stats import measurements
 from lightning_ckpt.core.budget import auto_memory_budget
+from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss
 from lightning_ckpt.core.fake_streams import FakeStreams
 from lightning_ckpt.core.offload import OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost, make_plan, plan_checkpointing
-from lightning_ckpt.demos import GPT, Block, CountingDataModule
+from lightning_ckpt.demos import GPT, Block, CountingDataModule, Transformer
 from lightning_ckpt.strategies.ddp import check_ddp_settings
 from lightning_ckpt.strategies.fsdp import CheckpointingFSDPStrategy, mixed_precision_policy, shard_for_checkpointing
 
@@ -90,6 +91,27 @@ def blocks(n: int = 2) -> nn.Sequential:
 def step_of(model: nn.Module) -> Callable[[], torch.Tensor]:
     x = torch.randn(2, 4, 8)
     return lambda: model(x).sum()
+
+
+def _llama_scaling_its_logits() -> None:
+    """A Transformers Llama whose logits are scaled between head and loss (as Cohere's logit_scale), chunked."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    model = transformers.LlamaForCausalLM(config).train()
+    chunk_causal_lm_loss(model)
+    model.lm_head.register_forward_hook(lambda module, args, out: out * 2)
+    ids = torch.randint(0, 32, (1, 8))
+    model(input_ids=ids, labels=ids)
+
+
+def _plan_chunked_out_of_reach() -> None:
+    """The demo Transformer's loss in chunks, planned for 1 KiB."""
+    torch.manual_seed(0)
+    model = Transformer(64, 16, 2, 16, 2, 0.0)
+    idx = torch.randint(0, 64, (2, 17))
+    plan_checkpointing(model, lambda: model(idx[:, :-1], idx[:, 1:]), 1024, chunk_loss=True)
 
 
 def tiny_gpt() -> GPT:
@@ -431,6 +453,31 @@ CASES: dict[str, Case] = {
         lambda: (lambda m: plan_checkpointing(m, step_of(m), 0.01, layer_cls=Block))(blocks()), ValueError,
         "`memory_budget=0.01` asks for an activation peak of at most", "To fit: pass a budget of at least",
         "but the least reachable is"),
+    "budget out of reach with the loss in chunks": Case(
+        "core.planner.make_plan", _plan_chunked_out_of_reach, ValueError,
+        "(with the LM head and loss chunked,", "To fit: pass a budget of at least", "but the least reachable is"),
+    "chunk_tokens": Case(
+        "core.chunked_loss.chunk_size",
+        lambda: lightning_ckpt.lm_loss(torch.randn(2, 4), nn.Linear(4, 8), torch.tensor([1, 2]), chunk_tokens=0),
+        ValueError, "got 0", "Pass e.g. 1024, or None for the default", "`chunk_tokens` must be a positive number"),
+    "lm_loss labels": Case(
+        "core.chunked_loss.lm_loss", lambda: lightning_ckpt.lm_loss(torch.randn(3, 4), nn.Linear(4, 8),
+                                                                    torch.tensor([1, 2])),
+        ValueError, "got 3 hidden states and 2 labels", "Pass one label per hidden state", "hidden states and"),
+    "chunk_loss with logits changed before the loss": Case(
+        "core.chunked_loss._HeadSwap.hidden_from", _llama_scaling_its_logits, RuntimeError,
+        "cannot chunk LlamaForCausalLM's loss", "Pass chunk_loss=False for this model",
+        "changes the logits between the head and the loss"),
+    "chunk_loss type (apply)": Case(
+        "core.wrapping.apply_checkpointing", lambda: apply_checkpointing(blocks(), chunk_loss="yes"), TypeError,
+        "got 'yes'", "Pass True to compute the LM head and the loss in chunks", "`chunk_loss` is True or False"),
+    "chunk_loss type (plan)": Case(
+        "core.planner.plan_checkpointing",
+        lambda: (lambda m: plan_checkpointing(m, step_of(m), 0.5, chunk_loss="yes"))(blocks()), TypeError,
+        "got 'yes'", "None (the plan chooses)", "`chunk_loss` is True, False or None"),
+    "chunk_loss type (callback)": Case(
+        "callbacks.gradient_checkpointing._validate", lambda: GradientCheckpointing(chunk_loss="yes"), TypeError,
+        "got 'yes'", "None (a budget's plan chooses)", "`chunk_loss` is True, False or None"),
     "plan in eval mode": Case(
         "core.measure._measure", lambda: plan_checkpointing(blocks().eval(), lambda: None, 0.5), ValueError,
         "the module is in eval mode", "Call `module.train()` first", "measures a training step, but the module is in"

@@ -725,7 +725,8 @@ def _validate(settings: Mapping[str, Any]) -> None:
                       settings["preserve_rng_state"], settings["checkpoint_kwargs"] or {}, settings["compress"])
     budget = parse_memory_budget(settings["memory_budget"], allow_auto=True)
     if settings["chunk_loss"] is not None and not isinstance(settings["chunk_loss"], bool):
-        raise TypeError(f"`chunk_loss` is True, False or None, got {settings['chunk_loss']!r}.")
+        raise TypeError(f"`chunk_loss` is True, False or None, got {settings['chunk_loss']!r}. Pass True (the LM"
+                        " head and loss in chunks), False (whole) or None (a budget's plan chooses).")
     max_length = settings["max_length"]
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"`max_length` is the longest sequence the run will see, in tokens: pass an int >= 1 (or"

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "chunk_causal_lm_loss", "chunk_loss_of", "chunked_models", "head_of", "lm_loss",
+__all__ = ["DEFAULT_CHUNK_TOKENS", "chunk_causal_lm_loss", "chunk_loss_of", "chunk_size", "chunked_models", "head_of", "lm_loss",
            "unchunk_causal_lm_loss"]
 
 DEFAULT_CHUNK_TOKENS = 1024
@@ -45,6 +45,21 @@ def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Callable[[
     logits = head(hidden).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
                            reduction="sum")
+
+
+def chunk_size(chunk_tokens: Optional[int]) -> int:
+    """Tokens per chunk: ``chunk_tokens``, or :data:`DEFAULT_CHUNK_TOKENS` for ``None``.
+
+    Example::
+
+        >>> chunk_size(None), chunk_size(256)
+        (1024, 256)
+    """
+    chunk = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else int(chunk_tokens)
+    if chunk < 1:
+        raise ValueError(f"`chunk_tokens` must be a positive number of tokens, got {chunk_tokens!r}. Pass e.g. 1024,"
+                         f" or None for the default ({DEFAULT_CHUNK_TOKENS}).")
+    return chunk
 
 
 def lm_loss(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], labels: torch.Tensor, *,
@@ -71,13 +86,13 @@ def lm_loss(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], 
         >>> torch.allclose(lm_loss(hidden, head, labels, num_items_in_batch=8), mean * 2 / 8)
         True
     """
-    chunk = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else int(chunk_tokens)
-    if chunk < 1:
-        raise ValueError(f"`chunk_tokens` must be a positive number of tokens, got {chunk_tokens!r}.")
+    chunk = chunk_size(chunk_tokens)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).to(flat_hidden.device)
     if flat_labels.numel() != flat_hidden.shape[0]:
-        raise ValueError(f"`lm_loss` got {flat_hidden.shape[0]} hidden states and {flat_labels.numel()} labels.")
+        raise ValueError(f"`lm_loss` got {flat_hidden.shape[0]} hidden states and {flat_labels.numel()} labels. Pass one"
+                         " label per hidden state: labels [batch, seq] for hidden [batch, seq, width], shifted as for"
+                         " the loss (hidden[:, :-1] with labels[:, 1:]).")
     total = None
     for h, y in zip(flat_hidden.split(chunk), flat_labels.split(chunk)):
         part = checkpoint(_chunk_loss_sum, h, y, head, ignore_index, label_smoothing, use_reentrant=False)
@@ -125,7 +140,8 @@ class _HeadSwap:
         between head and loss (soft-capping, scaling) cannot be chunked this way."""
         if self.returned is None or value is not self.returned:
             raise RuntimeError(f"lightning_ckpt: chunk_loss cannot chunk {type(model).__name__}'s loss: its forward"
-                               " changes the logits between the head and the loss (soft-capping or scaling).")
+                               " changes the logits between the head and the loss (soft-capping or scaling). Pass"
+                               " chunk_loss=False for this model: its loss then stays whole.")
         return value
 
     def restore(self) -> None:
@@ -263,9 +279,7 @@ def chunk_causal_lm_loss(module: nn.Module, chunk_tokens: Optional[int] = None) 
         >>> unchunk_causal_lm_loss(model), chunk_loss_of(model)
         ([''], None)
     """
-    chunk = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else int(chunk_tokens)
-    if chunk < 1:
-        raise ValueError(f"`chunk_tokens` must be a positive number of tokens, got {chunk_tokens!r}.")
+    chunk = chunk_size(chunk_tokens)
     names = []
     for name, sub in module.named_modules():
         kind = _kind(sub)

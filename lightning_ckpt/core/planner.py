@@ -493,7 +493,8 @@ def plan_checkpointing(
     if offload == "auto" and profile is None and cuda:
         profile = DeviceProfile.measure(torch.device("cuda", cuda[0]))
     if chunk_loss is not None and not isinstance(chunk_loss, bool):
-        raise TypeError(f"`chunk_loss` is True, False or None, got {chunk_loss!r}.")
+        raise TypeError(f"`chunk_loss` is True, False or None, got {chunk_loss!r}. Pass True (the LM head and loss in"
+                        " chunks), False (whole) or None (the plan chooses).")
     chunk = _chunk_of(module) if chunk_loss is not False else None
     if chunk_loss is True and chunk is None:
         say_once(log, f"lightning_ckpt: chunk_loss=True found no loss it can chunk in {type(module).__name__}; the plan"

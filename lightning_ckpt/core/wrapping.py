@@ -299,7 +299,8 @@ def apply_checkpointing(
     if not isinstance(module, nn.Module):
         raise TypeError(f"`apply_checkpointing` takes an `nn.Module`, got {type(module).__name__}.")
     if not isinstance(chunk_loss, bool):
-        raise TypeError(f"`chunk_loss` is True or False, got {chunk_loss!r}.")
+        raise TypeError(f"`chunk_loss` is True or False, got {chunk_loss!r}. Pass True to compute the LM head and"
+                        " the loss in chunks of tokens, or False.")
     options = CheckpointOptions(offload, mode, use_reentrant, preserve_rng_state, checkpoint_kwargs or {}, compress)
     every_n_layers = validate_every_n_layers(every_n_layers)
     classes = layer_classes(module, layer_cls)
