@@ -292,25 +292,32 @@ def test_the_callback_chunks_the_loss_only_when_asked_and_undoes_it(chunk_loss):
         GradientCheckpointing(chunk_loss="yes")
 
 
-def test_under_bf16_autocast_the_head_weight_gradient_is_the_one_that_moves():
-    """Under autocast each chunk's weight gradient is a bf16 matmul, rounded before the chunks are summed in fp32:
-    its error against fp32 grows (24 tokens in 5 chunks: 4.3e-3 against 3.1e-3 unchunked); the loss and every other
-    gradient are the unchunked path's."""
-    reference, ids_labels = _llama(), _ids()
-    model, fp32 = copy.deepcopy(reference), copy.deepcopy(reference)
-    ids, labels = ids_labels
-    with torch.autocast("cpu", torch.bfloat16):
-        plain = reference(input_ids=ids, labels=labels).loss
-    plain.backward()
-    chunk_causal_lm_loss(model, chunk_tokens=5)
-    with torch.autocast("cpu", torch.bfloat16):
-        chunked = model(input_ids=ids, labels=labels).loss
-    chunked.backward()
-    fp32(input_ids=ids, labels=labels).loss.backward()
-    assert torch.allclose(chunked, plain, rtol=1e-6, atol=0)
-    want, got, exact = _trainable_grads(reference), _trainable_grads(model), _trainable_grads(fp32)
-    for name in want:
-        if name != "lm_head.weight":
-            assert _rel(got[name], want[name]) <= 1e-6, name
-    head = "lm_head.weight"
-    assert _rel(want[head], exact[head]) < _rel(got[head], exact[head]) < 2 * _rel(want[head], exact[head])
+def test_under_bf16_autocast_the_head_weight_gradient_is_as_far_from_fp32_as_the_unchunked_one():
+    """Under autocast each chunk's weight gradient is a bf16 product. Summed in the weight's fp32 (each chunk casts
+    the weight outside autocast's cache) its error against fp32 is the unchunked head's, on average over six seeds
+    (64 tokens in 8 chunks: 3.08e-3 against 3.13e-3); summed in bf16 through one cached copy it was 4.54e-3. The loss
+    and every other gradient are the unchunked path's."""
+    import transformers
+
+    plain_errors, chunked_errors = [], []
+    for seed in range(6):
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+        torch.manual_seed(seed)
+        reference = transformers.LlamaForCausalLM(config).train()
+        ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(seed + 10))
+        model, fp32 = copy.deepcopy(reference), copy.deepcopy(reference)
+        with torch.autocast("cpu", torch.bfloat16):
+            plain = reference(input_ids=ids, labels=ids).loss
+        plain.backward()
+        chunk_causal_lm_loss(model, chunk_tokens=8)
+        with torch.autocast("cpu", torch.bfloat16):
+            chunked = model(input_ids=ids, labels=ids).loss
+        chunked.backward()
+        fp32(input_ids=ids, labels=ids).loss.backward()
+        assert torch.allclose(chunked, plain, rtol=1e-6, atol=0)
+        want, got, exact = _trainable_grads(reference), _trainable_grads(model), _trainable_grads(fp32)
+        assert all(_rel(got[n], want[n]) <= 1e-6 for n in want if n != "lm_head.weight")
+        plain_errors.append(_rel(want["lm_head.weight"], exact["lm_head.weight"]))
+        chunked_errors.append(_rel(got["lm_head.weight"], exact["lm_head.weight"]))
+    assert sum(chunked_errors) <= sum(plain_errors)

@@ -42,9 +42,20 @@ DEFAULT_CHUNK_TOKENS = 1024
 def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
                     ignore_index: int, label_smoothing: float) -> torch.Tensor:
     # fp32 logits for the softmax, as Transformers' loss does: a bf16 head's error stays that of its matmul
-    logits = head(hidden).float()
+    logits = _head_uncached(head, hidden).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
                            reduction="sum")
+
+
+def _head_uncached(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    """``head(hidden)``; under autocast with its cast-weight cache off. With the cache every chunk would use one bf16
+    copy of the weight, whose gradient autograd then sums over the chunks in bf16; without it each chunk's gradient
+    goes back through its own cast and the chunks are summed in the weight's fp32."""
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device):
+        return head(hidden)
+    with torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False):
+        return head(hidden)
 
 
 def chunk_size(chunk_tokens: Optional[int]) -> int:
