@@ -55,14 +55,16 @@ class LoraModule(LightningModule):
 
 
 class PeakPerStep(Callback):
-    """Each step's activation peak, forward through backward, the LoRA weights' gradients left out; and whether the
-    checkpointing callback measured that step."""
+    """Each step's activation peak, forward through backward, the LoRA weights' gradients left out; whether the
+    checkpointing callback measured that step, and if not the peak its plan predicted."""
 
     def __init__(self, callback: GradientCheckpointing) -> None:
-        self.callback, self.peaks, self.measuring = callback, [], []
+        self.callback, self.peaks, self.measuring, self.predicted = callback, [], [], []
 
-    def on_train_batch_start(self, *args: Any) -> None:
-        self.measuring.append(self.callback._cycle.measuring is not None)
+    def on_train_batch_start(self, *args: Any) -> None:  # after the checkpointing callback's: its plan is applied
+        measuring = self.callback._cycle.measuring is not None
+        self.measuring.append(measuring)
+        self.predicted.append(None if measuring else self.callback.plan.peak_bytes)
         self._live = LiveStorages()
         self._live.__enter__()
 
@@ -106,5 +108,9 @@ def test_an_hf_lora_run_with_fp8_at_a_budget_between_fp8_and_exact_full_checkpoi
     assert callback.plan is not None and callback.plan.compress == "fp8"
     over = [(i, length, peak) for i, (length, peak) in enumerate(zip(LENGTHS, peaks.peaks)) if peak > budget]
     assert not over, (budget, over)
+    # Each planned step's prediction bounds what it counted (a step shorter than its plan's size counts less).
+    under = [(length, peak, predicted) for length, peak, predicted in zip(LENGTHS, peaks.peaks, peaks.predicted)
+             if predicted is not None and peak > predicted]
+    assert not under, under
     # The longest steps come close to the budget: the plan spends what it is given.
     assert max(peaks.peaks) >= 0.8 * budget, (max(peaks.peaks), budget, fp8, exact)
