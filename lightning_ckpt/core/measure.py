@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -592,11 +593,15 @@ def _rerun_key(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     seen: dict[tuple[Any, int], int] = {}  # storage -> the order in which it was first met
     forward = _plain_forward(layer)
     parts: list[Any] = [forward.__func__ if getattr(forward, "__self__", None) is layer else _Same(forward)]
+    read = frozenset().union(*(_names_read(type(sub)) for sub in layer.modules()))
     for name, sub in layer.named_modules(remove_duplicate=False):
         if sub is not layer and any(getattr(sub, hooks) for hooks in _HOOKS):
             return None
+        # An int no code of the layer's modules reads outside __init__ (litgpt's `block_idx`) cannot change what
+        # the forward does: left out, so that blocks differing only in their index share one re-run.
         config = {k: v for k, v in sub.__dict__.items()
-                  if k not in _MODULE_INTERNALS and (sub is not layer or k != "forward")}
+                  if k not in _MODULE_INTERNALS and (sub is not layer or k != "forward")
+                  and not (type(v) is int and k not in read)}
         values = _values_key((config, sub._parameters, sub._buffers), seen, resident, by_identity=True)
         if values is None:
             return None
@@ -608,6 +613,65 @@ def _rerun_key(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices
                 if torch.amp.is_autocast_available(d)]
     return tuple(parts), call, tuple(autocast)
+
+
+@functools.lru_cache(maxsize=None)
+def _names_read(cls: type) -> frozenset[str]:
+    """The names the code of ``cls``'s own methods and properties reads (``co_names``, functions nested in them
+    included), ``__init__`` left out; ``nn.Module``'s and ``object``'s are not looked at.
+
+    Example::
+
+        >>> class Attention(nn.Module):
+        ...     def __init__(self, index: int) -> None:
+        ...         super().__init__()
+        ...         self.index, self.heads = index, 4
+        ...     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ...         return x * self.heads
+        >>> sorted(_names_read(Attention))
+        ['heads']
+    """
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        for attr, value in vars(klass).items():
+            if attr == "__init__":
+                continue
+            functions = [value.fget, value.fset] if isinstance(value, property) else [getattr(value, "__func__", value)]
+            for function in functions:
+                names |= _function_names(function, set())
+    return frozenset(names)
+
+
+def _function_names(function: Any, seen: set[int]) -> set[str]:
+    """The names ``function``'s code reads, and the code of what it wraps (a decorator's ``__wrapped__`` or the
+    functions in its closure): a decorated ``forward``'s own body is there."""
+    if id(function) in seen or not hasattr(function, "__code__"):
+        return set()
+    seen.add(id(function))
+    names = _code_names(function.__code__)
+    inner = [getattr(function, "__wrapped__", None)] + [cell.cell_contents for cell in function.__closure__ or ()
+                                                         if _cell_filled(cell)]
+    for other in inner:
+        names |= _function_names(getattr(other, "__func__", other), seen)
+    return names
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _code_names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
 
 
 def _values_key(values: Any, seen: dict[tuple[Any, int], int], resident: set[tuple[Any, int]],
