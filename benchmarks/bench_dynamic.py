@@ -24,7 +24,9 @@ positions; the budget run (a byte budget 30% of the way from full checkpointing'
 against ``every_n_layers=1``, paired and interleaved rounds, medians. Reported per order: the measuring steps, the
 wall time ratio (measuring steps included; target <= 0.90), and the largest held bytes (saved-tensor hooks, a
 measuring step counted as full checkpointing at its length) and activation peak (``_peak.py``, every step) over the
-budget. ``--quick``: one round. Results go to RESULTS.md ("long-tailed"). The litgpt arm is not written yet.
+budget. ``--quick``: one round. Results go to RESULTS.md ("long-tailed"). ``--arm litgpt``: the same on issue 29's
+litgpt model (Llama-style: 6 layers, hidden 192, RMSNorm, LLaMAMLP, 768 positions) at the issue's budget, 160 MiB;
+results in "long-tailed litgpt". Its fits take minutes each on a CPU: ``--rounds 2`` is about 15 fits.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Callback, Trainer, seed_everything
+from torch import nn
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -78,11 +81,14 @@ def loss_of(model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
-class Recorder(GPT):
+class RecordSteps:
     """Per step: the bytes held for backward and whether the callback measured it."""
 
-    def __init__(self, callback: GradientCheckpointing | None) -> None:
-        super().__init__(**MODEL)
+    callback: GradientCheckpointing | None
+    held: list[int]
+    measured: list[bool]
+
+    def _record(self, callback: GradientCheckpointing | None) -> None:
         self.callback = callback
         self.held: list[int] = []
         self.measured: list[bool] = []
@@ -98,6 +104,27 @@ class Recorder(GPT):
             loss = loss_of(self, batch)
         self.held.append(saved.bytes)
         return loss
+
+
+class Recorder(RecordSteps, GPT):
+    def __init__(self, callback: GradientCheckpointing | None) -> None:
+        GPT.__init__(self, **MODEL)
+        self._record(callback)
+
+
+class LitgptRecorder(RecordSteps, LightningModule):
+    """Issue 29's litgpt model (``LITGPT``) as a LightningModule, recording each step like ``Recorder``."""
+
+    def __init__(self, callback: GradientCheckpointing | None) -> None:
+        LightningModule.__init__(self)
+        self.model = litgpt_model()
+        self._record(callback)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 class TimedCheckpointing(GradientCheckpointing):
@@ -167,7 +194,7 @@ def step_peak(plan: CheckpointPlan | str | None, length: int) -> int:
     step, the parameters' gradients left out), with ``plan`` applied (``"full"``: every layer fully checkpointed);
     see ``_peak.py``."""
     seed_everything(0)
-    model = GPT(**MODEL)
+    model = bare_model()
     if plan == "full":
         apply_checkpointing(model)
     elif plan is not None:
@@ -192,7 +219,7 @@ def step_flops(plan: CheckpointPlan | None, length: int) -> int:
 
 def held_at(length: int, full: bool) -> int:
     seed_everything(0)
-    model = GPT(**MODEL)
+    model = bare_model()
     if full:
         apply_checkpointing(model)
     with SavedTensorCounter(exclude=model.parameters()) as saved:
@@ -201,6 +228,25 @@ def held_at(length: int, full: bool) -> int:
 
 
 LT_MODEL = dict(MODEL, block_size=768)
+# Issue 29's litgpt model: Llama-style (RMSNorm, LLaMAMLP, rotary, sequential residual), 6 layers, hidden 192.
+LITGPT = dict(n_layer=6, n_embd=192, n_head=6, block_size=768, vocab_size=64, padded_vocab_size=64, bias=False,
+              norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=512, parallel_residual=False)
+ARM = "gpt"  # which model the long-tailed helpers build: "gpt" (the demo GPT) or "litgpt"
+
+
+def litgpt_model() -> nn.Module:
+    import litgpt  # only the litgpt arm needs it
+
+    return litgpt.GPT(litgpt.Config(**LITGPT)).train()
+
+
+def bare_model() -> nn.Module:
+    """A fresh model of the arm being run, without Lightning."""
+    return litgpt_model() if ARM == "litgpt" else GPT(**MODEL)
+
+
+def recorder(callback: GradientCheckpointing | None) -> RecordSteps:
+    return LitgptRecorder(callback) if ARM == "litgpt" else Recorder(callback)
 
 
 def lognormal_lengths(steps: int = 60, seed: int = 0) -> list[int]:
@@ -230,7 +276,7 @@ def run_long_tailed(data: list, budget: Optional[int], peaks: bool) -> dict[str,
     """One run on ``data``: with ``budget``, the callback; ``None``: ``every_n_layers=1``."""
     seed_everything(0)
     callback = GradientCheckpointing(memory_budget=budget) if budget is not None else GradientCheckpointing()
-    model = Recorder(callback if budget is not None else None)
+    model = recorder(callback if budget is not None else None)
     extra: list[Callback] = [PeakPerStep()] if peaks else []
     start = time.perf_counter()
     trainer([callback, *extra], len(data)).fit(model, DataLoader(data, batch_size=None))
@@ -238,12 +284,13 @@ def run_long_tailed(data: list, budget: Optional[int], peaks: bool) -> dict[str,
             "peaks": extra[0].peaks if peaks else [], "measured_steps": callback._cycle.measured_steps}
 
 
-def long_tailed_main(rounds: int) -> None:
-    global MODEL
-    MODEL = LT_MODEL  # the helpers build this model
+def long_tailed_main(rounds: int, arm: str = "gpt") -> None:
+    global MODEL, ARM
+    MODEL, ARM = LT_MODEL, arm  # the helpers build this model
     lengths = lognormal_lengths()
     none_peak, full_peak = step_peak(None, 768), step_peak("full", 768)
-    budget = full_peak + (none_peak - full_peak) * 3 // 10
+    # litgpt: the issue's budget, 160 MiB (32% of the way from full to none at 768)
+    budget = 160 * 2**20 if arm == "litgpt" else full_peak + (none_peak - full_peak) * 3 // 10
     full_at = {L: held_at(L, True) for L in set(lengths)}
     rows = []
     for order, ordered in [("random", lengths), ("ascending", sorted(lengths)),
@@ -261,10 +308,13 @@ def long_tailed_main(rounds: int) -> None:
         t_b = statistics.median(b["seconds"] for _, b in pairs)
         rows.append(f"| {order} | {first['measured_steps']} | {t_a:.2f} s | {t_b:.2f} s | {ratio:.3f} | {held:.3f} |"
                     f" {peak:.3f} |")
+    model = ("litgpt GPT (Llama-style: 6 layers, hidden 192, 6 heads, RMSNorm, LLaMAMLP 512, rotary, 768 positions)"
+             if arm == "litgpt" else "Demo GPT (6 layers, hidden 64, 4 heads, 768 positions)")
+    share = (budget - full_peak) / (none_peak - full_peak)
     text = "\n".join([
-        f"Demo GPT (6 layers, hidden 64, 4 heads, 768 positions), batch 4, 60 steps, lengths lognormal (median 48)"
+        f"{model}, batch 4, 60 steps, lengths lognormal (median 48)"
         f" clipped to 8..768 ({sum(lengths)} positions in all, {lengths.count(768)} at 768), each batch padded to its"
-        f" own length. Byte budget {format_bytes(budget)}: 30% of the way from full checkpointing's activation peak"
+        f" own length. Byte budget {format_bytes(budget)}: {share:.0%} of the way from full checkpointing's activation peak"
         f" ({format_bytes(full_peak)}) to none's ({format_bytes(none_peak)}) at 768. {rounds} round(s), paired and"
         " interleaved (budget run, then every_n_layers=1); the time ratio is the median of the paired ratios of whole"
         " fits, measuring steps included. Held and peak / budget: the largest over the 60 steps of one more budget"
@@ -274,8 +324,8 @@ def long_tailed_main(rounds: int) -> None:
         "| --- | --- | --- | --- | --- | --- | --- |",
         *rows,
     ])
-    print(text)
-    write_section("long-tailed", text)
+    print(text, flush=True)
+    write_section("long-tailed" if arm == "gpt" else f"long-tailed {arm}", text)
 
 
 def main() -> None:
@@ -284,10 +334,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--long-tailed", action="store_true", help="issue 29's workload (see the docstring)")
     parser.add_argument("--quick", action="store_true", help="with --long-tailed: one round")
+    parser.add_argument("--arm", choices=["gpt", "litgpt"], default="gpt", help="with --long-tailed: the model")
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.long_tailed:
-        long_tailed_main(1 if args.quick else args.rounds)
+        long_tailed_main(1 if args.quick else args.rounds, args.arm)
         return
 
     lengths = long_tailed_lengths(args.steps)

@@ -349,13 +349,14 @@ class PlansSeen(Callback):
     the callback has kept after each batch (a plan solved at a measuring step may be replaced before a batch runs it)."""
 
     def __init__(self, callback: GradientCheckpointing) -> None:
-        self.callback, self.plans, self.made = callback, [], set()
+        # `made` keeps the plans, not only their ids: a plan replaced and freed could leave its id to a new one.
+        self.callback, self.plans, self.made = callback, [], {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.plans.append(self.callback.plan)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.made |= {id(plan) for plan in self.callback.plans.values()}
+        self.made.update({id(plan): plan for plan in self.callback.plans.values()})
 
 
 def test_a_long_run_of_varying_lengths_logs_one_line_per_new_plan_and_none_per_switch(caplog):

@@ -198,3 +198,80 @@ def test_a_layer_called_under_autocast_gets_its_own_figures(monkeypatch):
     alone, _ = measured(model, Layer, reuse=False, monkeypatch=monkeypatch)
     assert [c.none_bytes for c in costs] == [28_672, 28_672, 16_384, 28_672]
     assert costs == alone and runs == 2
+
+
+class Indexed(Layer):
+    """A ``Layer`` that keeps its index, which its code never reads (litgpt's attention keeps `block_idx` so)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+
+class OddExp(Indexed):
+    """An ``Indexed`` whose forward reads its index: the odd ones end in ``exp``, which saves its output."""
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = super().forward(x, mask)
+        return out.exp() if self.index % 2 else out
+
+
+def test_layers_differing_only_in_an_index_their_code_never_reads_are_rerun_once(monkeypatch):
+    """litgpt keeps each block's `block_idx` on its attention and never reads it after __init__: its 6 blocks were
+    re-run 6 times in each measuring step (most of issue 29's 1.87x measuring step). An int no code of the layer's
+    modules reads is left out of the key."""
+    torch.manual_seed(0)
+    model = Stack([Indexed(i) for i in range(4)])
+    costs, runs = measured(model, Indexed, reuse=True, monkeypatch=monkeypatch)
+    alone, runs_alone = measured(model, Indexed, reuse=False, monkeypatch=monkeypatch)
+    assert (runs, runs_alone) == (1, 4)
+    assert costs == alone
+
+
+def test_layers_whose_forward_reads_their_index_are_each_rerun(monkeypatch):
+    torch.manual_seed(0)
+    model = Stack([OddExp(i) for i in range(4)])
+    costs, runs = measured(model, OddExp, reuse=True, monkeypatch=monkeypatch)
+    alone, _ = measured(model, OddExp, reuse=False, monkeypatch=monkeypatch)
+    assert runs == 4
+    assert costs == alone
+    assert figures(costs[0]) != figures(costs[1])  # the case has teeth: reused, layer 1 would get layer 0's
+
+
+def test_litgpt_blocks_are_rerun_once(monkeypatch):
+    litgpt = pytest.importorskip("litgpt")
+    torch.manual_seed(0)
+    config = litgpt.Config(n_layer=4, n_embd=WIDTH, n_head=4, block_size=LENGTH, vocab_size=32, padded_vocab_size=32,
+                           bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=64)
+    model = litgpt.GPT(config).train()
+    idx = torch.randint(0, 32, (BATCH, LENGTH), generator=torch.Generator().manual_seed(0))
+    step = lambda: model(idx).logsumexp(-1).mean()  # noqa: E731
+    costs, runs = measured(model, litgpt.model.Block, reuse=True, monkeypatch=monkeypatch, step=step)
+    alone, runs_alone = measured(model, litgpt.model.Block, reuse=False, monkeypatch=monkeypatch, step=step)
+    assert (runs, runs_alone) == (1, 4)
+    assert costs == alone
+
+
+def _logged(forward):  # a decorator as Transformers puts on forward: the body read is the wrapped function's
+    import functools
+
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        return forward(*args, **kwargs)
+    return wrapper
+
+
+class DecoratedOddExp(Indexed):
+    @_logged
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = super().forward(x, mask)
+        return out.exp() if self.index % 2 else out
+
+
+def test_a_decorated_forward_that_reads_the_index_is_looked_into(monkeypatch):
+    torch.manual_seed(0)
+    model = Stack([DecoratedOddExp(i) for i in range(4)])
+    costs, runs = measured(model, DecoratedOddExp, reuse=True, monkeypatch=monkeypatch)
+    alone, _ = measured(model, DecoratedOddExp, reuse=False, monkeypatch=monkeypatch)
+    assert runs == 4
+    assert costs == alone

@@ -1,8 +1,8 @@
 """Measuring what each matched layer holds for backward and costs to recompute, in one fully checkpointed step.
 
-:class:`LayerCostRecorder` re-runs each layer right after its own checkpointed forward and backpropagates it to its
-inputs, its result dropped at once, so measuring never holds more activations than full checkpointing plus one
-layer's forward and backward; a layer identical to one already re-run in the step and called alike (a transformer's
+:class:`LayerCostRecorder` re-runs each layer right before its own checkpointed forward and backpropagates it to its
+inputs, its output dropped before that backward, so a measuring step has alive at most what full checkpointing has
+in that layer's backward (the layers' inputs so far, the layer's activations and gradients); a layer identical to one already re-run in the step and called alike (a transformer's
 blocks) reuses that one's figures instead (:func:`_rerun_key`). :func:`measure_step` and :func:`measure_layer_costs`
 run a step under it and return the :class:`~lightning_ckpt.core.costs.LayerCost` records the solver plans from
 (:class:`StepCosts`). The module, its buffers and the RNG are left as they were. Plain PyTorch.
@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -321,6 +322,7 @@ class LayerCostRecorder:
         self._handles: list[Any] = []
         self._after_layers = 0
         self._last_output: Any = None
+        self._pending: list[_Rerun] = []  # the re-runs of the layers whose forward is running (see _enter_layer)
         #: The most bytes the backward of the head and loss makes alive at once (the logits' gradient), set by
         #: :meth:`measure_head`; 0 when not measured.
         self.head_peak_bytes = 0
@@ -368,7 +370,7 @@ class LayerCostRecorder:
     def __enter__(self) -> LayerCostRecorder:
         for name, layer in self.layers:
             hook = self._hook(name, layer)
-            self._handles.append(layer.register_forward_pre_hook(self._enter_layer))
+            self._handles.append(layer.register_forward_pre_hook(self._enter_layer, with_kwargs=True))
             self._handles.append(layer.register_forward_hook(hook, with_kwargs=True, always_call=False))
         self._step.__enter__()
         if self._outside is not None:
@@ -389,13 +391,18 @@ class LayerCostRecorder:
             self._leave_layer()
             if module.training and torch.is_grad_enabled():
                 self._last_output = output
-                self._measure(name, layer, args, kwargs, output)
+                self._measure(name, layer, args, kwargs, output, self._pending.pop())
         return hook
 
-    def _enter_layer(self, module: nn.Module, args: Any) -> None:
+    def _enter_layer(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._inside += 1
         if self._outside is not None and self._inside == 1:
             self._outside_mark = len(self._outside.runs)
+        if module.training and torch.is_grad_enabled():
+            # Re-run before the layer's own forward, not after: then its output does not exist yet, and the
+            # re-run's backward has alive what the step's backward of this layer will (its inputs and what the
+            # layers before hold), not one output more. Dropout draws alike: the re-run forks the RNG.
+            self._pending.append(self._rerun_once(module, args, kwargs))
 
     def _leave_layer(self) -> None:
         self._inside -= 1
@@ -404,8 +411,21 @@ class LayerCostRecorder:
         if self._outside is not None and self._inside == 0:
             del self._outside.runs[self._outside_mark:]  # the layer's own ops: in its records
 
+    def _rerun_once(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Rerun:
+        """The re-run of ``layer`` on ``args`` and ``kwargs``: one measured before for an identical layer called
+        alike (:func:`_rerun_key`), else a new one."""
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        excluded = {storage_key(p) for p in self._resident()}
+        key = None if self._sharded else _rerun_key(layer, args, kwargs, excluded)
+        rerun = self._reruns.get(key) if key is not None else None
+        if rerun is None:
+            rerun = self._rerun(layer, args, kwargs, inputs)
+            if key is not None and rerun.reusable:
+                self._reruns[key] = rerun
+        return rerun
+
     def _measure(self, name: str, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 output: Any) -> None:
+                 output: Any, rerun: _Rerun) -> None:
         totals = self._totals[name]
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         excluded = {storage_key(p) for p in self._resident()}
@@ -418,12 +438,6 @@ class LayerCostRecorder:
         totals.bf16_bytes += held_bytes(inputs_held, "bf16")
         totals.fp8_bytes += held_bytes(inputs_held, "fp8") if layer_compress(layer, "fp8") else full
         totals.calls += 1
-        key = None if self._sharded else _rerun_key(layer, args, kwargs, excluded)
-        rerun = self._reruns.get(key) if key is not None else None
-        if rerun is None:
-            rerun = self._rerun(layer, args, kwargs, inputs)
-            if key is not None and rerun.reusable:
-                self._reruns[key] = rerun
         totals.transient_bytes = max(totals.transient_bytes, full + rerun.backward_bytes)
         held_keys = {storage_key(t) for t in inputs_held}
         saved_inputs = {storage_key(inputs[i]) for i in rerun.saved_inputs}
@@ -455,8 +469,12 @@ class LayerCostRecorder:
                 saved, out = self._run(layer, inputs, cost, lambda: forward(*args, **kwargs))
             outputs = [storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             out_bytes = [tensor_bytes([t]) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            backward = _backward_bytes(layer, inputs, out, saved, live)
-            del out  # and with it everything it saved
+            # The outputs go before the backward: the step's recompute keeps none either (the gradient of each
+            # comes from the layer after). Held, they put a measuring step above full checkpointing (tests/test_peak.py).
+            seed, wrt = _backward_seed(layer, inputs, out)
+            del out
+            backward = _backward_bytes(seed, wrt, live)
+            del seed  # and with it everything the re-run saved
         if self._outside is not None:
             del self._outside.runs[mark:]  # the re-run is not the step's
         log = cost.log[:saved.last_save]  # recompute stops after the last saved tensor (early stop)
@@ -510,29 +528,39 @@ class _OnesGrad(torch.autograd.Function):
         return tuple(torch.ones(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.specs)
 
 
-def _backward_bytes(layer: nn.Module, inputs: Sequence[torch.Tensor], out: Any, saved: _LayerRunCounter,
-                    live: LiveBytes) -> int:
-    """The most activation bytes alive during the backward of one plain re-run of ``layer`` (``out`` from ``inputs``),
-    beyond its inputs: what the re-run saved, the gradient of its output, and the gradients its backward makes.
+def _backward_seed(layer: nn.Module, inputs: Sequence[torch.Tensor],
+                   out: Any) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+    """What the backward of one plain re-run of ``layer`` (``out`` from ``inputs``) starts from: a scalar whose
+    gradient hands each output a gradient of ones (``None`` when nothing needs a gradient), and the tensors it goes
+    to: the inputs, or the layer's own trainable weights where no input needs a gradient (frozen inputs, PEFT).
 
-    The gradients go to the inputs (to the layer's own parameters where no input needs one) through
-    :func:`torch.autograd.grad`, so no ``.grad`` is touched; the weights' own gradients do not count. Outputs the
-    layer does not save itself do not count either: in the step they are the next layer's inputs, freed before this
-    backward. 0 when nothing needs a gradient.
-    """
+    The seed keeps no output alive, only the graph (so what the layer saved): the caller drops ``out`` before the
+    backward."""
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     wrt = [t for t in inputs if t.requires_grad]
     if not wrt:  # frozen inputs (PEFT): the backward still runs for the layer's own trainable weights
         wrt = [p for p in _own_parameters(layer) if p.requires_grad and not hasattr(p, "to_local")]
     if not outs or not wrt:
+        return None, wrt
+    return _OnesGrad.apply(*outs), wrt
+
+
+def _backward_bytes(seed: Optional[torch.Tensor], wrt: Sequence[torch.Tensor], live: LiveBytes) -> int:
+    """The most activation bytes alive during the backward from ``seed`` (:func:`_backward_seed`) to ``wrt``, beyond
+    the re-run's inputs: what the re-run saved, the gradient of its output, and the gradients its backward makes.
+
+    The gradients go through :func:`torch.autograd.grad`, so no ``.grad`` is touched; the weights' own gradients do
+    not count. Outputs the layer does not save itself are dead by now and do not count either: in the step they are
+    the next layer's inputs, freed before this backward. 0 when nothing needs a gradient.
+    """
+    if seed is None:
         return 0
     live.mark()
     # The outputs' gradients are made inside the backward (_OnesGrad), so that, as in the step, each is freed once
     # the ops that take it have run; passed in as `grad_outputs` they would stay alive to the end.
-    grads = torch.autograd.grad(_OnesGrad.apply(*outs), wrt, allow_unused=True)
-    unsaved = [t for t in outs if storage_key(t) not in saved._seen]
+    grads = torch.autograd.grad(seed, list(wrt), allow_unused=True)
     weights = [g for g, t in zip(grads, wrt) if g is not None and isinstance(t, nn.Parameter)]
-    return live.peak(exclude=[*unsaved, *weights])
+    return live.peak(exclude=weights)
 
 
 #: What every module keeps in its ``__dict__`` (parameters, buffers, submodules, hooks, the training flag): the rest
@@ -565,11 +593,15 @@ def _rerun_key(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     seen: dict[tuple[Any, int], int] = {}  # storage -> the order in which it was first met
     forward = _plain_forward(layer)
     parts: list[Any] = [forward.__func__ if getattr(forward, "__self__", None) is layer else _Same(forward)]
+    read = frozenset().union(*(_names_read(type(sub)) for sub in layer.modules()))
     for name, sub in layer.named_modules(remove_duplicate=False):
         if sub is not layer and any(getattr(sub, hooks) for hooks in _HOOKS):
             return None
+        # An int no code of the layer's modules reads outside __init__ (litgpt's `block_idx`) cannot change what
+        # the forward does: left out, so that blocks differing only in their index share one re-run.
         config = {k: v for k, v in sub.__dict__.items()
-                  if k not in _MODULE_INTERNALS and (sub is not layer or k != "forward")}
+                  if k not in _MODULE_INTERNALS and (sub is not layer or k != "forward")
+                  and not (type(v) is int and k not in read)}
         values = _values_key((config, sub._parameters, sub._buffers), seen, resident, by_identity=True)
         if values is None:
             return None
@@ -581,6 +613,65 @@ def _rerun_key(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices
                 if torch.amp.is_autocast_available(d)]
     return tuple(parts), call, tuple(autocast)
+
+
+@functools.lru_cache(maxsize=None)
+def _names_read(cls: type) -> frozenset[str]:
+    """The names the code of ``cls``'s own methods and properties reads (``co_names``, functions nested in them
+    included), ``__init__`` left out; ``nn.Module``'s and ``object``'s are not looked at.
+
+    Example::
+
+        >>> class Attention(nn.Module):
+        ...     def __init__(self, index: int) -> None:
+        ...         super().__init__()
+        ...         self.index, self.heads = index, 4
+        ...     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ...         return x * self.heads
+        >>> sorted(_names_read(Attention))
+        ['heads']
+    """
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        for attr, value in vars(klass).items():
+            if attr == "__init__":
+                continue
+            functions = [value.fget, value.fset] if isinstance(value, property) else [getattr(value, "__func__", value)]
+            for function in functions:
+                names |= _function_names(function, set())
+    return frozenset(names)
+
+
+def _function_names(function: Any, seen: set[int]) -> set[str]:
+    """The names ``function``'s code reads, and the code of what it wraps (a decorator's ``__wrapped__`` or the
+    functions in its closure): a decorated ``forward``'s own body is there."""
+    if id(function) in seen or not hasattr(function, "__code__"):
+        return set()
+    seen.add(id(function))
+    names = _code_names(function.__code__)
+    inner = [getattr(function, "__wrapped__", None)] + [cell.cell_contents for cell in function.__closure__ or ()
+                                                         if _cell_filled(cell)]
+    for other in inner:
+        names |= _function_names(getattr(other, "__func__", other), seen)
+    return names
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _code_names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
 
 
 def _values_key(values: Any, seen: dict[tuple[Any, int], int], resident: set[tuple[Any, int]],

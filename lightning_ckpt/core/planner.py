@@ -25,10 +25,10 @@ count as torch's ``FlopCounterMode`` counts them; every other op counts one FLOP
 those as zero, which would make element-wise recomputation look free). See :class:`OpCostMode`.
 
 Measuring is safe when memory is short: the step runs once with every matched layer fully
-checkpointed, and each layer is re-run alone right after its own checkpointed forward and backpropagated
-to its inputs (what its backward has alive at once), its result dropped at once (identical layers called alike
-are re-run once and share the figures). So planning never holds more
-activations than full checkpointing plus one layer's forward and backward, and never runs the whole model
+checkpointed, and each layer is re-run alone right before its own checkpointed forward and backpropagated
+to its inputs (what its backward has alive at once), its output dropped before that backward (identical layers
+called alike are re-run once and share the figures). So a measuring step peaks no higher than full
+checkpointing (``tests/test_peak.py``), and never runs the whole model
 un-checkpointed. The budget bounds the step's activation peak, the backward's included (:func:`held_peak`). The RNG and every buffer are left as they were.
 Plain PyTorch; nothing here imports Lightning.
 
