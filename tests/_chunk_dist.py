@@ -18,7 +18,8 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _dist_helpers import DATA_ARGS, GPT_ARGS, WORLD_SIZE, SeededGPT, free_port, full_weights  # noqa: E402
+from _dist_helpers import (  # noqa: E402
+    DATA_ARGS, GPT_ARGS, WORLD_SIZE, SeededGPT, free_port, full_weights, spawn_ranks)
 
 from lightning_ckpt import GradientCheckpointing  # noqa: E402
 from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss, chunk_loss_of  # noqa: E402
@@ -105,20 +106,4 @@ def _worker(rank: int, port: int, names: list[str], out_dir: str) -> None:
 
 
 def run(names: list[str], out_dir: Path, timeout: float = 600.0) -> dict[str, list[dict[str, Any]]]:
-    import time
-
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(_worker, args=(free_port(), names, str(out_dir)), nprocs=WORLD_SIZE,
-                                 start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"The 2-process run did not finish within {timeout} s.")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return {name: [torch.load(Path(out_dir) / f"{name}.rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
-            for name in names}
+    return spawn_ranks(_worker, (free_port(), names, str(out_dir)), out_dir, names, timeout)

@@ -696,21 +696,28 @@ def run_scenarios(
     scenarios: list[tuple[str, dict[str, Any]]], out_dir: Path, timeout: float = 300.0, world_size: int = WORLD_SIZE
 ) -> dict[str, list[dict[str, Any]]]:
     """Run ``scenarios`` in ``world_size`` spawned processes; return ``{name: [rank0_result, rank1_result, ...]}``."""
+    return spawn_ranks(_worker, (world_size, free_port(), scenarios, str(out_dir)), out_dir,
+                       [name for name, _ in scenarios], timeout, world_size)
+
+
+def spawn_ranks(worker: Any, args: tuple, out_dir: Path, names: list[str], timeout: float,
+                world_size: int = WORLD_SIZE) -> dict[str, list[dict[str, Any]]]:
+    """Run ``worker(rank, *args)`` in ``world_size`` spawned processes (killed past ``timeout`` seconds); each rank
+    writes ``{name}.rank{r}.pt`` under ``out_dir`` for each of ``names``: ``{name: [rank0_result, ...]}``."""
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(_worker, args=(world_size, free_port(), scenarios, str(out_dir)), nprocs=world_size,
-                                 start_method="spawn", join=False)
+    context = mp.start_processes(worker, args=args, nprocs=world_size, start_method="spawn", join=False)
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=1.0):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"The 2-process run did not finish within {timeout} s.")
+                raise TimeoutError(f"The {world_size}-process run did not finish within {timeout} s.")
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    return {name: [torch.load(out_dir / f"{name}.rank{r}.pt", weights_only=False) for r in range(world_size)]
-            for name, _ in scenarios}
+    return {name: [torch.load(Path(out_dir) / f"{name}.rank{r}.pt", weights_only=False) for r in range(world_size)]
+            for name in names}
 
 
 _LAUNCHER_VARIABLES = ("LOCAL_RANK", "RANK", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -192,19 +191,7 @@ def run_two_processes(scenarios: list[tuple[str, str, Optional[dict[str, Any]]]]
                       timeout: float = 240.0) -> dict[str, list[dict[str, Any]]]:
     """Run ``(name, "ddp" | "fsdp2" | "fsdp2_wrapped", ckpt options or None)`` scenarios in 2 spawned gloo processes,
     one after another; ``{name: [rank0_result, rank1_result]}``."""
-    import torch.multiprocessing as mp
-    from _dist_helpers import free_port
+    from _dist_helpers import free_port, spawn_ranks
 
-    context = mp.start_processes(_worker, args=(free_port(), scenarios, str(out_dir)), nprocs=2,
-                                 start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"The 2-process run did not finish within {timeout} s.")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return {name: [torch.load(out_dir / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)]
-            for name, _, _ in scenarios}
+    return spawn_ranks(_worker, (free_port(), scenarios, str(out_dir)), out_dir, [name for name, _, _ in scenarios],
+                       timeout, world_size=2)
