@@ -425,6 +425,25 @@ class JumpingGPT(VaryingGPT):
         return loss
 
 
+def test_a_predicted_plan_is_checked_on_its_first_step_only(monkeypatch):
+    """Lengths 8, 16, 24 measured; 40 predicted (bucket 256) and checked on its step; 36 and 40 again run the same
+    plan, sizes it covers, unchecked: one check in the run, not three (each check hooks every saved tensor)."""
+    import lightning_ckpt.callbacks.gradient_checkpointing as module
+
+    made = []
+
+    class Counting(module.SavedTensorCounter):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(module, "SavedTensorCounter", Counting)
+    callback = GradientCheckpointing(memory_budget=10 * 2**20)
+    fit([callback], lengths=[8, 16, 24, 40, 36, 40], model=JumpingGPT(callback, False))
+    assert callback._cycle.predicted == callback._cycle.checked == {256}
+    assert len(made) == 1
+
+
 @pytest.mark.parametrize("jump", [False, True])
 def test_a_predicted_plan_whose_step_holds_more_than_planned_measures_its_bucket_again(jump):
     lengths = [8, 16, 24, 40, 36, 40]  # 40 (160 tokens) predicted from 8, 16, 24; 36 (144) in the same bucket (256)

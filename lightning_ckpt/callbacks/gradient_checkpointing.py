@@ -404,8 +404,9 @@ class GradientCheckpointing(Callback):
             self._reapply(pl_module)  # the plan just made, for the next batch of this size
 
     def _end_check(self, trainer: pl.Trainer) -> None:
-        """End the held-bytes check of a predicted plan: held more than its ``planned_bytes`` (on any rank: every
-        rank learns it, so all decide alike) and the bucket is measured on its next batch."""
+        """End the held-bytes check of a predicted plan (on its first step, at the size it was predicted for): held
+        more than its ``planned_bytes`` (on any rank: every rank learns it, so all decide alike) and the bucket is
+        measured on its next batch; held no more and the plan's later steps are not checked."""
         check, self._check = self._check, None
         if check is None:
             return
@@ -413,7 +414,9 @@ class GradientCheckpointing(Callback):
         plan, size = self._cycle.applied, self._cycle.current
         assert plan is not None and size is not None
         held_as_planned = check.bytes + check.offloaded_bytes <= plan.planned_bytes + plan.planned_host_bytes
-        if not _all_ranks(trainer.strategy, held_as_planned):
+        if _all_ranks(trainer.strategy, held_as_planned):
+            self._cycle.check_passed(size)
+        else:
             self._cycle.check_failed(size)
             rank_zero_info(f"GradientCheckpointing: a batch of {size} held more than its predicted plan"
                            f" ({format_bytes(check.bytes)} > {format_bytes(plan.planned_bytes)} planned); its size"

@@ -149,7 +149,8 @@ class BudgetCycle:
         self.fit = CostFit()  # the measured costs over the batch shape
         self.template: Optional[RankMeasurement] = None  # the latest measurement: layer names, compress
         self.predicting: Optional[BatchSize] = None  # the size being planned from the fit
-        self.predicted: set[int] = set()  # buckets whose plan was predicted (their steps are checked)
+        self.predicted: set[int] = set()  # buckets whose plan was predicted (their first step is checked)
+        self.checked: set[int] = set()  # of those, the buckets whose check passed
         self.remeasure: set[int] = set()  # buckets whose check failed: their next batch is measured
         self.current: Optional[BatchSize] = None  # the latest batch's size
         self.measured_steps = 0  # measuring steps begun (a measurement abandoned included)
@@ -196,6 +197,7 @@ class BudgetCycle:
         size = self.measuring or self.predicting
         if size is None:
             raise RuntimeError("BudgetCycle.planned() needs a measuring or predicted step: call begin() first.")
+        self.checked.discard(size.bucket)  # a new plan for the bucket: checked anew if predicted
         if self.measuring is not None:
             self.predicted.discard(size.bucket)
             self.remeasure.discard(size.bucket)
@@ -209,9 +211,15 @@ class BudgetCycle:
 
     @property
     def checking(self) -> bool:
-        """Whether the plan the module runs now was predicted: its step's held bytes are checked against it."""
+        """Whether the plan the module runs now was predicted and not yet checked: this step's held bytes are
+        checked against it."""
         return self.applied is not None and self.measuring is None and any(
-            self.plans.get(b) is self.applied for b in self.predicted)
+            self.plans.get(b) is self.applied for b in self.predicted - self.checked)
+
+    def check_passed(self, size: BatchSize) -> None:
+        """A step of ``size`` (its predicted plan's own size: the first step that runs it) held no more than the plan
+        said: batches its bucket covers hold no more than that, so its later steps are not checked."""
+        self.checked.add(size.bucket)
 
     def check_failed(self, size: BatchSize) -> None:
         """A step of ``size`` held more than its predicted plan said: drop that plan; the bucket's next batch is
