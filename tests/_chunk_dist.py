@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _dist_helpers import (  # noqa: E402
-    DATA_ARGS, GPT_ARGS, WORLD_SIZE, SeededGPT, free_port, full_weights, spawn_ranks)
+    DATA_ARGS, GPT_ARGS, WORLD_SIZE, SeededGPT, free_port, full_weights, leave_process_group, spawn_ranks)
 
 from lightning_ckpt import GradientCheckpointing  # noqa: E402
 from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss, chunk_loss_of  # noqa: E402
@@ -97,12 +97,7 @@ def _worker(rank: int, port: int, names: list[str], out_dir: str) -> None:
                       WORLD_SIZE=str(WORLD_SIZE))
     for name in names:
         torch.save(_run(name), Path(out_dir) / f"{name}.rank{rank}.pt")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_process_group()
 
 
 def run(names: list[str], out_dir: Path, timeout: float = 600.0) -> dict[str, list[dict[str, Any]]]:

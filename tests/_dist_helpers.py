@@ -682,8 +682,12 @@ def _worker(rank: int, world_size: int, port: int, scenarios: list[tuple[str, di
                       WORLD_SIZE=str(world_size))
     for name, kwargs in scenarios:
         torch.save(_run_scenario(name, kwargs), Path(out_dir) / f"{name}.rank{rank}.pt")
-    # Like the strategies' own spawn launcher: destroy the process group, then leave without interpreter
-    # finalization, where leftover gloo state can abort the process.
+    leave_process_group()
+
+
+def leave_process_group() -> None:
+    """End a spawned worker like the strategies' own spawn launcher: destroy the process group, then leave without
+    interpreter finalization, where leftover gloo state can abort the process."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

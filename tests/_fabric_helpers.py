@@ -9,7 +9,6 @@ figure a budget bounds) and the collectives of its forward and backward.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric, seed_everything
 from torch import nn
 
+from _dist_helpers import CollectiveCounter, leave_process_group
 from lightning_ckpt import FabricCheckpointing
 from lightning_ckpt.core.memory_stats import PeakProbe
 from lightning_ckpt.core.wrapping import checkpointed_names
@@ -43,20 +43,6 @@ def batches(rank: int, lengths: tuple[list[int], ...] = LENGTHS, start: int = 0)
     """Rank ``rank``'s batches of token ids, ``[BATCH, length + 1]``; the first one is step ``start``'s."""
     return [counting_sequences(BATCH, length + 1, VOCAB, seed=10 * step + rank)
             for step, length in enumerate(lengths[rank], start)]
-
-
-class _Collectives(torch.utils._python_dispatch.TorchDispatchMode):
-    """Count the ``c10d`` collectives dispatched while active, by op name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        if func.namespace == "c10d":
-            name = func._overloadpacket.__name__
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -98,7 +84,7 @@ def fabric_loop(fabric: Fabric, ckpt: Optional[dict[str, Any]], rank: int = 0, c
         with (checkpointing.step(ids) if checkpointing is not None else _nothing()):
             record["seen"].append(checkpointed_names(module))
             record["measuring"].append(checkpointing is not None and checkpointing.callback._cycle.measuring is not None)
-            counter = _Collectives() if count_collectives else None
+            counter = CollectiveCounter() if count_collectives else None
             probe.start()
             if counter is not None:
                 counter.__enter__()
@@ -179,12 +165,7 @@ def _worker(rank: int, port: int, scenarios: list[tuple[str, str, Optional[dict[
         except Exception as err:  # recorded: a refusal is a result
             result = {"error": f"{type(err).__name__}: {err}"}
         torch.save(result, Path(out_dir) / f"{name}.rank{rank}.pt")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_process_group()
 
 
 def run_two_processes(scenarios: list[tuple[str, str, Optional[dict[str, Any]]]], out_dir: Path,

@@ -261,17 +261,7 @@ def measured_bytes(batch_size: int, modes: dict[str, str], plan_layers: bool = F
     """Bytes held for backward by a real training step of the tiny config at ``batch_size``, its layers checkpointed
     as ``modes`` say; with ``plan_layers``, as the plan for memory_budget=0.5, made again here, says (op-level
     layers need its kept ops), checked to be the plan in ``modes``."""
-    built = build(TINY, fake=False)
-    if plan_layers:
-        measurement = measure(build(TINY, fake=False), 8)
-        plan = make_plan(measurement.costs, measurement.outside_bytes, 0.5, head_bytes=measurement.head_bytes,
-                         head_peak_bytes=measurement.head_peak_bytes)
-        assert plan.layers == modes
-        plan.apply(built.module)
-    for name, mode in modes.items():
-        if mode != "none" and not plan_layers:
-            layer = built.module.get_submodule(name)
-            apply_checkpointing(layer, layer_cls=type(layer), mode=mode)
+    built = _checkpointed(modes, plan_layers)
     batch = batch_of_size(built.loader, batch_size)
     assert batch[0].shape[0] == batch_size
     with SavedTensorCounter(exclude=built.module.parameters()) as saved:
