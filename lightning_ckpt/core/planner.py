@@ -136,12 +136,13 @@ from lightning_ckpt.core.timing import (
     transfer_windows,
 )
 
-__all__ = ["CURVE_POINTS", "PLAN_MODES", "STEP_FORWARDS", "CheckpointPlan", "Choice", "ChunkedHead", "HeadCount", "LayerCost",
-           "LayerCostRecorder", "MIN_CHUNK_TOKENS", "OPS_PER_CHUNK", "LayerOption", "Offload", "OpCostMode", "Option", "StepCosts", "StepMeasurement",
-           "cheapest_choices", "choose", "chunk_sizes", "count_cost", "exposed_transfer_seconds", "head_and_loss_bytes", "extra_seconds", "forward_seconds",
-           "held_peak", "kept_on_device", "layer_options", "layer_seconds", "layer_transients", "make_option",
-           "make_plan", "measure_chunked_head", "measure_layer_costs", "measure_step", "plan_checkpointing", "predict", "predict_peak", "predict_seconds",
-           "solve", "transfer_windows"]
+__all__ = ["CURVE_POINTS", "CheckpointPlan", "Choice", "ChunkedHead", "HeadCount", "LayerCost", "LayerCostRecorder",
+           "LayerOption", "MIN_CHUNK_TOKENS", "OPS_PER_CHUNK", "Offload", "OpCostMode", "Option", "PLAN_MODES",
+           "STEP_FORWARDS", "StepCosts", "StepMeasurement", "cheapest_choices", "choose", "chunk_sizes", "count_cost",
+           "exposed_transfer_seconds", "extra_seconds", "forward_seconds", "head_and_loss_bytes", "held_peak",
+           "kept_on_device", "layer_options", "layer_seconds", "layer_transients", "make_option", "make_plan",
+           "measure_chunked_head", "measure_layer_costs", "measure_step", "plan_checkpointing", "predict",
+           "predict_peak", "predict_seconds", "solve", "transfer_windows"]
 
 log = logging.getLogger(__name__)
 
@@ -509,7 +510,7 @@ def plan_checkpointing(
     # The largest chunk whose plan fits: a smaller one only adds launches, measured only when the larger misses
     error: Optional[ValueError] = None
     tokens = None
-    for size in chunk_sizes(chunk, min(chunk, MIN_CHUNK_TOKENS)):
+    for size in chunk_sizes(chunk):
         if tokens is not None and size >= tokens:
             continue  # still one chunk of every token: the bytes already measured
         steps, head = measure_chunked_head(module, step, layer_cls, modes, size)
