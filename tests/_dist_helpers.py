@@ -544,7 +544,8 @@ The largest over ranks: 16, 16, 8, 16."""
 
 PREDICTED_LENGTHS = ([4, 3, 12, 16, 1, 14], [2, 8, 6, 10, 2, 7])
 """Lengths whose largest over ranks (4, 8, 12, 16, 2, 14) measure three sizes, then plan 16 (64 tokens, not covered
-by 12's 48 in the same bucket) and 2 (8 tokens, a new bucket) from the fit; 14 runs 16's predicted plan."""
+by 12's 48 in the same bucket) from the fit; 2 (8 tokens, a new bucket) runs the plan made at 4, which checkpoints
+nothing; 14 runs 16's predicted plan."""
 
 
 def _fit_varying(strategy: Any, memory_budget: Optional[int], compress: Optional[str] = None,

@@ -8,6 +8,8 @@ without the callback.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
@@ -17,6 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_ckpt import GradientCheckpointing, MemoryMonitor
 from lightning_ckpt.core.budget_cycle import BatchSize, BucketState, BudgetCycle, batch_size_of
 from lightning_ckpt.core.memory_stats import format_summary
+from lightning_ckpt.core.op_curve import OpRecord
 from lightning_ckpt.core.planner import LayerCost, make_plan
 from lightning_ckpt.core.profiling import SavedTensorCounter
 from lightning_ckpt.core.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
@@ -30,10 +33,13 @@ LENGTHS = [8, 64, 16, 64, 32, 8, 64, 48]  # the first batch short; 4 x 48 = 192 
 BATCH = 4
 
 
-def a_plan(bytes_per_layer: int = 10):
-    return make_plan([LayerCost("l0", "Block", none_bytes=100, full_bytes=bytes_per_layer, selective_bytes=40,
+def a_plan(bytes_per_layer: int = 10, mode: str = "full"):
+    """A one-layer plan that checkpoints it (``mode``): one that checkpoints nothing would hold for smaller batches
+    of every bucket."""
+    plan = make_plan([LayerCost("l0", "Block", none_bytes=100, full_bytes=bytes_per_layer, selective_bytes=40,
                                 offloadable_bytes=0, full_flops=50, selective_flops=5)], outside_bytes=0,
                      memory_budget=1.0)
+    return replace(plan, layers={"l0": mode})
 
 
 # ------------------------------------------------------------------------------------------- sizes and buckets
@@ -71,7 +77,7 @@ def test_the_cycle_measures_each_new_size_and_reuses_a_plan_only_where_its_size_
 
     long_step = cycle.begin(BatchSize(400, 100))  # bucket 512, never measured
     assert long_step.measure and long_step.plan is None and not long_step.switch
-    long = a_plan(40)
+    long = a_plan(40, "selective")
     cycle.planned(long)
     assert cycle.plans == {128: short, 512: long}
 
@@ -86,9 +92,50 @@ def test_the_cycle_measures_each_new_size_and_reuses_a_plan_only_where_its_size_
         cycle.planned(a_plan())
 
 
+def test_a_plan_that_checkpoints_nothing_holds_for_every_smaller_batch_in_any_bucket():
+    cycle = BudgetCycle()
+    cycle.begin(BatchSize(1200, 300))  # bucket 2048
+    nothing = replace(a_plan(), layers={"l0": "none"})
+    cycle.planned(nothing)
+    assert nothing.checkpoints_nothing and cycle.begin(BatchSize(1200, 300)).switch  # from the measuring layout
+    # bucket 1024 and bucket 32, never measured: no plan is cheaper than checkpointing nothing, so no measuring step
+    for size in (BatchSize(1000, 250), BatchSize(32, 8)):
+        step = cycle.begin(size)
+        assert step.plan is nothing and not step.measure and not step.switch
+    assert cycle.measured_steps == 1
+    assert cycle.begin(BatchSize(1000, 400)).measure  # fewer tokens, but longer: not covered
+    # a plan that checkpoints something covers its own bucket only: a smaller batch may afford a cheaper one
+    cycle = BudgetCycle()
+    cycle.begin(BatchSize(1200, 300))
+    cycle.planned(a_plan())
+    assert cycle.begin(BatchSize(1000, 250)).measure
+    for changed in ({"offloaded": ["l0"]}, {"chunk_tokens": 1024}):  # the module is changed, so not "nothing"
+        assert not replace(nothing, **changed).checkpoints_nothing
+
+
+def test_switching_to_a_plan_that_checkpoints_the_module_alike_changes_nothing():
+    cycle = BudgetCycle()
+    for tokens, plan in ((64, a_plan(10)), (256, a_plan(40)), (1024, a_plan(40, "selective"))):
+        cycle.begin(BatchSize(tokens, tokens // 4))
+        cycle.planned(plan)
+    switches = [cycle.begin(BatchSize(t, t // 4)).switch for t in (64, 256, 1024, 64, 1024)]
+    # 64 -> 256: both "full" (other sizes, other figures), no switch; 256 -> 1024: full -> selective; and back
+    assert switches == [True, False, True, True, True]
+    assert cycle.applied is cycle.plans[1024]  # the applied plan is the batch's own, for its check
+    a, b = a_plan(10), a_plan(40)
+    assert a.applies_like(b) and not a.applies_like(replace(b, compress="fp8"))
+    assert not a.applies_like(replace(b, offloaded=["l0"])) and not a.applies_like(replace(b, chunk_tokens=512))
+    assert replace(a, layers={"l0": "none"}).applies_like(replace(b, layers={"l0": "none"}, compress="fp8"))
+    # op-level: the ops kept, by position among the layer's ops
+    ops = (OpRecord("aten.mm.default", 8, 10, 8), OpRecord("aten.relu.default", 8, 1, 8))
+    keep = [replace(a, layers={"l0": "ops"}, kept_ops={"l0": kept}, costs=[replace(a.costs[0], ops=ops)])
+            for kept in ([0], [0], [1])]
+    assert keep[0].applies_like(keep[1]) and not keep[0].applies_like(keep[2])
+
+
 def test_the_cycle_round_trips_through_its_state_dict():
     cycle = BudgetCycle()
-    for size, plan in ((BatchSize(64, 16), a_plan(10)), (BatchSize(256, 64), a_plan(40))):
+    for size, plan in ((BatchSize(64, 16), a_plan(10)), (BatchSize(256, 64), a_plan(40, "selective"))):
         cycle.begin(size)
         cycle.planned(plan)
     restored = BudgetCycle()

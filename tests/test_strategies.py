@@ -534,15 +534,16 @@ def test_ranks_whose_lengths_differ_agree_on_each_step_s_size_and_train_as_witho
 
 
 def test_ranks_predict_the_same_sizes_alike_from_the_fit_of_their_combined_costs(budget_runs):
-    """The largest lengths over ranks 4, 8, 12 are measured; 16 and 2 are planned from the fit of the rows combined
-    over ranks, and checked: on both ranks the same steps, the same predicted plans, weights bit-equal and equal to
-    the run without the callback."""
+    """The largest lengths over ranks 4, 8, 12 are measured; 16 is planned from the fit of the rows combined over
+    ranks, and checked; 2 runs 4's plan, which checkpoints nothing: on both ranks the same steps, the same predicted
+    plans, weights bit-equal and equal to the run without the callback."""
     rank0, rank1 = ok(budget_runs, "ddp_budget_predicted")
     every = [f"model.blocks.{i}" for i in range(4)]
     assert rank0["measured_steps"] == rank1["measured_steps"] == 3
-    assert rank0["predicted"] == rank1["predicted"] == [8, 64]  # 2 x 4 and 16 x 4 tokens
-    assert rank0["plans"] == rank1["plans"] and sorted(rank0["plans"]) == [8, 16, 32, 64]
+    assert rank0["predicted"] == rank1["predicted"] == [64]  # 16 x 4 tokens
+    assert rank0["plans"] == rank1["plans"] and sorted(rank0["plans"]) == [16, 32, 64]
     assert rank0["seen"] == rank1["seen"] and rank0["seen"][:3] == [every] * 3 and every not in rank0["seen"][3:]
+    assert rank0["seen"][4] == []  # length 2, under the plan made at length 4
     assert_same_weights(rank0["weights"], rank1["weights"], rtol=0, atol=0)
     reference = ok(budget_runs, "ddp_budget_predicted_reference")
     for rank, result in enumerate((rank0, rank1)):

@@ -4,7 +4,8 @@ A budget is a promise for every batch. Batches vary in size (dynamic padding, pa
 a plan solved for a short batch holds far more than its budget on a long one. So plans are kept per size bucket
 (:meth:`BatchSize.bucket`: the tokens rounded up to a power of two), each with the size it was measured at, and a
 batch runs under a bucket's plan only when that size *covers* it (no more tokens and no longer sequences, so terms
-that grow with the square of the length are covered too). Any other batch is predicted (below) or a measuring step: every matched layer
+that grow with the square of the length are covered too); a plan that checkpoints nothing covers the smaller batches
+of every bucket (no plan is cheaper). Any other batch is predicted (below) or a measuring step: every matched layer
 fully checkpointed (it holds no more than full checkpointing does) while its costs are recorded, and its plan,
 solved for it, replaces the bucket's. A short batch so gets the cheaper plan its own size allows, and a long one
 never runs under a plan made for a shorter one.
@@ -166,7 +167,11 @@ class BudgetCycle:
     def plan_for(self, size: BatchSize) -> Optional[CheckpointPlan]:
         """The plan a batch of ``size`` may run under, or ``None`` when it must be measured."""
         measured = self.sizes.get(size.bucket)
-        return self.plans[size.bucket] if measured is not None and measured.covers(size) else None
+        if measured is not None and measured.covers(size):
+            return self.plans[size.bucket]
+        # A plan that checkpoints nothing holds for every size its own covers, in any bucket: none is cheaper.
+        return next((plan for bucket, plan in self.plans.items()
+                     if plan.checkpoints_nothing and self.sizes[bucket].covers(size)), None)
 
     def predict(self, size: BatchSize) -> Optional[RankMeasurement]:
         """The costs of ``size`` predicted from the fit, or ``None`` where it is not trusted (see the module
@@ -188,7 +193,9 @@ class BudgetCycle:
             return Step(size, None, False, predicted)
         self.predicting, self.measuring, self.current = None, size if plan is None else None, size
         self.measured_steps += plan is None
-        switch, self.applied, self.latest = plan is not self.applied, plan, plan
+        # Another plan that checkpoints the module alike (a size's own plan beside a smaller one's): nothing to change.
+        switch = plan is not self.applied and (plan is None or self.applied is None or not plan.applies_like(self.applied))
+        self.applied = self.latest = plan
         return Step(size, plan, switch)
 
     def planned(self, plan: CheckpointPlan, measured: Optional[RankMeasurement] = None) -> None:

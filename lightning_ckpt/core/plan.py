@@ -86,6 +86,32 @@ class CheckpointPlan:
         """Bytes the plan keeps in host memory (``planned_host_bytes``)."""
         return self.planned_host_bytes
 
+    @property
+    def checkpoints_nothing(self) -> bool:
+        """Whether applying the plan leaves a module as it is: no layer checkpointed or offloaded, the LM head and
+        loss unchunked. No plan is cheaper, so it also holds for every smaller batch."""
+        return not self.offloaded and self.chunk_tokens is None and all(m == "none" for m in self.layers.values())
+
+    def applies_like(self, other: CheckpointPlan) -> bool:
+        """Whether applying ``other`` does to a module what applying this plan does (the same modes, kept ops,
+        offload, compression and LM-head chunks), whatever either predicts: switching between them changes nothing.
+
+        Example::
+
+            >>> a = CheckpointPlan({"l0": "full", "l1": "none"}, 100, 60, 80, 10, 0)
+            >>> b = CheckpointPlan({"l0": "full", "l1": "none"}, 200, 120, 160, 20, 0)  # another size, same layout
+            >>> a.applies_like(b), a.applies_like(CheckpointPlan({"l0": "none", "l1": "full"}, 100, 60, 80, 10, 0))
+            (True, False)
+        """
+        return self._layout() == other._layout()
+
+    def _layout(self) -> tuple[Any, ...]:
+        ops = {name: (list(self.kept_ops[name]), [r.op for r in next(c for c in self.costs if c.name == name).ops])
+               for name, mode in self.layers.items() if mode == "ops"}
+        checkpointed = any(mode != "none" for mode in self.layers.values())
+        return (dict(self.layers), ops, sorted(self.offloaded), self.compress if checkpointed else None,
+                self.chunk_tokens)
+
     def apply(self, module: nn.Module, **checkpoint_options: Any) -> list[str]:
         """Checkpoint ``module``'s layers as planned (layers planned ``"none"`` are left or made plain).
 
