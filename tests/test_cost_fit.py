@@ -76,6 +76,14 @@ def test_predictions_are_clamped_by_the_sizes_measured():
     # just past a measured size: at least what it measured, and at most the margin over the fit
     above = fit.predict(65, 16, keep=[2])
     assert cost(64, 16)[0] <= above[0] <= math.ceil(cost(65, 16)[0] * (1 + MARGIN))
+    # a cost that shrinks as the batch grows (1000 - 2 T, by hand): past the range the fit says 1000 - 512 = 488,
+    # 498 with the margin, but no batch holds less than a smaller one measured: 1000 - 64 = 936 at 32 tokens;
+    # and between sizes no more than a larger one measured: 744 at 128 tokens, not 1000 - 100 = 900 (918)
+    falling = CostFit()
+    for tokens, length in [(32, 8), (64, 16), (128, 32)]:
+        falling.add(tokens, length, [1000 - 2 * tokens])
+    assert falling.predict(256, 64) == [936]
+    assert falling.predict(50, 12) == [744]
 
 
 def test_fit_peak_is_the_one_least_squares_of_plan_lengths():
