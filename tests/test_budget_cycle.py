@@ -288,9 +288,12 @@ def test_a_resumed_cycle_runs_every_size_it_has_a_plan_for_without_measuring():
     resumed.load_state_dict(state)
     assert {b: p.state_dict() for b, p in resumed.plans.items()} == {
         b: p.state_dict() for b, p in callback.plans.items()}
-    model = fit([resumed], lengths=[64, 8, 16])
-    assert model.held[0] is not None and model.held[1] is not None and model.held[2] is not None  # none measured
+    model = fit([resumed], lengths=[64, 8, 16, 24])
+    assert None not in model.held and resumed._cycle.measured_steps == 0  # none measured
     assert model.seen[1] == []
+    # 24 (96 tokens, bucket 128) was never planned: predicted from the fit saved with the plans, and checked
+    assert resumed._cycle.fit.sizes == callback._cycle.fit.sizes == [(32, 8), (256, 64), (64, 16)]
+    assert resumed._cycle.predicted == resumed._cycle.checked == {128}
 
 
 def test_an_out_of_reach_budget_at_a_new_size_names_the_batch_and_changes_nothing():
@@ -489,6 +492,11 @@ def test_a_predicted_plan_is_checked_on_its_first_step_only(monkeypatch):
     fit([callback], lengths=[8, 16, 24, 40, 36, 40], model=JumpingGPT(callback, False))
     assert callback._cycle.predicted == callback._cycle.checked == {256}
     assert len(made) == 1
+    # resumed from its state: the check passed before the save is not run again
+    resumed = GradientCheckpointing(memory_budget=10 * 2**20)
+    resumed.load_state_dict(callback.state_dict())
+    fit([resumed], lengths=[40, 36], model=JumpingGPT(resumed, False))
+    assert len(made) == 1 and resumed._cycle.measured_steps == 0
 
 
 @pytest.mark.parametrize("jump", [False, True])

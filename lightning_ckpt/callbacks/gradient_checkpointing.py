@@ -163,8 +163,8 @@ class GradientCheckpointing(Callback):
     whose predicted plan held more than planned); the plan is used for the batches it covers, and a short batch so
     runs the cheaper plan its own size allows (:mod:`~lightning_ckpt.core.budget_cycle`). ``callback.plan`` holds the latest batch's
     :class:`~lightning_ckpt.core.planner.CheckpointPlan` (and ``checkpointed_layers`` its choice), ``callback.plans``
-    every bucket's. The plans are saved in Lightning checkpoints: a resumed run applies them without measuring those
-    sizes again. Under DDP and FSDP2 every rank measures its own batch, the per-layer
+    every bucket's. The plans are saved in Lightning checkpoints with the fit: a resumed run applies them without
+    measuring those sizes again, and predicts new sizes from the fit. Under DDP and FSDP2 every rank measures its own batch, the per-layer
     costs are combined with their maximum over ranks, and every rank solves the same plan. Under FSDP2 each layer
     must be its own unit (``strategy='fsdp_ckpt'`` shards it so): measuring gathers each layer's parameters once
     more, in the first step only.

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -58,7 +58,7 @@ import torch
 from lightning_ckpt.core.budget import _COST_FIELDS, RankMeasurement, combine_costs, pack_costs
 from lightning_ckpt.core.cost_fit import CostFit
 from lightning_ckpt.core.memory_stats import main_tensor, tokens_in_batch
-from lightning_ckpt.core.planner import CheckpointPlan
+from lightning_ckpt.core.planner import CheckpointPlan, LayerCost
 
 
 @dataclass(frozen=True)
@@ -247,15 +247,30 @@ class BudgetCycle:
         self.__init__()
 
     def state_dict(self) -> dict[str, Any]:
+        """The plans with their sizes, and the fit (its measured sizes and rows, the latest measurement as the
+        template it predicts with): a resumed run plans new sizes from it instead of measuring three again."""
         return {"plans": [{"tokens": self.sizes[b].tokens, "length": self.sizes[b].length,
                            "plan": self.plans[b].state_dict()} for b in sorted(self.plans)],
-                "latest": None if self.latest is None else self.latest.state_dict()}
+                "latest": None if self.latest is None else self.latest.state_dict(),
+                "fit": {"sizes": [list(size) for size in self.fit.sizes], "rows": [list(row) for row in self.fit.rows],
+                        "template": None if self.template is None else asdict(self.template)},
+                "predicted": sorted(self.predicted), "checked": sorted(self.checked),
+                "remeasure": sorted(self.remeasure)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.clear()
         for entry in state.get("plans", []):
             size = BatchSize(int(entry["tokens"]), int(entry["length"]))
             self.sizes[size.bucket], self.plans[size.bucket] = size, CheckpointPlan.from_state_dict(entry["plan"])
+        fit = state.get("fit")  # absent from checkpoints made before the fit was saved: measured again
+        if fit is not None and fit["template"] is not None:
+            for (tokens, length), row in zip(fit["sizes"], fit["rows"]):
+                self.fit.add(tokens, length, row)
+            template = dict(fit["template"])
+            self.template = RankMeasurement(**{**template, "costs": [LayerCost(**c) for c in template["costs"]]})
+        self.predicted = set(state.get("predicted", ())) & set(self.plans)
+        self.checked = set(state.get("checked", ())) & self.predicted
+        self.remeasure = set(state.get("remeasure", ()))
         latest = state.get("latest")
         if latest is not None:
             self.latest = next((p for p in self.plans.values() if p.state_dict() == latest),
