@@ -477,7 +477,8 @@ class JumpingGPT(VaryingGPT):
 
 def test_a_predicted_plan_is_checked_on_its_first_step_only(monkeypatch):
     """Lengths 8, 16, 24 measured; 40 predicted (bucket 256) and checked on its step; 36 and 40 again run the same
-    plan, sizes it covers, unchecked: one check in the run, not three (each check hooks every saved tensor)."""
+    plan, sizes it covers, unchecked; 48 (bucket 256) is predicted anew and checkpoints alike: unchecked. One check in
+    the run, not four (each check hooks every saved tensor)."""
     import lightning_ckpt.callbacks.gradient_checkpointing as module
 
     made = []
@@ -489,8 +490,9 @@ def test_a_predicted_plan_is_checked_on_its_first_step_only(monkeypatch):
 
     monkeypatch.setattr(module, "SavedTensorCounter", Counting)
     callback = GradientCheckpointing(memory_budget=10 * 2**20)
-    fit([callback], lengths=[8, 16, 24, 40, 36, 40], model=JumpingGPT(callback, False))
+    fit([callback], lengths=[8, 16, 24, 40, 36, 40, 48], model=JumpingGPT(callback, False))
     assert callback._cycle.predicted == callback._cycle.checked == {256}
+    assert callback._cycle.sizes[256] == BatchSize(192, 48)  # 48: predicted anew, checkpointing alike: not checked
     assert len(made) == 1
     # resumed from its state: the check passed before the save is not run again
     resumed = GradientCheckpointing(memory_budget=10 * 2**20)

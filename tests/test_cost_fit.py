@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -158,6 +159,24 @@ def test_a_predicted_plan_is_the_plan_its_measurement_would_make_within_the_marg
     assert measured_plan.planned_bytes <= predicted_plan.planned_bytes <= math.ceil(
         measured_plan.planned_bytes * (1 + MARGIN)) + 8
     assert 0 < predicted_plan.recompute_flops and predicted_plan.peak_bytes <= budget
+
+
+def test_a_bucket_whose_check_passed_is_checked_again_only_for_a_plan_that_checkpoints_otherwise():
+    cycle, kinds = run_cycle([8, 16, 32, 100])
+    assert kinds[-1] == "predicted" and cycle.checking
+    cycle.check_passed(BatchSize(400, 100))
+    assert not cycle.checking
+
+    def predict(size: BatchSize, layout=None) -> bool:
+        step = cycle.begin(size)
+        plan = make_plan(step.predicted.costs, step.predicted.outside_bytes, 0.8)
+        cycle.planned(plan if layout is None else replace(plan, layers=layout))
+        cycle.begin(size, predict=False)
+        return cycle.checking
+
+    assert predict(BatchSize(440, 110)) is False  # bucket 512 again, checkpointed alike: the same costs were checked
+    assert predict(BatchSize(480, 120), {"l0": "full", "l1": "none"}) is True  # otherwise: checked
+    assert predict(BatchSize(1200, 300)) is True  # another bucket: checked
 
 
 def test_a_failed_check_drops_the_predicted_plan_and_the_next_batch_of_its_bucket_is_measured():

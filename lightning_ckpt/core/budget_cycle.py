@@ -16,8 +16,9 @@ batch that no measured size covers is planned from the fit, with no measuring st
 from :data:`~lightning_ckpt.core.cost_fit.MIN_SIZES` (3) measured sizes on, when it reproduces them, for sizes inside
 the measured range or at most :data:`~lightning_ckpt.core.cost_fit.EXTRAPOLATION` (16) times past it in tokens and in
 length. The prediction is conservative (every cost raised by 2%, never below a smaller measured size's, never above
-a larger one's), and checked: a step that runs a predicted plan counts the bytes its forward leaves held, and where
-they exceed the plan's ``planned_bytes`` (:meth:`BudgetCycle.check_failed`) the bucket's plan is dropped and its next
+a larger one's), and checked: the first step that runs a predicted plan counts the bytes its forward leaves held
+(once per bucket and layout: a plan predicted for a larger size of a bucket whose check passed, checkpointing the
+module alike, is not checked again), and where they exceed the plan's ``planned_bytes`` (:meth:`BudgetCycle.check_failed`) the bucket's plan is dropped and its next
 batch is measured. So a run measures its first three sizes, then only a size more than 16 times past everything
 measured, or one whose check failed: on long-tailed lengths (8..768, a lognormal, batch 4, 60 steps) at most 4
 measuring steps, in any order (random, ascending or descending; ``tests/test_budget_cycle.py``).
@@ -204,7 +205,11 @@ class BudgetCycle:
         size = self.measuring or self.predicting
         if size is None:
             raise RuntimeError("BudgetCycle.planned() needs a measuring or predicted step: call begin() first.")
-        self.checked.discard(size.bucket)  # a new plan for the bucket: checked anew if predicted
+        previous = self.plans.get(size.bucket)
+        if self.measuring is not None or previous is None or not plan.applies_like(previous):
+            # a new plan for the bucket: checked anew if predicted. One predicted for a larger size of a bucket
+            # whose check passed, checkpointing alike, is not: the same costs were checked at up to half its tokens.
+            self.checked.discard(size.bucket)
         if self.measuring is not None:
             self.predicted.discard(size.bucket)
             self.remeasure.discard(size.bucket)
@@ -225,7 +230,8 @@ class BudgetCycle:
 
     def check_passed(self, size: BatchSize) -> None:
         """A step of ``size`` (its predicted plan's own size: the first step that runs it) held no more than the plan
-        said: batches its bucket covers hold no more than that, so its later steps are not checked."""
+        said: batches its bucket covers hold no more than that, so its later steps are not checked, nor the plans
+        later predicted for larger sizes of the bucket that checkpoint alike (:meth:`planned`)."""
         self.checked.add(size.bucket)
 
     def check_failed(self, size: BatchSize) -> None:

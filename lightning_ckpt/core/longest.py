@@ -145,7 +145,8 @@ def measure_fake_step(module: nn.Module, step: Callable[[Any], Any], batch: Any,
                                  *module.named_buffers(remove_duplicate=False))}
         fake_batch = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
     with _reparametrize_module(module, fakes, tie_weights=True), fake_mode:
-        return measure_step(module, lambda: step(fake_batch), layer_cls, modes)
+        # as the callback's measuring step records it: the ops outside the layers are not timed there
+        return measure_step(module, lambda: step(fake_batch), layer_cls, modes, outside_ops=False)
 
 
 __all__ = ["batch_of_length", "length_limit", "longest_length", "measure_fake_step", "sequence_length_of"]

@@ -738,9 +738,10 @@ class StepCosts:
 
 
 def measure_step(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
-                 modes: Sequence[str] = PLAN_MODES) -> StepCosts:
-    """:func:`measure_layer_costs`, with the ops the step ran outside the layers recorded too."""
-    return _measure(module, step, layer_cls, modes, outside_ops=True)
+                 modes: Sequence[str] = PLAN_MODES, outside_ops: bool = True) -> StepCosts:
+    """:func:`measure_layer_costs`, with the ops the step ran outside the layers recorded too (``outside_ops``: for
+    the predicted step time; each op then goes through one more dispatch mode)."""
+    return _measure(module, step, layer_cls, modes, outside_ops=outside_ops)
 
 
 def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
