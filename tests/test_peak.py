@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from lightning_ckpt.core.planner import (LayerCost, Option, held_peak, make_plan, measure_step, plan_checkpointing,
                                          predict_peak, solve)
-from lightning_ckpt import apply_checkpointing
+from lightning_ckpt import apply_checkpointing, remove_checkpointing
 from lightning_ckpt.demos import Transformer
 from helpers import counted_peak as step_peak
 
@@ -247,16 +247,18 @@ def test_a_llama_s_measuring_step_holds_its_layers_inputs_and_more_so_no_outside
     assert [c.full_bytes for c in costs] == [4 * 256 * 64 * 4] * 6
 
 
-def _measuring_step_peak(model, loss_fn, layer_cls) -> int:
-    """The counted peak of a measuring step as the callback runs it: every layer fully checkpointed, each re-run and
-    backpropagated by the recorder inside the forward, the head's backward measured, then the step's backward."""
-    from lightning_ckpt.core.measure import LayerCostRecorder, _fully_checkpointed
+def _measuring_step_peak(model, loss_fn, layer_cls, compress=None) -> int:
+    """The counted peak of a measuring step as the callback runs it: every layer fully checkpointed (its inputs held
+    under ``compress``), each re-run and backpropagated by the recorder inside the forward, the head's backward
+    measured, then the step's backward."""
+    from lightning_ckpt.core.measure import LayerCostRecorder
     from lightning_ckpt.core.selection import layer_classes, select_layers
     from helpers import LiveStorages, grad_storages
 
     selected = select_layers(model, layer_classes(model, layer_cls))
+    apply_checkpointing(model, layer_cls=layer_cls, compress=compress)
     model.zero_grad(set_to_none=True)
-    with _fully_checkpointed(model, selected), LiveStorages() as live:
+    with LiveStorages() as live:
         with LayerCostRecorder(model, selected, selective=True) as recorder:
             loss = loss_fn()
             recorder.measure_head(loss)
@@ -264,20 +266,31 @@ def _measuring_step_peak(model, loss_fn, layer_cls) -> int:
         del loss
     peak = live.peak(exclude=grad_storages(model))
     model.zero_grad(set_to_none=True)
+    remove_checkpointing(model)
     return peak
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.parametrize("name", ["llama", "peft lora", "litgpt", "demo gpt"])
-def test_a_measuring_step_peaks_at_most_2_percent_over_plain_full_checkpointing(name):
+@pytest.mark.parametrize("name, compress", [("llama", None), ("peft lora", None), ("litgpt", None), ("demo gpt", None),
+                                            ("llama", "fp8"), ("peft lora", "fp8")])
+def test_a_measuring_step_peaks_at_most_2_percent_over_plain_full_checkpointing(name, compress):
     """Issue 29 item 6. Each layer was re-run after its own forward, so the layer's output was alive beside the
     re-run, and the re-run held its own output through its backward: 7.0% (Llama), 7.7% (PEFT LoRA) and 8.3% (litgpt)
-    over full checkpointing's peak here (the issue's 6-layer 256-hidden Llama at 4 x 512: 73.55 against 69.55 MiB).
-    Now the re-run comes before the layer's forward and drops its output before its backward: equal, on all four."""
+    over full checkpointing's peak here (the issue's 6-layer 256-hidden Llama at 4 x 512: 73.55 against 69.55 MiB;
+    with fp8 85.6 against 76.6 MiB). Now the re-run comes before the layer's forward and drops its output before its
+    backward.
+
+    With ``compress="fp8"`` the measuring step holds the layers' inputs as fp8, as full checkpointing with fp8 does,
+    but Transformers' forward keeps the embeddings' output (the first layer's input) in a local until it returns: alive
+    through every re-run, gone by the backward, where full checkpointing peaks. Exact, the first layer holds that very
+    tensor anyway; under fp8 it holds an fp8 copy, so the measuring step peaks higher by the exact input less its copy,
+    by hand 4 x 128 x 64 x 4 B - (4 x 128 x 64 B + 512 rows x 2 B of scales) = 97,280 B (+2.8% Llama, +3.1% PEFT).
+    That is the bound asserted; the docs say so."""
     model, loss_fn, layer_cls = REAL[name]()
     torch.manual_seed(0)
-    measuring = _measuring_step_peak(model, loss_fn, layer_cls)
-    apply_checkpointing(model, layer_cls=layer_cls)
+    measuring = _measuring_step_peak(model, loss_fn, layer_cls, compress)
+    apply_checkpointing(model, layer_cls=layer_cls, compress=compress)
     torch.manual_seed(0)
     full = step_peak(model, loss_fn)
-    assert measuring <= 1.02 * full, (measuring, full, measuring / full)
+    kept_local = 0 if compress is None else R_BATCH * R_LEN * 64 * 4 - (R_BATCH * R_LEN * 64 + R_BATCH * R_LEN * 2)
+    assert measuring <= max(1.02 * full, full + kept_local), (measuring, full, measuring / full)
