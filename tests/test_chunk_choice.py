@@ -35,12 +35,12 @@ class StepPeaks(Callback):
         self.peaks.append(self._live.peak(exclude=grad_storages(pl_module)))
 
 
-def fit(*callbacks) -> GPT:
+def fit(*callbacks, lengths: tuple[int, ...] = (LENGTH,) * STEPS) -> GPT:
     seed_everything(0)
     model = GPT(vocab_size=VOCAB, block_size=LENGTH, n_layer=4, n_embd=WIDTH, n_head=2, dropout=0.0)
-    data = torch.randint(0, VOCAB, (STEPS, BATCH, LENGTH + 1), generator=torch.Generator().manual_seed(0))
-    batches = [(seq[:, :-1], seq[:, 1:]) for seq in data]
-    trainer = Trainer(max_steps=STEPS, accelerator="cpu", devices=1, callbacks=list(callbacks), logger=False,
+    data = torch.randint(0, VOCAB, (len(lengths), BATCH, LENGTH + 1), generator=torch.Generator().manual_seed(0))
+    batches = [(seq[:, :length], seq[:, 1:length + 1]) for seq, length in zip(data, lengths)]
+    trainer = Trainer(max_steps=len(lengths), accelerator="cpu", devices=1, callbacks=list(callbacks), logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(batches, batch_size=None))
     return model
@@ -80,6 +80,20 @@ def test_a_budget_only_the_chunked_head_reaches_is_held_on_every_step(reference)
     assert callback.plan.peak_bytes == pytest.approx(max(peaks.peaks[1:]), rel=0.05)
     assert chunk_loss_of(model.model) is None  # undone at teardown
     assert_trains_the_same(model, plain)
+
+
+def test_a_budget_only_the_chunked_head_reaches_at_the_longest_length_is_accepted_before_the_first_step(reference):
+    """The first batch shorter than the model's 64 positions: the longest batch is planned on fake tensors before it,
+    with the head chunked and the unchunked head priced apart, as a measuring step does. It was planned unchunked
+    only, and this budget was refused before the first step ("least reachable is 49.5 MiB")."""
+    _, full, chunked = reference
+    budget = (max(chunked.peaks) + max(full.peaks)) // 2
+    callback, peaks = GradientCheckpointing(memory_budget=budget), StepPeaks()
+    fit(callback, peaks, lengths=(32, LENGTH, 48))
+    assert callback.plans[BATCH * LENGTH].chunk_tokens == DEFAULT_CHUNK_TOKENS  # planned before the first step
+    assert callback._cycle.measured_steps == 2  # the fake step at 64, the real one at 32; 48 runs 64's plan
+    assert peaks.chunks[1:] == [DEFAULT_CHUNK_TOKENS] * 2
+    assert max(peaks.peaks) <= budget, (peaks.peaks, budget)
 
 
 def test_a_loose_budget_keeps_the_head_as_the_model_computes_it(reference):

@@ -441,14 +441,19 @@ class GradientCheckpointing(Callback):
             shorter = False
         resized = batch_of_length(batch, longest[0]) if shorter else None
         measured: Optional[RankMeasurement] = None
+        chunked: Optional[HeadCount] = None
         if resized is not None:
             modes = ("full",) if self._reentrant() else ("full", "selective")
+            chooses = self._chooses_chunks(pl_module)
             remove_checkpointing(pl_module)
             try:
-                with self._longest_step(trainer, pl_module) as step:
+                if chooses:  # as a measuring step: the head chunked, the unchunked one priced apart
+                    chunk_causal_lm_loss(pl_module)
+                with self._longest_step(trainer, pl_module) as step, HeadCount(pl_module) as count:
                     found = measure_fake_step(pl_module, step, resized, self._settings["layer_cls"], modes)
                 measured = RankMeasurement(found.costs, found.outside_bytes, found.head_bytes, found.head_peak_bytes,
                                            self._settings["compress"])
+                chunked = count if chooses else None
             except Exception as err:  # noqa: BLE001 - whatever fake tensors cannot run: carry on as without a length
                 rank_zero_warn(f"GradientCheckpointing: could not measure the longest batch (length {longest[0]}, from"
                                f" {longest[1]}) on fake tensors before the first step ({type(err).__name__}: {err});"
@@ -465,7 +470,7 @@ class GradientCheckpointing(Callback):
         assert measured is not None and resized is not None
         size = _largest_over_ranks(trainer.strategy, batch_size_of(resized, self.length_fn))
         self._cycle.begin(size, predict=False)
-        self._measured = measured
+        self._take(measured, chunked)
         try:
             self._make_plan(trainer, pl_module)
         except ValueError as err:
@@ -528,18 +533,23 @@ class GradientCheckpointing(Callback):
         costs = recorder.costs()
         measured = RankMeasurement.from_held_bytes(costs, recorder.held_bytes, recorder.head_bytes, recorder.head_peak_bytes,
                                                    self._settings["compress"])
-        if recorder.held_bytes < measured.layer_bytes:
+        held_all = recorder.held_bytes >= measured.layer_bytes
+        if not held_all:
             rank_zero_warn("GradientCheckpointing: the bytes held outside the checkpointed layers could not be measured"
                            " (other saved-tensor hooks were entered after this callback's); the plan counts them as 0."
                            " Put GradientCheckpointing after such callbacks in `callbacks`.")
+        self._take(measured, count if held_all else None)
+        return True
+
+    def _take(self, measured: RankMeasurement, count: Optional[HeadCount]) -> None:
+        """Keep ``measured`` for the next plan; measured with the LM head chunked (``count`` saw it), the plan
+        chooses: the unchunked head and loss priced apart."""
         self._measured = measured
-        if count is not None and count.calls and recorder.held_bytes >= measured.layer_bytes:
-            # measured chunked: the plan chooses, the unchunked head and loss priced apart
+        if count is not None and count.calls:
             head = count.chunked_head(DEFAULT_CHUNK_TOKENS, 0, 0, measured.head_peak_bytes)
             self._chunked = replace(measured, head_peak_bytes=head.head_peak_bytes)
             self._chunked_figures = [head.flops, head.chunks, head.tokens]
             self._measured = _unchunked_measurement(measured, count)
-        return True
 
     def _make_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._measured is not None
