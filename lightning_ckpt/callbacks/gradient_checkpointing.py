@@ -44,11 +44,13 @@ from lightning_ckpt.core.offload import release_all
 from lightning_ckpt.core.placement import check_checkpointing_placement, fsdp2
 from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
 from lightning_ckpt.core.planner import (
+    MIN_CHUNK_TOKENS,
     CheckpointPlan,
     ChunkedHead,
     HeadCount,
     LayerCostRecorder,
     Offload,
+    chunk_sizes,
     head_and_loss_bytes,
     make_plan,
 )
@@ -147,8 +149,9 @@ class GradientCheckpointing(Callback):
             with ``labels`` (PEFT-wrapped too), litgpt's ``GPT`` called with ``targets=`` and the demo GPT; with
             ``memory_budget`` the plans are measured with it. ``False``: the loss runs as the model computes it.
             ``None``: so too without a budget; with a byte or fraction budget (not under FSDP2) each plan chooses:
-            the measuring step runs the head chunked (1024 tokens a chunk), the plain head and loss are priced apart
-            on fake tensors, and ``plan.chunk_tokens`` says what was chosen. Other models keep their loss, said once.
+            the measuring step runs the head in chunks of 256 tokens, chunks of 1024 and 512 and the plain head and
+            loss are priced apart on fake tensors, the largest chunk that fits is taken (as ``plan_checkpointing``
+            does), and ``plan.chunk_tokens`` says what was chosen. Other models keep their loss, said once.
 
     Layers are checkpointed in ``setup`` and, for models built in ``configure_model``, right after it,
     before any strategy wraps the model. Everything is undone in ``teardown`` (or on an exception).
@@ -240,8 +243,9 @@ class GradientCheckpointing(Callback):
         # chunk_loss=None with a budget: the measuring step runs the head chunked; the unchunked head and loss are
         # measured apart on fake tensors, and the plan chooses between them
         self._head_count: Optional[HeadCount] = None
-        self._chunked: Optional[RankMeasurement] = None  # this rank's chunked measuring step, until the plan
-        self._chunked_figures: list[int] = []  # its head's FLOPs, calls and tokens (HeadCount)
+        # this rank's measuring step with the LM head chunked (its head's peak as measured), what counted the head's
+        # calls and the head and loss alone as measured (`_rechunked`), until the plan
+        self._chunked: Optional[tuple[RankMeasurement, HeadCount, list[tuple[int, int]]]] = None
 
     @property
     def plan(self) -> Optional[CheckpointPlan]:
@@ -279,9 +283,10 @@ class GradientCheckpointing(Callback):
             if chunk_loss and self.plan.chunk_tokens is None:
                 chunk_causal_lm_loss(pl_module)
         else:  # measuring: every layer, full, compressed as asked (so it holds no more than the plans can), and the
-            # head chunked when the plan may choose it (no more than the unchunked head holds)
-            names = apply_checkpointing(pl_module, **{**options, "offload": False},
-                                        chunk_loss=chunk_loss or self._chooses_chunks(pl_module))
+            # head chunked when the plan may choose it, in the smallest chunks a plan may take (no more than any holds)
+            names = apply_checkpointing(pl_module, **{**options, "offload": False}, chunk_loss=chunk_loss)
+            if self._chooses_chunks(pl_module):
+                chunk_causal_lm_loss(pl_module, _MEASURED_CHUNK)
         if names != self.checkpointed_layers and self._settings["memory_budget"] is None:
             # with a budget, the line each new plan logs says it (a switch between plans says nothing)
             shown = ", ".join(names) if len(names) <= 8 else ", ".join(names[:8]) + ", ..."
@@ -447,8 +452,8 @@ class GradientCheckpointing(Callback):
             chooses = self._chooses_chunks(pl_module)
             remove_checkpointing(pl_module)
             try:
-                if chooses:  # as a measuring step: the head chunked, the unchunked one priced apart
-                    chunk_causal_lm_loss(pl_module)
+                if chooses:  # as a measuring step: the head chunked, other chunks and the unchunked head priced apart
+                    chunk_causal_lm_loss(pl_module, _MEASURED_CHUNK)
                 with self._longest_step(trainer, pl_module) as step, HeadCount(pl_module) as count:
                     found = measure_fake_step(pl_module, step, resized, self._settings["layer_cls"], modes)
                 measured = RankMeasurement(found.costs, found.outside_bytes, found.head_bytes, found.head_peak_bytes,
@@ -546,10 +551,10 @@ class GradientCheckpointing(Callback):
         chooses: the unchunked head and loss priced apart."""
         self._measured = measured
         if count is not None and count.calls:
-            head = count.chunked_head(DEFAULT_CHUNK_TOKENS, 0, 0, measured.head_peak_bytes)
-            self._chunked = replace(measured, head_peak_bytes=head.head_peak_bytes)
-            self._chunked_figures = [head.flops, head.chunks, head.tokens]
-            self._measured = _unchunked_measurement(measured, count)
+            ran = [head_and_loss_bytes(head, count.tokens // len(count.heads), _MEASURED_CHUNK, count.dtypes)
+                   for head in count.heads]
+            self._chunked = (measured, count, ran)
+            self._measured = _rechunked(measured, count, ran, None)
 
     def _make_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._measured is not None
@@ -571,21 +576,23 @@ class GradientCheckpointing(Callback):
             budget = auto.budget_bytes
         else:
             measured, _ = _combine_over_ranks(trainer.strategy, measured, [])
-        chunked: Optional[ChunkedHead] = None
         if self._chooses_chunks(pl_module) and not _all_ranks(trainer.strategy, self._chunked is not None):
             self._chunked = None  # a rank whose outside bytes were not measured: no choice, and no unmatched gather
-        if self._chunked is not None:  # on every rank
-            mine = self._chunked
-            both, figures = _combine_over_ranks(trainer.strategy, mine, [0, *self._chunked_figures])
-            chunked = ChunkedHead(DEFAULT_CHUNK_TOKENS, both.outside_bytes, both.head_bytes, both.head_peak_bytes,
-                                  *figures[1:])
-        size = self._cycle.measuring
+        source, size = self._chunked, self._cycle.measuring
         self._measured = self._chunked = None
-        try:
-            # An impossible budget raises here; the step's own full checkpointing is undone by `on_exception`.
-            plan = self._solve(trainer, measured, budget, chunked)
-        except ValueError as err:
-            raise ValueError(f"{err}\n  This was for a batch of {size} (the largest over ranks).") from None
+        error: Optional[ValueError] = None
+        # Chunked: the measured chunk first, then halved while the budget is missed (as `plan_checkpointing` does);
+        # every rank tries the same sizes, each combined over ranks, so all of them solve alike.
+        for chunk in chunk_sizes(DEFAULT_CHUNK_TOKENS) if source is not None else [None]:
+            try:
+                # An impossible budget raises here; the step's own full checkpointing is undone by `on_exception`.
+                plan = self._solve(trainer, measured, budget,
+                                   None if chunk is None else _chunked_head(trainer.strategy, *source, chunk))
+                break
+            except ValueError as err:
+                error = err
+        else:
+            raise ValueError(f"{error}\n  This was for a batch of {size} (the largest over ranks).") from None
         self._cycle.planned(plan, measured)
         if trainer.is_global_zero:
             _report_plan(trainer, plan, self._settings["memory_budget"], auto, size)
@@ -772,18 +779,37 @@ _KEEPS_PLAN = {
 # --------------------------------------------------------------------------------------------- budget: the calls
 
 
-def _unchunked_measurement(chunked: RankMeasurement, count: HeadCount) -> RankMeasurement:
-    """The measuring step as it would have been with the LM heads unchunked: the chunked step's bytes, plus what
-    the head and loss alone hold more unchunked (:func:`~lightning_ckpt.core.planner.head_and_loss_bytes`, on fake
-    tensors, per head over its share of the tokens)."""
+#: The chunk a measuring step runs the LM head in when the plan chooses it: the smallest a plan may take, so that the
+#: step holds no more than any plan's head (:func:`~lightning_ckpt.core.planner.chunk_sizes`).
+_MEASURED_CHUNK = MIN_CHUNK_TOKENS
+
+
+def _rechunked(chunked: RankMeasurement, count: HeadCount, ran: Sequence[tuple[int, int]],
+               chunk: Optional[int]) -> RankMeasurement:
+    """The measuring step, run with the LM heads in chunks of :data:`_MEASURED_CHUNK` tokens (``ran``: each head and
+    loss alone so, :func:`~lightning_ckpt.core.planner.head_and_loss_bytes`), as it would have been with them in
+    chunks of ``chunk`` (``None``: unchunked): the step's bytes, plus what the head and loss alone hold more that way
+    (on fake tensors, per head over its share of the tokens)."""
+    if chunk == _MEASURED_CHUNK:
+        return chunked
     saved = peak = 0
-    for head in count.heads:
-        tokens = count.tokens // len(count.heads)
-        plain = head_and_loss_bytes(head, tokens, None, count.dtypes)
-        chunks = head_and_loss_bytes(head, tokens, DEFAULT_CHUNK_TOKENS, count.dtypes)
-        saved, peak = saved + plain[0] - chunks[0], peak + plain[1] - chunks[1]
+    for head, (ran_saved, ran_peak) in zip(count.heads, ran):
+        other_saved, other_peak = head_and_loss_bytes(head, count.tokens // len(count.heads), chunk, count.dtypes)
+        saved, peak = saved + other_saved - ran_saved, peak + other_peak - ran_peak
     return replace(chunked, outside_bytes=chunked.outside_bytes + saved, head_bytes=chunked.head_bytes + saved,
                    head_peak_bytes=max(0, chunked.head_peak_bytes + peak))
+
+
+def _chunked_head(strategy: Strategy, chunked: RankMeasurement, count: HeadCount, ran: Sequence[tuple[int, int]],
+                  chunk: int) -> ChunkedHead:
+    """The :class:`ChunkedHead` of the measuring step (``chunked``, counted by ``count``) with the LM heads in chunks of
+    ``chunk`` tokens, combined over ranks."""
+    mine = _rechunked(chunked, count, ran, chunk)
+    calls = len(count.heads) * -(-(count.tokens // len(count.heads)) // chunk)
+    head = count.chunked_head(chunk, 0, 0, mine.head_peak_bytes, calls=calls)
+    both, figures = _combine_over_ranks(strategy, replace(mine, head_peak_bytes=head.head_peak_bytes),
+                                        [0, head.flops, head.chunks, head.tokens])
+    return ChunkedHead(chunk, both.outside_bytes, both.head_bytes, both.head_peak_bytes, *figures[1:])
 
 
 def _combine_over_ranks(strategy: Strategy, measured: RankMeasurement, figures: list[int]) -> tuple[RankMeasurement, list[int]]:

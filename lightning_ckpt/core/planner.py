@@ -585,13 +585,16 @@ class HeadCount:
             handle.remove()
         self._handles = []
 
-    def chunked_head(self, chunk: int, outside_bytes: int, head_bytes: int, head_peak_bytes: int) -> ChunkedHead:
-        """The :class:`ChunkedHead` of a step measured with these bytes while counted. A trained head also makes,
-        from its second chunk on, a weight gradient that is added into ``.grad`` and freed: one more copy of its
-        trainable parameters' bytes on top of the measured ``head_peak_bytes``."""
+    def chunked_head(self, chunk: int, outside_bytes: int, head_bytes: int, head_peak_bytes: int,
+                     calls: Optional[int] = None) -> ChunkedHead:
+        """The :class:`ChunkedHead` of a step measured with these bytes while counted (``calls``: the head's calls
+        with chunks of ``chunk`` where those bytes are for another chunk than the counted step's). A trained head also
+        makes, from its second chunk on, a weight gradient that is added into ``.grad`` and freed: one more copy of
+        its trainable parameters' bytes on top of the measured ``head_peak_bytes``."""
+        calls = self.calls if calls is None else calls
         grads = sum(p.numel() * p.element_size() for head in self.heads for p in head.parameters() if p.requires_grad)
-        head_peak = head_peak_bytes + (grads if self.calls > len(self.heads) else 0)
-        return ChunkedHead(chunk, outside_bytes, head_bytes, head_peak, self.flops, self.calls, self.tokens)
+        head_peak = head_peak_bytes + (grads if calls > len(self.heads) else 0)
+        return ChunkedHead(chunk, outside_bytes, head_bytes, head_peak, self.flops, calls, self.tokens)
 
 
 def head_and_loss_bytes(head: nn.Module, tokens: int, chunk: Optional[int],
