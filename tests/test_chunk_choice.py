@@ -13,7 +13,6 @@ from torch.utils.data import DataLoader
 from helpers import LiveStorages, grad_storages
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.core.chunked_loss import DEFAULT_CHUNK_TOKENS, chunk_causal_lm_loss, chunk_loss_of
-from lightning_ckpt.core.planner import MIN_CHUNK_TOKENS
 from lightning_ckpt.demos import GPT
 
 VOCAB, WIDTH, LENGTH, BATCH, STEPS = 2048, 32, 64, 32, 3  # 2048 tokens: two chunks of 1024
@@ -73,8 +72,7 @@ def test_a_budget_only_the_chunked_head_reaches_is_held_on_every_step(reference)
     callback, peaks = GradientCheckpointing(memory_budget=budget), StepPeaks()
     model = fit(callback, peaks)
     assert callback.plan.chunk_tokens == DEFAULT_CHUNK_TOKENS
-    # the measuring step in the smallest chunks a plan may take (no more than any plan's head), then the plan's
-    assert peaks.chunks == [MIN_CHUNK_TOKENS] + [DEFAULT_CHUNK_TOKENS] * (STEPS - 1)
+    assert peaks.chunks == [DEFAULT_CHUNK_TOKENS] * STEPS  # measuring step chunked, then the plan's
     print(f"full {least_unchunked} B, chunked {least_chunked} B, budget {budget} B, counted {peaks.peaks},"
           f" planned {callback.plan.peak_bytes} B")
     assert max(peaks.peaks) <= budget, (peaks.peaks, budget)
@@ -94,8 +92,13 @@ def test_a_budget_only_the_chunked_head_reaches_at_the_longest_length_is_accepte
     fit(callback, peaks, lengths=(32, LENGTH, 48))
     assert callback.plans[BATCH * LENGTH].chunk_tokens == DEFAULT_CHUNK_TOKENS  # planned before the first step
     assert callback._cycle.measured_steps == 2  # the fake step at 64, the real one at 32; 48 runs 64's plan
-    assert peaks.chunks == [MIN_CHUNK_TOKENS] + [DEFAULT_CHUNK_TOKENS] * 2
+    assert peaks.chunks == [DEFAULT_CHUNK_TOKENS] * 3
     assert max(peaks.peaks) <= budget, (peaks.peaks, budget)
+    # chunk_loss=True: the longest batch is measured with the head chunked, as the run computes it (it was measured
+    # whole, and this budget refused before the first step)
+    forced, forced_peaks = GradientCheckpointing(memory_budget=budget, chunk_loss=True), StepPeaks()
+    fit(forced, forced_peaks, lengths=(32, LENGTH, 48))
+    assert forced_peaks.chunks == [DEFAULT_CHUNK_TOKENS] * 3 and max(forced_peaks.peaks) <= budget
 
 
 class ChunkAt(Callback):
@@ -112,7 +115,8 @@ def test_a_budget_only_smaller_chunks_reach_takes_the_largest_chunk_that_fits(re
     """Every layer fully checkpointed peaks at 27.2 MB with chunks of 1024 tokens, 14.7 MB with 512, 8.4 MB with 256
     (the logits' chunk and its gradients halve). A budget between 256's and 1024's: the plan halves the chunk while
     the budget is missed, as `plan_checkpointing` does, and takes 512, priced from the measuring step (run in chunks of
-    256) and the head alone on fake tensors. It was refused (the callback tried 1024 only)."""
+    1024) and the head alone on fake tensors. It was refused (the callback tried 1024 only). The measuring step itself
+    holds what chunks of 1024 do: over such a budget, as documented (offload's measuring step is alike)."""
     plain = reference[0]
     least = {}
     for tokens in (1024, 512, 256):
@@ -124,9 +128,9 @@ def test_a_budget_only_smaller_chunks_reach_takes_the_largest_chunk_that_fits(re
     assert least[512] < budget
     callback, peaks = GradientCheckpointing(memory_budget=budget), StepPeaks()
     model = fit(callback, peaks)
-    assert callback.plan.chunk_tokens == 512 and peaks.chunks == [MIN_CHUNK_TOKENS, 512, 512]
-    assert max(peaks.peaks) <= budget, (peaks.peaks, budget)
-    assert peaks.peaks[0] <= least[256]  # the measuring step holds no more than the smallest chunks do
+    assert callback.plan.chunk_tokens == 512 and peaks.chunks == [DEFAULT_CHUNK_TOKENS, 512, 512]
+    assert max(peaks.peaks[1:]) <= budget, (peaks.peaks, budget)
+    assert peaks.peaks[0] <= least[1024]  # the measuring step holds no more than chunks of 1024 do
     assert callback.plan.peak_bytes == pytest.approx(max(peaks.peaks[1:]), rel=0.05)
     assert_trains_the_same(model, plain)
 
@@ -139,9 +143,9 @@ def test_another_chunk_s_head_is_priced_from_the_measured_one_with_its_own_calls
     copy of the head's weight and bias ((2048 x 32 + 2048) x 4 B)."""
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    from lightning_ckpt.callbacks.gradient_checkpointing import _chunked_head
+    from lightning_ckpt.callbacks.gradient_checkpointing import _chunked_head, _HeadRun
     from lightning_ckpt.core.budget import RankMeasurement
-    from lightning_ckpt.core.planner import HeadCount, head_and_loss_bytes
+    from lightning_ckpt.core.planner import HeadCount
 
     model = GPT(vocab_size=VOCAB, block_size=LENGTH, n_layer=1, n_embd=WIDTH, n_head=2, dropout=0.0)
     chunk_causal_lm_loss(model, 256)
@@ -149,13 +153,13 @@ def test_another_chunk_s_head_is_priced_from_the_measured_one_with_its_own_calls
     with HeadCount(model) as count:
         model(ids[:, :-1], ids[:, 1:])
     assert (count.calls, count.tokens) == (2, 512)
-    ran = [head_and_loss_bytes(count.heads[0], 512, 256, count.dtypes)]
-    measured, strategy = RankMeasurement([], 1000, 100, 5000), SingleDeviceStrategy(torch.device("cpu"))
+    run = _HeadRun(RankMeasurement([], 1000, 100, 5000), count, 256)
+    strategy = SingleDeviceStrategy(torch.device("cpu"))
     one_chunk, two_chunks = 3 * 512 * VOCAB * 4 + 4, 3 * 256 * VOCAB * 4 + 256 * WIDTH * 4 + 4
     weight_grads = (VOCAB * WIDTH + VOCAB) * 4
-    at_1024 = _chunked_head(strategy, measured, count, ran, 1024)
+    at_1024 = _chunked_head(strategy, run, 1024)
     assert (at_1024.chunks, at_1024.head_peak_bytes) == (1, 5000 + one_chunk - two_chunks)
-    at_256 = _chunked_head(strategy, measured, count, ran, 256)
+    at_256 = _chunked_head(strategy, run, 256)
     assert (at_256.chunks, at_256.head_peak_bytes) == (2, 5000 + weight_grads)
     assert at_1024.flops == at_256.flops == 2 * 512 * WIDTH * VOCAB  # the head's forward, run again either way
 
@@ -165,5 +169,5 @@ def test_a_loose_budget_keeps_the_head_as_the_model_computes_it(reference):
     callback, peaks = GradientCheckpointing(memory_budget=1.0), StepPeaks()
     model = fit(callback, peaks)
     assert callback.plan.chunk_tokens is None and set(callback.plan.layers.values()) == {"none"}
-    assert peaks.chunks == [MIN_CHUNK_TOKENS, None, None]  # only the measuring step ran chunked
+    assert peaks.chunks == [DEFAULT_CHUNK_TOKENS, None, None]  # only the measuring step ran chunked
     assert_trains_the_same(model, plain)

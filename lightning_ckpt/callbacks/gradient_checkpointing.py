@@ -11,7 +11,7 @@ import copy
 import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Generic, Optional, TypeVar, Union, overload
 
@@ -44,7 +44,6 @@ from lightning_ckpt.core.offload import release_all
 from lightning_ckpt.core.placement import check_checkpointing_placement, fsdp2
 from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
 from lightning_ckpt.core.planner import (
-    MIN_CHUNK_TOKENS,
     CheckpointPlan,
     ChunkedHead,
     HeadCount,
@@ -149,8 +148,8 @@ class GradientCheckpointing(Callback):
             with ``labels`` (PEFT-wrapped too), litgpt's ``GPT`` called with ``targets=`` and the demo GPT; with
             ``memory_budget`` the plans are measured with it. ``False``: the loss runs as the model computes it.
             ``None``: so too without a budget; with a byte or fraction budget (not under FSDP2) each plan chooses:
-            the measuring step runs the head in chunks of 256 tokens, chunks of 1024 and 512 and the plain head and
-            loss are priced apart on fake tensors, the largest chunk that fits is taken (as ``plan_checkpointing``
+            the measuring step runs the head in chunks of 1024 tokens, the plain head and loss and chunks of 512 and
+            256 are priced apart on fake tensors, the largest chunk that fits is taken (as ``plan_checkpointing``
             does), and ``plan.chunk_tokens`` says what was chosen. Other models keep their loss, said once.
 
     Layers are checkpointed in ``setup`` and, for models built in ``configure_model``, right after it,
@@ -243,9 +242,7 @@ class GradientCheckpointing(Callback):
         # chunk_loss=None with a budget: the measuring step runs the head chunked; the unchunked head and loss are
         # measured apart on fake tensors, and the plan chooses between them
         self._head_count: Optional[HeadCount] = None
-        # this rank's measuring step with the LM head chunked (its head's peak as measured), what counted the head's
-        # calls and the head and loss alone as measured (`_rechunked`), until the plan
-        self._chunked: Optional[tuple[RankMeasurement, HeadCount, list[tuple[int, int]]]] = None
+        self._chunked: Optional[_HeadRun] = None  # this rank's step measured, its LM head counted: until the plan
 
     @property
     def plan(self) -> Optional[CheckpointPlan]:
@@ -283,7 +280,7 @@ class GradientCheckpointing(Callback):
             if chunk_loss and self.plan.chunk_tokens is None:
                 chunk_causal_lm_loss(pl_module)
         else:  # measuring: every layer, full, compressed as asked (so it holds no more than the plans can), and the
-            # head chunked when the plan may choose it, in the smallest chunks a plan may take (no more than any holds)
+            # head chunked when the plan may choose it (no more than the unchunked head holds)
             names = apply_checkpointing(pl_module, **{**options, "offload": False}, chunk_loss=chunk_loss)
             if self._chooses_chunks(pl_module):
                 chunk_causal_lm_loss(pl_module, _MEASURED_CHUNK)
@@ -452,8 +449,10 @@ class GradientCheckpointing(Callback):
             chooses = self._chooses_chunks(pl_module)
             remove_checkpointing(pl_module)
             try:
-                if chooses:  # as a measuring step: the head chunked, other chunks and the unchunked head priced apart
-                    chunk_causal_lm_loss(pl_module, _MEASURED_CHUNK)
+                # The head as the run computes it: chunked with chunk_loss=True; whole otherwise (fake tensors hold
+                # nothing), its chunks priced apart where the plan chooses them.
+                if self._settings["chunk_loss"] is True:
+                    chunk_causal_lm_loss(pl_module)
                 with self._longest_step(trainer, pl_module) as step, HeadCount(pl_module) as count:
                     found = measure_fake_step(pl_module, step, resized, self._settings["layer_cls"], modes)
                 measured = RankMeasurement(found.costs, found.outside_bytes, found.head_bytes, found.head_peak_bytes,
@@ -475,7 +474,7 @@ class GradientCheckpointing(Callback):
         assert measured is not None and resized is not None
         size = _largest_over_ranks(trainer.strategy, batch_size_of(resized, self.length_fn))
         self._cycle.begin(size, predict=False)
-        self._take(measured, chunked)
+        self._take(measured, chunked, None)
         try:
             self._make_plan(trainer, pl_module)
         except ValueError as err:
@@ -543,18 +542,16 @@ class GradientCheckpointing(Callback):
             rank_zero_warn("GradientCheckpointing: the bytes held outside the checkpointed layers could not be measured"
                            " (other saved-tensor hooks were entered after this callback's); the plan counts them as 0."
                            " Put GradientCheckpointing after such callbacks in `callbacks`.")
-        self._take(measured, count if held_all else None)
+        self._take(measured, count if held_all else None, _MEASURED_CHUNK)
         return True
 
-    def _take(self, measured: RankMeasurement, count: Optional[HeadCount]) -> None:
-        """Keep ``measured`` for the next plan; measured with the LM head chunked (``count`` saw it), the plan
-        chooses: the unchunked head and loss priced apart."""
+    def _take(self, measured: RankMeasurement, count: Optional[HeadCount], ran: Optional[int]) -> None:
+        """Keep ``measured`` for the next plan. Where the plan chooses the LM head's chunks (``count`` saw the head,
+        run in chunks of ``ran`` tokens, ``None``: whole), each chunk and the unchunked head are priced from it."""
         self._measured = measured
         if count is not None and count.calls:
-            ran = [head_and_loss_bytes(head, count.tokens // len(count.heads), _MEASURED_CHUNK, count.dtypes)
-                   for head in count.heads]
-            self._chunked = (measured, count, ran)
-            self._measured = _rechunked(measured, count, ran, None)
+            self._chunked = _HeadRun(measured, count, ran)
+            self._measured = _rechunked(self._chunked, None)
 
     def _make_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._measured is not None
@@ -580,18 +577,22 @@ class GradientCheckpointing(Callback):
             self._chunked = None  # a rank whose outside bytes were not measured: no choice, and no unmatched gather
         source, size = self._chunked, self._cycle.measuring
         self._measured = self._chunked = None
+        # The head whole first: a plan that checkpoints nothing so is the cheapest there is (a chunked head only adds
+        # its forward again). Else chunks of 1024, halved while the budget is missed (as `plan_checkpointing` does),
+        # each against the whole head; every rank tries the same (combined over ranks), so all of them solve alike.
+        plan: Optional[CheckpointPlan] = None
         error: Optional[ValueError] = None
-        # Chunked: the measured chunk first, then halved while the budget is missed (as `plan_checkpointing` does);
-        # every rank tries the same sizes, each combined over ranks, so all of them solve alike.
-        for chunk in chunk_sizes(DEFAULT_CHUNK_TOKENS) if source is not None else [None]:
+        for chunk in [None, *(chunk_sizes(DEFAULT_CHUNK_TOKENS) if source is not None else [])]:
             try:
                 # An impossible budget raises here; the step's own full checkpointing is undone by `on_exception`.
                 plan = self._solve(trainer, measured, budget,
-                                   None if chunk is None else _chunked_head(trainer.strategy, *source, chunk))
-                break
+                                   None if chunk is None else _chunked_head(trainer.strategy, source, chunk))
             except ValueError as err:
                 error = err
-        else:
+                continue
+            if chunk is not None or plan.checkpoints_nothing:
+                break
+        if plan is None:
             raise ValueError(f"{error}\n  This was for a batch of {size} (the largest over ranks).") from None
         self._cycle.planned(plan, measured)
         if trainer.is_global_zero:
@@ -779,33 +780,54 @@ _KEEPS_PLAN = {
 # --------------------------------------------------------------------------------------------- budget: the calls
 
 
-#: The chunk a measuring step runs the LM head in when the plan chooses it: the smallest a plan may take, so that the
-#: step holds no more than any plan's head (:func:`~lightning_ckpt.core.planner.chunk_sizes`).
-_MEASURED_CHUNK = MIN_CHUNK_TOKENS
+#: The chunk a measuring step runs the LM head in when the plan chooses it; smaller chunks (down to
+#: :data:`~lightning_ckpt.core.planner.MIN_CHUNK_TOKENS`) are priced from it on fake tensors of the head alone. A
+#: budget that only smaller chunks reach is exceeded on measuring steps, by at most what they free (as offload's is).
+_MEASURED_CHUNK = DEFAULT_CHUNK_TOKENS
 
 
-def _rechunked(chunked: RankMeasurement, count: HeadCount, ran: Sequence[tuple[int, int]],
-               chunk: Optional[int]) -> RankMeasurement:
-    """The measuring step, run with the LM heads in chunks of :data:`_MEASURED_CHUNK` tokens (``ran``: each head and
-    loss alone so, :func:`~lightning_ckpt.core.planner.head_and_loss_bytes`), as it would have been with them in
-    chunks of ``chunk`` (``None``: unchunked): the step's bytes, plus what the head and loss alone hold more that way
-    (on fake tensors, per head over its share of the tokens)."""
-    if chunk == _MEASURED_CHUNK:
-        return chunked
+@dataclass
+class _HeadRun:
+    """A step measured (``measured``) with its LM heads (counted by ``count``) in chunks of ``chunk`` tokens
+    (``None``: whole)."""
+
+    measured: RankMeasurement
+    count: HeadCount
+    chunk: Optional[int]
+
+    @property
+    def tokens(self) -> int:
+        """Each head's share of the tokens."""
+        return self.count.tokens // len(self.count.heads)
+
+    @functools.cached_property
+    def alone(self) -> list[tuple[int, int]]:
+        """Each head and loss alone as the step ran them: saved and backward-peak bytes on fake tensors
+        (:func:`~lightning_ckpt.core.planner.head_and_loss_bytes`), once, when another chunk is priced."""
+        return [head_and_loss_bytes(head, self.tokens, self.chunk, self.count.dtypes) for head in self.count.heads]
+
+
+def _rechunked(run: _HeadRun, chunk: Optional[int]) -> RankMeasurement:
+    """The step of ``run`` as it would have been with the LM heads in chunks of ``chunk`` tokens (``None``: whole):
+    its bytes, plus what the head and loss alone hold more that way (on fake tensors, per head over its share of the
+    tokens). Two chunk sizes of at least every token are one chunk alike."""
+    if chunk == run.chunk or (chunk is not None and run.chunk is not None and min(chunk, run.tokens) == min(
+            run.chunk, run.tokens)):
+        return run.measured
     saved = peak = 0
-    for head, (ran_saved, ran_peak) in zip(count.heads, ran):
-        other_saved, other_peak = head_and_loss_bytes(head, count.tokens // len(count.heads), chunk, count.dtypes)
+    for head, (ran_saved, ran_peak) in zip(run.count.heads, run.alone):
+        other_saved, other_peak = head_and_loss_bytes(head, run.tokens, chunk, run.count.dtypes)
         saved, peak = saved + other_saved - ran_saved, peak + other_peak - ran_peak
-    return replace(chunked, outside_bytes=chunked.outside_bytes + saved, head_bytes=chunked.head_bytes + saved,
-                   head_peak_bytes=max(0, chunked.head_peak_bytes + peak))
+    measured = run.measured
+    return replace(measured, outside_bytes=measured.outside_bytes + saved, head_bytes=measured.head_bytes + saved,
+                   head_peak_bytes=max(0, measured.head_peak_bytes + peak))
 
 
-def _chunked_head(strategy: Strategy, chunked: RankMeasurement, count: HeadCount, ran: Sequence[tuple[int, int]],
-                  chunk: int) -> ChunkedHead:
-    """The :class:`ChunkedHead` of the measuring step (``chunked``, counted by ``count``) with the LM heads in chunks of
-    ``chunk`` tokens, combined over ranks."""
-    mine = _rechunked(chunked, count, ran, chunk)
-    calls = len(count.heads) * -(-(count.tokens // len(count.heads)) // chunk)
+def _chunked_head(strategy: Strategy, run: _HeadRun, chunk: int) -> ChunkedHead:
+    """The :class:`ChunkedHead` of the step of ``run`` with the LM heads in chunks of ``chunk`` tokens, combined over
+    ranks."""
+    mine, count = _rechunked(run, chunk), run.count
+    calls = len(count.heads) * -(-run.tokens // chunk)
     head = count.chunked_head(chunk, 0, 0, mine.head_peak_bytes, calls=calls)
     both, figures = _combine_over_ranks(strategy, replace(mine, head_peak_bytes=head.head_peak_bytes),
                                         [0, head.flops, head.chunks, head.tokens])
