@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch import Callback
 from torch import nn
 
 from lightning_ckpt.core.budget import RankMeasurement
@@ -82,6 +83,22 @@ def assert_moved_alike(weights: dict[str, torch.Tensor], reference: dict[str, to
     moved_reference = torch.cat([(reference[k] - start[k]).flatten() for k in keys]).double()
     assert not torch.equal(moved, moved_reference)
     assert float(F.cosine_similarity(moved, moved_reference, dim=0)) > least_cosine
+
+
+class StepPeaks(Callback):
+    """Each training step's activation peak, from its forward through its backward, counted by ``_peak.py`` (the
+    parameters' gradients left out). Put it after the checkpointing callback: its plan is applied by then."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._live = LiveStorages()
+        self._live.__enter__()
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self._live.__exit__(None, None, None)
+        self.peaks.append(self._live.peak(exclude=grad_storages(pl_module)))
 
 
 def least_reachable_bytes(message: str) -> int:

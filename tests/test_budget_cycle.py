@@ -25,7 +25,7 @@ from lightning_ckpt.core.profiling import SavedTensorCounter
 from lightning_ckpt.core.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
 from lightning_ckpt.demos import GPT, counting_sequences
 
-from helpers import LiveStorages, assert_moved_alike, counted_peak, grad_storages
+from helpers import StepPeaks, assert_moved_alike, counted_peak
 
 N_LAYER = 4
 BLOCKS = [f"model.blocks.{i}" for i in range(N_LAYER)]
@@ -201,21 +201,6 @@ def step_peak(length: int, full: bool, compress=None) -> int:
         apply_checkpointing(model, compress=compress)
     x, y = varying_batches([length])[0]
     return counted_peak(model, lambda: torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
-
-
-class StepPeaks(Callback):
-    """Each training step's activation peak, from its forward through its backward, counted by ``_peak.py``."""
-
-    def __init__(self) -> None:
-        self.peaks: list[int] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._live = LiveStorages()
-        self._live.__enter__()
-
-    def on_after_backward(self, trainer, pl_module) -> None:
-        self._live.__exit__(None, None, None)
-        self.peaks.append(self._live.peak(exclude=grad_storages(pl_module)))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
-from helpers import LiveStorages, grad_storages
+import helpers
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.core.chunked_loss import DEFAULT_CHUNK_TOKENS, chunk_causal_lm_loss, chunk_loss_of
 from lightning_ckpt.demos import GPT
@@ -18,21 +18,16 @@ from lightning_ckpt.demos import GPT
 VOCAB, WIDTH, LENGTH, BATCH, STEPS = 2048, 32, 64, 32, 3  # 2048 tokens: two chunks of 1024
 
 
-class StepPeaks(Callback):
+class StepPeaks(helpers.StepPeaks):
     """Each step's activation peak, forward through backward, counted by ``_peak.py``; and the chunk it ran with."""
 
     def __init__(self) -> None:
-        self.peaks: list[int] = []
+        super().__init__()
         self.chunks: list[int | None] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.chunks.append(chunk_loss_of(pl_module.model))
-        self._live = LiveStorages()
-        self._live.__enter__()
-
-    def on_after_backward(self, trainer, pl_module) -> None:
-        self._live.__exit__(None, None, None)
-        self.peaks.append(self._live.peak(exclude=grad_storages(pl_module)))
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
 
 def fit(*callbacks, lengths: tuple[int, ...] = (LENGTH,) * STEPS) -> GPT:

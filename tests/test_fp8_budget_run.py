@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
 
-from helpers import LiveStorages, counted_peak, grad_storages
+from helpers import StepPeaks, counted_peak
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing
 
 transformers = pytest.importorskip("transformers")
@@ -54,23 +54,19 @@ class LoraModule(LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3)
 
 
-class PeakPerStep(Callback):
+class PeakPerStep(StepPeaks):
     """Each step's activation peak, forward through backward, the LoRA weights' gradients left out; whether the
     checkpointing callback measured that step, and if not the peak its plan predicted."""
 
     def __init__(self, callback: GradientCheckpointing) -> None:
-        self.callback, self.peaks, self.measuring, self.predicted = callback, [], [], []
+        super().__init__()
+        self.callback, self.measuring, self.predicted = callback, [], []
 
     def on_train_batch_start(self, *args: Any) -> None:  # after the checkpointing callback's: its plan is applied
         measuring = self.callback._cycle.measuring is not None
         self.measuring.append(measuring)
         self.predicted.append(None if measuring else self.callback.plan.peak_bytes)
-        self._live = LiveStorages()
-        self._live.__enter__()
-
-    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        self._live.__exit__(None, None, None)
-        self.peaks.append(self._live.peak(exclude=grad_storages(pl_module)))
+        super().on_train_batch_start(*args)
 
 
 def full_peak(compress: str | None) -> int:
