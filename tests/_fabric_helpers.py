@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric, seed_everything
 from torch import nn
 
-from _dist_helpers import CollectiveCounter, leave_process_group
+from _dist_helpers import CollectiveCounter, full_weights, leave_process_group
 from lightning_ckpt import FabricCheckpointing
 from lightning_ckpt.core.memory_stats import PeakProbe
 from lightning_ckpt.core.wrapping import checkpointed_names
@@ -43,17 +43,6 @@ def batches(rank: int, lengths: tuple[list[int], ...] = LENGTHS, start: int = 0)
     """Rank ``rank``'s batches of token ids, ``[BATCH, length + 1]``; the first one is step ``start``'s."""
     return [counting_sequences(BATCH, length + 1, VOCAB, seed=10 * step + rank)
             for step, length in enumerate(lengths[rank], start)]
-
-
-def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for key, value in module.state_dict().items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        out[key] = value.detach().float().cpu().clone()
-    return out
 
 
 def fabric_loop(fabric: Fabric, ckpt: Optional[dict[str, Any]], rank: int = 0, count_collectives: bool = False,

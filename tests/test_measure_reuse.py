@@ -228,16 +228,6 @@ def test_layers_differing_only_in_an_index_their_code_never_reads_are_rerun_once
     assert costs == alone
 
 
-def test_layers_whose_forward_reads_their_index_are_each_rerun(monkeypatch):
-    torch.manual_seed(0)
-    model = Stack([OddExp(i) for i in range(4)])
-    costs, runs = measured(model, OddExp, reuse=True, monkeypatch=monkeypatch)
-    alone, _ = measured(model, OddExp, reuse=False, monkeypatch=monkeypatch)
-    assert runs == 4
-    assert costs == alone
-    assert figures(costs[0]) != figures(costs[1])  # the case has teeth: reused, layer 1 would get layer 0's
-
-
 def test_litgpt_blocks_are_rerun_once(monkeypatch):
     litgpt = pytest.importorskip("litgpt")
     torch.manual_seed(0)
@@ -268,10 +258,12 @@ class DecoratedOddExp(Indexed):
         return out.exp() if self.index % 2 else out
 
 
-def test_a_decorated_forward_that_reads_the_index_is_looked_into(monkeypatch):
+@pytest.mark.parametrize("layer", [OddExp, DecoratedOddExp])  # the decorated forward: the wrapped body is read
+def test_layers_whose_forward_reads_their_index_are_each_rerun(layer, monkeypatch):
     torch.manual_seed(0)
-    model = Stack([DecoratedOddExp(i) for i in range(4)])
-    costs, runs = measured(model, DecoratedOddExp, reuse=True, monkeypatch=monkeypatch)
-    alone, _ = measured(model, DecoratedOddExp, reuse=False, monkeypatch=monkeypatch)
+    model = Stack([layer(i) for i in range(4)])
+    costs, runs = measured(model, layer, reuse=True, monkeypatch=monkeypatch)
+    alone, _ = measured(model, layer, reuse=False, monkeypatch=monkeypatch)
     assert runs == 4
     assert costs == alone
+    assert figures(costs[0]) != figures(costs[1])  # the case has teeth: reused, layer 1 would get layer 0's
