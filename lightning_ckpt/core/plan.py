@@ -106,8 +106,7 @@ class CheckpointPlan:
         return self._layout() == other._layout()
 
     def _layout(self) -> tuple[Any, ...]:
-        ops = {name: (list(self.kept_ops[name]), [r.op for r in next(c for c in self.costs if c.name == name).ops])
-               for name, mode in self.layers.items() if mode == "ops"}
+        ops = {name: (list(self.kept_ops[name]), self._op_names(name)) for name, mode in self.layers.items() if mode == "ops"}
         checkpointed = any(mode != "none" for mode in self.layers.values())
         return (dict(self.layers), ops, sorted(self.offloaded), self.compress if checkpointed else None,
                 self.chunk_tokens)
@@ -153,10 +152,14 @@ class CheckpointPlan:
         options = {**options, "compress": self.compress if mode != "none" else None}
         if mode != "ops":
             return {**options, "mode": mode}
-        ops = [r.op for r in next(c for c in self.costs if c.name == name).ops]
+        ops = self._op_names(name)
         context_fn = keep_ops_context_fn(self.kept_ops[name], ops)
         return {**options, "mode": "full", "checkpoint_kwargs": {**(options.get("checkpoint_kwargs") or {}),
                                                                   "context_fn": context_fn}}
+
+    def _op_names(self, name: str) -> list[str]:
+        """The ops of layer ``name``'s forward, in the order ``kept_ops`` positions count."""
+        return [r.op for r in next(c for c in self.costs if c.name == name).ops]
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (for a Lightning checkpoint); :meth:`from_state_dict` rebuilds the plan."""
