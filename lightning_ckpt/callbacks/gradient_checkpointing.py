@@ -449,10 +449,13 @@ class GradientCheckpointing(Callback):
             chooses = self._chooses_chunks(pl_module)
             remove_checkpointing(pl_module)
             try:
-                # The head as the run computes it: chunked with chunk_loss=True; whole otherwise (fake tensors hold
-                # nothing), its chunks priced apart where the plan chooses them.
+                # The head as the run computes it: chunked with chunk_loss=True. Where the plan chooses, through
+                # lm_loss in one chunk (fake tensors hold nothing): whole, and seen to reach lm_loss at all; its chunks
+                # are priced apart.
                 if self._settings["chunk_loss"] is True:
                     chunk_causal_lm_loss(pl_module)
+                elif chooses:
+                    chunk_causal_lm_loss(pl_module, _ONE_CHUNK)
                 with self._longest_step(trainer, pl_module) as step, HeadCount(pl_module) as count:
                     found = measure_fake_step(pl_module, step, resized, self._settings["layer_cls"], modes)
                 measured = RankMeasurement(found.costs, found.outside_bytes, found.head_bytes, found.head_peak_bytes,
@@ -474,7 +477,7 @@ class GradientCheckpointing(Callback):
         assert measured is not None and resized is not None
         size = _largest_over_ranks(trainer.strategy, batch_size_of(resized, self.length_fn))
         self._cycle.begin(size, predict=False)
-        self._take(measured, chunked, None)
+        self._take(measured, chunked, _ONE_CHUNK)
         try:
             self._make_plan(trainer, pl_module)
         except ValueError as err:
@@ -545,9 +548,10 @@ class GradientCheckpointing(Callback):
         self._take(measured, count if held_all else None, _MEASURED_CHUNK)
         return True
 
-    def _take(self, measured: RankMeasurement, count: Optional[HeadCount], ran: Optional[int]) -> None:
-        """Keep ``measured`` for the next plan. Where the plan chooses the LM head's chunks (``count`` saw the head,
-        run in chunks of ``ran`` tokens, ``None``: whole), each chunk and the unchunked head are priced from it."""
+    def _take(self, measured: RankMeasurement, count: Optional[HeadCount], ran: int) -> None:
+        """Keep ``measured`` for the next plan. Where the plan chooses the LM head's chunks (``count`` saw the head
+        run through lm_loss, in chunks of ``ran`` tokens: a step that computes its loss itself is not changed by
+        chunking the model's), each chunk and the unchunked head are priced from it."""
         self._measured = measured
         if count is not None and count.calls:
             self._chunked = _HeadRun(measured, count, ran)
@@ -784,16 +788,18 @@ _KEEPS_PLAN = {
 #: :data:`~lightning_ckpt.core.planner.MIN_CHUNK_TOKENS`) are priced from it on fake tensors of the head alone. A
 #: budget that only smaller chunks reach is exceeded on measuring steps, by at most what they free (as offload's is).
 _MEASURED_CHUNK = DEFAULT_CHUNK_TOKENS
+#: Chunks of more tokens than any batch has: the head and loss whole, through lm_loss.
+_ONE_CHUNK = 2**62
 
 
 @dataclass
 class _HeadRun:
-    """A step measured (``measured``) with its LM heads (counted by ``count``) in chunks of ``chunk`` tokens
-    (``None``: whole)."""
+    """A step measured (``measured``) with its LM heads (counted by ``count``) through lm_loss in chunks of ``chunk``
+    tokens."""
 
     measured: RankMeasurement
     count: HeadCount
-    chunk: Optional[int]
+    chunk: int
 
     @property
     def tokens(self) -> int:
@@ -811,8 +817,7 @@ def _rechunked(run: _HeadRun, chunk: Optional[int]) -> RankMeasurement:
     """The step of ``run`` as it would have been with the LM heads in chunks of ``chunk`` tokens (``None``: whole):
     its bytes, plus what the head and loss alone hold more that way (on fake tensors, per head over its share of the
     tokens). Two chunk sizes of at least every token are one chunk alike."""
-    if chunk == run.chunk or (chunk is not None and run.chunk is not None and min(chunk, run.tokens) == min(
-            run.chunk, run.tokens)):
+    if chunk is not None and min(chunk, run.tokens) == min(run.chunk, run.tokens):
         return run.measured
     saved = peak = 0
     for head, (ran_saved, ran_peak) in zip(run.count.heads, run.alone):

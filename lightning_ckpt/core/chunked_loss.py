@@ -33,18 +33,31 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "chunk_causal_lm_loss", "chunk_loss_of", "chunk_size", "chunked_models", "head_of", "lm_loss",
-           "unchunk_causal_lm_loss"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "chunk_causal_lm_loss", "chunk_loss_of", "chunk_size", "chunked_models", "head_of",
+           "in_lm_loss", "lm_loss", "unchunk_causal_lm_loss"]
 
 DEFAULT_CHUNK_TOKENS = 1024
 
 
 def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
                     ignore_index: int, label_smoothing: float) -> torch.Tensor:
-    # fp32 logits for the softmax, as Transformers' loss does: a bf16 head's error stays that of its matmul
-    logits = _head_uncached(head, hidden).float()
+    _in_chunk[0] += 1
+    try:
+        # fp32 logits for the softmax, as Transformers' loss does: a bf16 head's error stays that of its matmul
+        logits = _head_uncached(head, hidden).float()
+    finally:
+        _in_chunk[0] -= 1
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
                            reduction="sum")
+
+
+_in_chunk = [0]  # heads running inside lm_loss's chunks now: a head called otherwise is not chunked
+
+
+def in_lm_loss() -> bool:
+    """Whether a chunk of :func:`lm_loss` is running its head now (for counters that tell a chunked head's calls
+    from a head whose caller computes the loss itself)."""
+    return _in_chunk[0] > 0
 
 
 def _head_uncached(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:

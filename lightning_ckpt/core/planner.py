@@ -87,6 +87,7 @@ from lightning_ckpt.core.chunked_loss import (
     chunk_loss_of,
     chunked_models,
     head_of,
+    in_lm_loss,
     lm_loss,
     unchunk_causal_lm_loss,
 )
@@ -549,18 +550,22 @@ def _unchunked(module: nn.Module) -> Iterator[None]:
 
 
 class HeadCount:
-    """Counts, while entered, the forward calls of ``module``'s LM heads (:func:`chunked_models`): their matmul FLOPs
-    (what the chunked backward runs again), the calls (chunks) and the tokens; calls inside a backward (the
-    recompute) are not counted. :meth:`chunked_head` turns a step measured meanwhile into a :class:`ChunkedHead`.
+    """Counts, while entered, the forward calls of ``module``'s LM heads (:func:`chunked_models`) inside
+    :func:`~lightning_ckpt.core.chunked_loss.lm_loss`: their matmul FLOPs (what the chunked backward runs again), the
+    calls (chunks) and the tokens; calls inside a backward (the recompute) or outside ``lm_loss`` are not counted.
+    :meth:`chunked_head` turns a step measured meanwhile into a :class:`ChunkedHead`.
 
     Example::
 
         >>> from lightning_ckpt.demos import Transformer
         >>> model = Transformer(16, 8, 1, 8, 2, 0.0)
+        >>> idx = torch.zeros(2, 8, dtype=torch.long)
+        >>> _ = chunk_causal_lm_loss(model, 8)
         >>> with HeadCount(model) as count:
-        ...     _ = model(torch.zeros(2, 8, dtype=torch.long))
-        >>> count.flops, count.calls, count.tokens  # 2 x 16 tokens x 8 in x 16 out
-        (4096, 1, 16)
+        ...     _ = model(idx, idx)  # the loss, in two chunks of 8 tokens
+        ...     _ = model(idx)  # logits: the head whole, outside lm_loss
+        >>> count.flops, count.calls, count.tokens  # 2 x 16 tokens x 8 in x 16 out, the logits not counted
+        (4096, 2, 16)
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -571,6 +576,10 @@ class HeadCount:
 
     def _count(self, head: nn.Module, args: tuple, out: Any) -> None:
         if torch.is_tensor(out) and args and torch.is_tensor(args[0]) and torch._C._current_graph_task_id() == -1:
+            # Outside lm_loss: a step that computes its loss itself (litgpt's own way: chunking the model's changes
+            # nothing), or the head swapped to hand the hidden states through on their way to lm_loss.
+            if not in_lm_loss():
+                return
             self.flops += 2 * out.numel() * args[0].shape[-1]
             self.calls += 1
             self.tokens += args[0].numel() // args[0].shape[-1]
