@@ -129,6 +129,7 @@ OUR_NAMES = {
     "ddp_ckpt_find_unused_parameters_true": (CheckpointingDDPStrategy, {"find_unused_parameters": True}),
     "fsdp_ckpt": (CheckpointingFSDPStrategy, {}),
     "fsdp_ckpt_spawn": (CheckpointingFSDPStrategy, {"start_method": "spawn"}),
+    "fsdp_ckpt_cpu_offload": (CheckpointingFSDPStrategy, {"cpu_offload": True}),
 }
 
 

@@ -2,7 +2,9 @@
 checkpointing sits inside each FSDP unit (:func:`shard_for_checkpointing`).
 
 Mixed precision comes from the Trainer's ``precision`` (:func:`mixed_precision_policy`); a spawned run hands the
-unsharded weights back to the main process.
+unsharded weights back to the main process. ``cpu_offload=True`` (``"fsdp_ckpt_cpu_offload"``) keeps parameters,
+gradients and optimizer state in host memory with FSDP2's own ``CPUOffloadPolicy`` (:func:`cpu_offload_policy`),
+so one device can train a model whose states do not fit it; :func:`unit_parameters` says what each unit gathers.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from lightning_ckpt.strategies.common import (
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
-__all__ = ["CheckpointingFSDPStrategy", "mixed_precision_policy", "shard_for_checkpointing"]
+__all__ = ["CheckpointingFSDPStrategy", "cpu_offload_policy", "mixed_precision_policy", "shard_for_checkpointing",
+           "unit_parameters"]
 
 
 def shard_for_checkpointing(
@@ -45,6 +48,7 @@ def shard_for_checkpointing(
     layer_cls: Union[type[nn.Module], Sequence[type[nn.Module]], None] = None,
     reshard_after_forward: Optional[bool] = None,
     mp_policy: Any = None,
+    offload_policy: Any = None,
 ) -> list[str]:
     """Shard ``module`` with FSDP2: every block of ``layer_cls`` is its own unit, then each top-level child.
 
@@ -60,6 +64,7 @@ def shard_for_checkpointing(
         layer_cls: the block class(es); ``None`` detects the repeated block (no blocks: only the children).
         reshard_after_forward: for the blocks, as in ``fully_shard``; the roots keep theirs (``None``).
         mp_policy: a ``MixedPrecisionPolicy`` for all units (``None``: full precision).
+        offload_policy: a ``CPUOffloadPolicy`` for all units (``None``: every shard on the device).
 
     Example::
 
@@ -77,6 +82,8 @@ def shard_for_checkpointing(
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
     units: list[str] = []
     if classes:
         for name, block in select_layers(module, classes, every_n_layers=1):
@@ -103,6 +110,33 @@ def _block_classes(
         rank_zero_info(f"CheckpointingFSDPStrategy: no repeated block to shard on its own ({err}); sharding the"
                        " top-level submodules only.")
         return ()
+
+
+def unit_parameters(
+    module: nn.Module, layer_cls: Union[type[nn.Module], Sequence[type[nn.Module]], None] = None
+) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
+    """The parameters each FSDP unit of :func:`shard_for_checkpointing` would gather, without sharding anything:
+    ``(blocks, roots)``, one list per block of ``layer_cls`` (``None``: the detected repeated block) and the
+    parameters of the top-level units (everything outside the blocks). FSDP2 gathers a block for its forward and
+    again for its backward; a top-level unit is a root, which keeps its parameters gathered from its forward to the
+    end of the backward. ``lightning-ckpt plan`` counts what a device holds under CPU offload from them.
+
+    Example::
+
+        >>> from lightning_ckpt.demos import GPT
+        >>> blocks, roots = unit_parameters(GPT(vocab_size=8, block_size=4, n_layer=2, n_embd=4, n_head=1))
+        >>> len(blocks), sum(p.numel() for p in blocks[0]), sum(p.numel() for p in roots)
+        (2, 244, 96)
+
+    A block of width 4: two LayerNorms (2 x 8), qkv (4 x 12 + 12), proj (4 x 4 + 4) and the MLP (4 x 16 + 16,
+    16 x 4 + 4): 244. The roots: token and position embeddings (8 x 4, 4 x 4), the final LayerNorm (8), the head
+    (4 x 8 + 8): 96.
+    """
+    classes = _block_classes(module, layer_cls)
+    blocks = [list(block.parameters()) for name, block in select_layers(module, classes, every_n_layers=1)
+              if name != ""] if classes else []
+    in_blocks = {id(p) for params in blocks for p in params}
+    return blocks, [p for p in module.parameters() if id(p) not in in_blocks]
 
 
 def _has_unsharded_parameters(module: nn.Module) -> bool:
@@ -135,6 +169,38 @@ def mixed_precision_policy(precision_plugin: Precision) -> Any:
     return None
 
 
+def cpu_offload_policy(cpu_offload: Any, pin_memory: Optional[bool] = None) -> Any:
+    """FSDP2's ``CPUOffloadPolicy`` for a ``cpu_offload`` setting, or ``None`` for no offload.
+
+    ``cpu_offload`` is ``True``/``False``/``None`` (Lightning's ``FSDPStrategy`` takes the same), a
+    ``CPUOffloadPolicy`` (kept as given), or FSDP1's ``CPUOffload`` (its ``offload_params``). ``True`` pins the host
+    copies (faster transfers) when an accelerator is there to pin for: ``pin_memory`` decides, by default whether
+    CUDA is available.
+
+    Example::
+
+        >>> cpu_offload_policy(True, pin_memory=False)
+        CPUOffloadPolicy(pin_memory=False)
+        >>> cpu_offload_policy(False) is None and cpu_offload_policy(None) is None
+        True
+    """
+    fsdp = fsdp2()
+    if isinstance(cpu_offload, fsdp.CPUOffloadPolicy):
+        return cpu_offload
+    if isinstance(cpu_offload, fsdp.OffloadPolicy):  # the base class: no offload
+        return None
+    from torch.distributed.fsdp import CPUOffload  # FSDP1's setting, as Lightning's FSDPStrategy takes it
+
+    if isinstance(cpu_offload, CPUOffload):
+        cpu_offload = cpu_offload.offload_params
+    if cpu_offload is None or isinstance(cpu_offload, bool):
+        if not cpu_offload:
+            return None
+        return fsdp.CPUOffloadPolicy(pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
+    raise ValueError(f"`cpu_offload={cpu_offload!r}` is not understood. Pass True (parameters, gradients and optimizer"
+                     " state in host memory), False, or a `torch.distributed.fsdp.CPUOffloadPolicy`.")
+
+
 class CheckpointingFSDPStrategy(ModelParallelStrategy):
     r"""Fully sharded data parallel (FSDP2, ``fully_shard``) with checkpointing inside each FSDP unit.
 
@@ -156,18 +222,27 @@ class CheckpointingFSDPStrategy(ModelParallelStrategy):
         start_method: ``"popen"`` (default: the script is relaunched per rank, or processes come from the
             cluster), or ``"spawn"``/``"fork"``/``"forkserver"`` (processes started from the Trainer; the trained,
             unsharded weights are handed back to the main process).
+        cpu_offload: ``True`` keeps each device's shard of the parameters, their gradients and the optimizer state
+            in host memory (FSDP2's ``CPUOffloadPolicy``, pinned when an accelerator is there): each unit's
+            parameters are copied to the device and gathered for its forward and backward, its gradients go back to
+            host memory, and the optimizer steps there. One device can then train a model whose states do not fit
+            it, at the cost of the transfers. A ``CPUOffloadPolicy`` is used as given; ``False`` or ``None``: no
+            offload (the name is Lightning's ``FSDPStrategy(cpu_offload=...)``).
         data_parallel_size: ranks to shard over (``"auto"``: all of them, divided by ``tensor_parallel_size``).
         tensor_parallel_size: ranks per tensor-parallel group, for a ``configure_model`` that applies it.
         process_group_backend: ``"gloo"``/``"nccl"``; by default from the device.
         timeout: the process group's timeout.
 
-    Registered as ``"fsdp_ckpt"`` and ``"fsdp_ckpt_spawn"``.
+    Registered as ``"fsdp_ckpt"``, ``"fsdp_ckpt_spawn"`` and ``"fsdp_ckpt_cpu_offload"`` (``cpu_offload=True``).
 
     Example::
 
         trainer = Trainer(strategy="fsdp_ckpt", devices=8, precision="bf16-mixed",
                           callbacks=[GradientCheckpointing(layer_cls=Block)])
         trainer.fit(model)
+        # one device, parameters, gradients and optimizer state in host memory
+        trainer = Trainer(strategy="fsdp_ckpt_cpu_offload", devices=1, precision="bf16-mixed",
+                          callbacks=[GradientCheckpointing(layer_cls=Block)])
     """
 
     strategy_name = "fsdp_ckpt"
@@ -181,6 +256,7 @@ class CheckpointingFSDPStrategy(ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        cpu_offload: Union[bool, Any, None] = None,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -194,6 +270,8 @@ class CheckpointingFSDPStrategy(ModelParallelStrategy):
                              " 'forkserver'.")
         self._start_method = start_method
         self._reshard_after_forward = reshard_after_forward
+        #: FSDP2's ``CPUOffloadPolicy`` the units are sharded with, or ``None`` (see ``cpu_offload``).
+        self.cpu_offload = cpu_offload_policy(cpu_offload)
         self.sharded_units: list[str] = []
 
     def _configure_launcher(self) -> None:
@@ -225,20 +303,28 @@ class CheckpointingFSDPStrategy(ModelParallelStrategy):
             layer_cls = callback.layer_cls if callback is not None else None
             self.sharded_units = shard_for_checkpointing(
                 self.lightning_module, self.device_mesh["data_parallel"], layer_cls,
-                reshard_after_forward=self._reshard_after_forward, mp_policy=mp_policy,
+                reshard_after_forward=self._reshard_after_forward, mp_policy=mp_policy, offload_policy=self.cpu_offload,
             )
             rank_zero_info(f"CheckpointingFSDPStrategy: {len(self.sharded_units)} FSDP units"
-                           f" ({', '.join(self.sharded_units[:6])}{', ...' if len(self.sharded_units) > 6 else ''})")
+                           f" ({', '.join(self.sharded_units[:6])}{', ...' if len(self.sharded_units) > 6 else ''})"
+                           + (", parameters, gradients and optimizer state in host memory" if self.cpu_offload else ""))
+        elif self.cpu_offload is not None:
+            _check_units_offloaded(self.model)
         check_checkpointing_placement(self.model)
 
-        _materialize_distributed_module(self.model, self.root_device)
+        offloaded = self.cpu_offload is not None
+        # Under CPU offload the shards live in host memory: materialised there, never moved to the device.
+        _materialize_distributed_module(self.model, torch.device("cpu") if offloaded else self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        if offloaded:
+            _unmanaged_to_device(self.model, self.root_device)
+        else:
+            self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not offloaded:  # offloaded: the state stays by its shards
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def full_state_dict(self) -> dict[str, Any]:
@@ -254,6 +340,46 @@ class CheckpointingFSDPStrategy(ModelParallelStrategy):
         _register(strategy_registry, "fsdp_ckpt", cls, "FSDP2 with activation checkpointing inside each unit")
         _register(strategy_registry, "fsdp_ckpt_spawn", cls,
                   "FSDP2 with activation checkpointing inside each unit, start_method='spawn'", start_method="spawn")
+        _register(strategy_registry, "fsdp_ckpt_cpu_offload", cls,
+                  "FSDP2 with activation checkpointing inside each unit, parameters, gradients and optimizer state in"
+                  " host memory", cpu_offload=True)
+
+
+def _check_units_offloaded(module: nn.Module) -> None:
+    """Refuse ``cpu_offload`` when ``configure_model`` sharded ``module`` itself without it: the strategy keeps a
+    layout it did not make, so the offload would silently not happen."""
+    fsdp = fsdp2()
+    plain = [name for name, sub in module.named_modules() if isinstance(sub, fsdp.FSDPModule)
+             and not any(isinstance(group.offload_policy, fsdp.CPUOffloadPolicy)
+                         for group in _param_groups(sub))]
+    if plain:
+        raise ValueError(f"`cpu_offload` was asked, but `configure_model` sharded {', '.join(plain[:4])}"
+                         f"{', ...' if len(plain) > 4 else ''} without it. Pass"
+                         " `offload_policy=CPUOffloadPolicy()` to your `fully_shard` calls, or let the strategy shard"
+                         " the model (do not call `fully_shard` in `configure_model`).")
+
+
+def _param_groups(module: nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of one unit (none for a unit without parameters)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    if hasattr(state, "_fsdp_param_groups"):  # torch 2.13: a list (several with a shard_placement_fn)
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
+def _unmanaged_to_device(module: nn.Module, device: torch.device) -> None:
+    """Move what FSDP2 does not manage to ``device``: buffers, and parameters that are not sharded (FSDP2 keeps its
+    own shards in host memory under CPU offload and copies them to the device for each unit)."""
+    from torch.distributed.tensor import DTensor
+
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.device != device:
+                sub._buffers[name] = buffer.to(device)
+        for param in sub._parameters.values():
+            if param is not None and not isinstance(param, DTensor) and param.device != device:
+                param.data = param.data.to(device)
 
 
 class _UnshardingLauncher(_CleanExitLauncher):
