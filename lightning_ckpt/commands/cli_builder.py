@@ -19,13 +19,15 @@ from lightning.pytorch.cli import LightningCLI
 __all__ = ["run_cli"]
 
 
-def run_cli(args: Optional[list[str]] = None, **cli_kwargs: Any) -> LightningCLI:
-    """Run LightningCLI over any LightningModule/LightningDataModule named by ``class_path`` and return it.
+def run_cli(args: Optional[list[str]] = None, cli_class: type[LightningCLI] = LightningCLI,
+            **cli_kwargs: Any) -> LightningCLI:
+    """Run LightningCLI (or ``cli_class``, a subclass) over any LightningModule/LightningDataModule named by
+    ``class_path`` and return it.
 
     ``args=None`` reads the command line (``sys.argv``), as LightningCLI does. ``cli_kwargs`` go to
     ``LightningCLI`` (e.g. ``run=False`` to only build the trainer, model and data).
     """
     cli_kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-    return LightningCLI(
+    return cli_class(
         LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args, **cli_kwargs
     )

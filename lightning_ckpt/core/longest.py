@@ -23,6 +23,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_ckpt.core.costs import PLAN_MODES
+from lightning_ckpt.core.fake_values import real_branches
 from lightning_ckpt.core.measure import StepCosts, measure_step
 from lightning_ckpt.core.selection import LayerClassArg
 
@@ -144,7 +145,10 @@ def measure_fake_step(module: nn.Module, step: Callable[[Any], Any], batch: Any,
                  for name, t in (*module.named_parameters(remove_duplicate=False),
                                  *module.named_buffers(remove_duplicate=False))}
         fake_batch = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
-    with _reparametrize_module(module, fakes, tie_weights=True), fake_mode:
+    # the real values of the batch's and the buffers' integer tensors, for the branches a real step takes
+    reals = dict(zip(tree_flatten(fake_batch)[0], tree_flatten(batch)[0]))
+    reals.update((fakes[name], t) for name, t in module.named_buffers(remove_duplicate=False))
+    with _reparametrize_module(module, fakes, tie_weights=True), fake_mode, real_branches(reals):
         # as the callback's measuring step records it: the ops outside the layers are not timed there
         return measure_step(module, lambda: step(fake_batch), layer_cls, modes, outside_ops=False)
 

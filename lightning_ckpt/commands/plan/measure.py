@@ -8,6 +8,7 @@ The command itself is :mod:`lightning_ckpt.commands.plan`; the predictions made 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -22,10 +23,12 @@ import torch
 import yaml
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.accelerators import AcceleratorRegistry, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
 from torch._subclasses import FakeTensorMode
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -33,6 +36,7 @@ from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointin
 from lightning_ckpt.commands.cli_builder import run_cli
 from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
+from lightning_ckpt.core.fake_values import real_branches
 from lightning_ckpt.core.longest import batch_of_length as core_batch_of_length
 from lightning_ckpt.core.longest import length_limit, sequence_length_of
 from lightning_ckpt.core.op_curve import OpRecord
@@ -260,6 +264,67 @@ class Built:
 
 
 @contextmanager
+def _made_for_real(cls: Optional[type]) -> Iterator[None]:
+    """Inside, ``cls`` is made with real tensors even under a fake mode (its ``__init__`` runs without it)."""
+    if cls is None:
+        yield
+        return
+    own = cls.__dict__.get("__init__")
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def real_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    cls.__init__ = real_init  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        if own is None:
+            del cls.__init__
+        else:
+            cls.__init__ = own  # type: ignore[misc]
+
+
+@contextmanager
+def _swappable(fake_mode: Optional[FakeTensorMode]) -> Iterator[None]:
+    """Inside, ``module.to(...)`` works on weights made under ``fake_mode`` (PEFT moves its adapters so; so does a
+    ``"bf16-true"`` precision). ``Module._apply`` swaps a fake weight for its converted copy, which
+    ``torch.utils.swap_tensors`` refuses while the fake mode's memo of converted tensors holds a weak reference to
+    it; the memo is a cache of conversions, so the two tensors' entries are dropped first."""
+    if fake_mode is None:
+        yield
+        return
+    swap = torch.utils.swap_tensors
+    memo = fake_mode.fake_tensor_converter.tensor_memo
+
+    def unmemoized_swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        for key in [k for k, v in memo.items() if v is t1 or v is t2]:
+            del memo[key]
+        swap(t1, t2)
+
+    torch.utils.swap_tensors = unmemoized_swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap
+
+
+class _RealDataCLI(LightningCLI):
+    """LightningCLI whose datamodule is made with real tensors when the model is made under fake ones: data is
+    cheap to build, its values decide the branches a step takes (:mod:`~lightning_ckpt.core.fake_values`), and a
+    datamodule that reads its own tensors in ``__init__`` (``.item()``, ``.tolist()``) cannot be built on fake
+    tensors."""
+
+    def instantiate_classes(self) -> None:
+        data = self.config.get("data")
+        path = data.get("class_path") if data is not None and hasattr(data, "get") else None
+        with _made_for_real(_import_class(path) if isinstance(path, str) else None):
+            super().instantiate_classes()
+
+
+@contextmanager
 def _seed_banner(shown: bool) -> Iterator[None]:
     """Lightning's "Seed set to N" log line as is when ``shown``, else dropped (a config built again reseeds)."""
     logger = logging.getLogger("lightning.fabric.utilities.seed")
@@ -298,9 +363,9 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
     configured = ["--config", str(config), *cli_args]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
-        with context, _seed_banner(seed_banner):
-            cli = run_cli([*configured, *(PLANNING_TRAINER if planned_for else ONE_DEVICE)], run=False,
-                          save_config_callback=None)
+        with context, _swappable(fake_mode), _seed_banner(seed_banner):
+            cli = run_cli([*configured, *(PLANNING_TRAINER if planned_for else ONE_DEVICE)], cli_class=_RealDataCLI,
+                          run=False, save_config_callback=None)
     trainer_config = cli.parser.parse_args(configured).trainer
     devices = device_count(trainer_config.devices)
     sharding = sharding_of(trainer_config.strategy, devices or _auto_devices(cli, planned_for), trainer_config.num_nodes)
@@ -310,7 +375,7 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
     module = cli.model
     device = cli.trainer.strategy.root_device
     precision = cli.trainer.precision_plugin
-    with context, (nullcontext() if fake or meta else torch.device(device)):
+    with context, _swappable(fake_mode), (nullcontext() if fake or meta else torch.device(device)):
         module.configure_model()
         if not meta and any(t.device != device for t in (*module.parameters(), *module.buffers())):
             module.to(device)
@@ -464,7 +529,11 @@ def measure(built: Built, batch_size: Optional[int] = None, length: Optional[int
         check_length(built, length)
         batch = batch_of_length(batch, length)
     measured_length = sequence_length_of(batch)
+    real_batch = batch
     batch = _on_device(built, batch)
+    # the real values of the batch's integer tensors, so that a fake step takes a real step's branches
+    branches = (real_branches(dict(zip(tree_flatten(batch)[0], tree_flatten(real_batch)[0])))
+                if built.fake_mode is not None else nullcontext())
     with built.mode():
         batch = built.precision.convert_input(batch)
     module = built.module
@@ -476,7 +545,7 @@ def measure(built: Built, batch_size: Optional[int] = None, length: Optional[int
         built.attention_kernels |= kernels.names
         return loss
 
-    with built.mode(), warnings.catch_warnings():
+    with built.mode(), branches, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_LOG_WARNING)
         try:
             measured = measure_step(module, step, built.layer_cls)
