@@ -45,6 +45,7 @@ from lightning_ckpt.core.selection import (
     select_layers,
     validate_every_n_layers,
 )
+from lightning_ckpt.core.tiling import apply_tiling, check_tiling, remove_tiling, tiled_names
 
 __all__ = ["MODES", "CheckpointOptions", "CheckpointedForward", "Mode", "apply_checkpointing", "check_no_nesting",
            "checkpointed_elsewhere", "checkpointed_names", "in_recompute", "is_checkpointed", "remove_checkpointing",
@@ -264,6 +265,9 @@ def apply_checkpointing(
     checkpoint_kwargs: Mapping[str, Any] | None = None,
     compress: Compress | None = None,
     chunk_loss: bool = False,
+    tile_mlp: bool = False,
+    tile_tokens: int | None = None,
+    tile_cls: LayerClassArg = None,
 ) -> list[str]:
     """Checkpoint the selected layers of ``module`` in place and return their qualified names.
 
@@ -285,6 +289,13 @@ def apply_checkpointing(
             ``tokens x vocab`` kept) for the models :func:`~lightning_ckpt.core.chunked_loss.chunk_causal_lm_loss`
             knows (Transformers ``*ForCausalLM`` with ``labels``, litgpt ``GPT`` with ``targets=``, the demo GPT);
             ``False`` leaves a chunking applied before as it is. Other models keep their loss, said once.
+        tile_mlp: also run each decoder layer's MLP (and the norms next to it) over tiles of tokens, each tile under
+            checkpoint, so that only one tile's intermediates are alive at a time (ALST's TiledMLP, see
+            :mod:`~lightning_ckpt.core.tiling`): in every layer it knows, checkpointed or not (in a checkpointed
+            layer the tiles run inside its recompute). ``False`` leaves a tiling applied before as it is.
+        tile_tokens: with ``tile_mlp``: tokens per tile along the sequence; ``None``: ``ceil(length / hidden)`` tiles.
+        tile_cls: with ``tile_mlp``: the class(es) to tile instead of the MLPs it knows (a class, a dotted import
+            path, or a list of either), for a model of your own; name only modules that compute each token alone.
 
     Applying again with the same selection changes nothing (a layer is never checkpointed twice);
     options given again replace the old ones. Everything is validated before anything changes.
@@ -302,6 +313,7 @@ def apply_checkpointing(
         raise TypeError(f"`chunk_loss` is True or False, got {chunk_loss!r}. Pass True to compute the LM head and"
                         " the loss in chunks of tokens, or False.")
     options = CheckpointOptions(offload, mode, use_reentrant, preserve_rng_state, checkpoint_kwargs or {}, compress)
+    tiled = _tiles_asked(module, tile_mlp, tile_tokens, tile_cls)
     every_n_layers = validate_every_n_layers(every_n_layers)
     classes = layer_classes(module, layer_cls)
     selected = select_layers(module, classes, every_n_layers)
@@ -310,6 +322,7 @@ def apply_checkpointing(
     check_compress(compress, {p.device for _, layer in selected for p in layer.parameters()})
     selected = _without_layers_checkpointed_elsewhere(module, selected)
     check_no_nesting(module, [name for name, _ in selected])
+    _check_tiles_inside(module, [name for name, _ in selected], tiled)
     exact = [name for name, layer in selected if layer_compress(layer, compress) != compress]
     for name, layer in selected:
         layer_options = replace(options, compress=None) if name in exact else options
@@ -330,7 +343,33 @@ def apply_checkpointing(
         say_once(log, f"lightning_ckpt: chunk_loss=True found no loss it can chunk in {type(module).__name__} (it knows"
                       " Transformers *ForCausalLM, litgpt GPT and the demo GPT); its loss runs as before. A"
                       " training_step of your own can call lightning_ckpt.lm_loss.")
+    if tile_mlp:
+        apply_tiling(module, tile_cls, tile_tokens)
     return names
+
+
+def _tiles_asked(module: nn.Module, tile_mlp: bool, tile_tokens: int | None, tile_cls: LayerClassArg) -> list[str]:
+    """The names :func:`apply_checkpointing` is asked to tile (none with ``tile_mlp=False``); refuses a bad option."""
+    if not isinstance(tile_mlp, bool):
+        raise TypeError(f"`tile_mlp` is True or False, got {tile_mlp!r}. Pass True to run each layer's MLP over tiles"
+                        " of tokens, or False.")
+    if not tile_mlp:
+        if tile_tokens is not None or tile_cls is not None:
+            raise ValueError(f"`tile_tokens={tile_tokens!r}` and `tile_cls={tile_cls!r}` say how `tile_mlp=True` tiles,"
+                             " but tile_mlp is False. Pass tile_mlp=True with them, or leave both None.")
+        return []
+    return check_tiling(module, tile_cls, tile_tokens)
+
+
+def _check_tiles_inside(module: nn.Module, names: Sequence[str], tiled: Sequence[str]) -> None:
+    """Refuse a checkpointed layer that is, or lies inside, a tiled module: each tile's checkpoint would recompute
+    it again (tiles inside a checkpointed layer are what tiling is for)."""
+    for name in names:
+        for tile in {*tiled, *tiled_names(module)}:
+            if name == tile or is_inside(name, tile):
+                raise ValueError(f"`{name}` would be checkpointed {'as' if name == tile else 'inside'} the tiled"
+                                 f" `{tile}`, whose tiles already run under checkpoint: it would be recomputed twice."
+                                 " Pass a layer_cls around the MLP (the decoder layer), or tile_mlp=False.")
 
 
 _warned_offload_on_cpu = False
@@ -359,8 +398,8 @@ def _warn_if_offload_does_nothing(layers: Sequence[nn.Module]) -> None:
 
 
 def remove_checkpointing(module: nn.Module) -> list[str]:
-    """Undo :func:`apply_checkpointing` on ``module`` and all its submodules (its chunked loss too); return the
-    names of the layers restored."""
+    """Undo :func:`apply_checkpointing` on ``module`` and all its submodules (its chunked loss and tiles too); return
+    the names of the layers restored."""
     names = []
     for name, sub in module.named_modules():
         if is_checkpointed(sub):
@@ -371,6 +410,7 @@ def remove_checkpointing(module: nn.Module) -> list[str]:
             names.append(name)
     restore_caches([sub for sub in module.modules() if _CACHE_FLAG in sub.__dict__])
     unchunk_causal_lm_loss(module)
+    remove_tiling(module)
     return names
 
 
