@@ -133,6 +133,18 @@ def test_switching_to_a_plan_that_checkpoints_the_module_alike_changes_nothing()
     assert keep[0].applies_like(keep[1]) and not keep[0].applies_like(keep[2])
 
 
+def test_two_op_level_plans_keeping_the_same_positions_of_other_ops_do_not_apply_alike():
+    a = a_plan()
+    mm, relu = OpRecord("aten.mm.default", 8, 10, 8), OpRecord("aten.relu.default", 8, 1, 8)
+    # both keep position 0, which is the matmul in one layer's op list and the relu in the other's: the policies
+    # keep different ops, so switching between them must re-wrap the layer
+    first, second = (replace(a, layers={"l0": "ops"}, kept_ops={"l0": [0]}, costs=[replace(a.costs[0], ops=ops)])
+                     for ops in ((mm, relu), (relu, mm)))
+    assert first._op_names("l0")[0] == "aten.mm.default" and second._op_names("l0")[0] == "aten.relu.default"
+    assert not first.applies_like(second) and not second.applies_like(first)
+    assert first.applies_like(replace(first, planned_bytes=first.planned_bytes + 1))  # figures alone: alike
+
+
 def test_the_cycle_round_trips_through_its_state_dict():
     cycle = BudgetCycle()
     for size, plan in ((BatchSize(64, 16), a_plan(10)), (BatchSize(256, 64), a_plan(40, "selective"))):
@@ -145,6 +157,24 @@ def test_the_cycle_round_trips_through_its_state_dict():
     assert restored.latest is restored.plans[256] and restored.applied is restored.latest
     step = restored.begin(BatchSize(60, 15))
     assert not step.measure and step.plan is restored.plans[64] and step.switch
+
+
+def test_a_resumed_cycle_measures_a_bucket_whose_check_failed_before_the_save():
+    from test_cost_fit import measurement, run_cycle  # the cycle on costs by hand
+
+    cycle, kinds = run_cycle([8, 16, 32, 100])  # three sizes measured, 4 x 100 tokens (bucket 512) predicted
+    assert kinds == ["measured"] * 3 + ["predicted"]
+    cycle.check_failed(BatchSize(400, 100))  # its step held more than predicted: the bucket's next batch is measured
+    restored = BudgetCycle()
+    restored.load_state_dict(cycle.state_dict())
+    # the fit alone would predict 4 x 99 tokens (inside the measured range 16x over), and does so in bucket 1024
+    assert restored.fit.trusted(396, 99) and restored.begin(BatchSize(800, 200)).predicted is not None
+    restored.abandon()
+    step = restored.begin(BatchSize(396, 99))
+    assert step.predicted is None and step.measure and restored.measuring == BatchSize(396, 99)
+    assert restored.remeasure == {512}
+    restored.planned(make_plan(measurement(396, 99).costs, 0, 0.8), measurement(396, 99))
+    assert 512 not in restored.remeasure and restored.begin(BatchSize(404, 101)).predicted is not None
 
 
 # ------------------------------------------------------------------------------------------- the callback

@@ -223,6 +223,26 @@ def test_transformers_model_changing_logits_before_the_loss_is_refused():
     assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__  # both restored
 
 
+def test_transformers_shift_labels_given_to_the_forward_are_the_loss_s_labels():
+    """Packed or context-parallel batches pass ``shift_labels``, already shifted: Transformers' loss takes them as they
+    are, and so must the chunked one (shifting ``labels`` again would train on other targets)."""
+    reference = _llama()
+    model = copy.deepcopy(reference)
+    ids, labels = _ids()
+    shift_labels = torch.randint(0, VOCAB, ids.shape, generator=torch.Generator().manual_seed(2))
+    shift_labels[1, 7:] = -100
+    with torch.no_grad():
+        logits = reference(input_ids=ids).logits
+    # by hand: token t's logits against shift_labels[t], the 12 + 7 = 19 labels that are not -100
+    by_hand = F.cross_entropy(logits.flatten(0, 1), shift_labels.flatten(), ignore_index=-100)
+    assert int((shift_labels != -100).sum()) == 19
+    assert not torch.allclose(by_hand, F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()))
+    chunk_causal_lm_loss(model, chunk_tokens=5)
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=labels, shift_labels=shift_labels).loss
+    assert torch.allclose(loss, by_hand, rtol=1e-6, atol=0)
+
+
 def test_litgpt_gpt_with_targets_returns_the_same_loss_without_logits():
     litgpt = pytest.importorskip("litgpt")
     torch.manual_seed(0)
@@ -241,6 +261,23 @@ def test_litgpt_gpt_with_targets_returns_the_same_loss_without_logits():
     for name in want:
         assert _rel(got[name], want[name]) <= 1e-6, name
     assert model(ids).shape == (2, 12, VOCAB)
+
+
+def test_litgpt_gpt_soft_capping_its_logits_is_refused_and_left_as_it_was():
+    """Gemma-2 style ``final_logit_softcapping``: litgpt caps the head's logits before returning them, so the hidden
+    states through the head are not what the loss would see; chunking them would train on uncapped logits."""
+    litgpt = pytest.importorskip("litgpt")
+    torch.manual_seed(0)
+    model = litgpt.GPT(litgpt.Config(n_layer=1, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, padded_vocab_size=VOCAB,
+                                     block_size=16, bias=True, final_logit_softcapping=2.0))
+    ids, labels = _ids()
+    logits = model(ids)
+    assert float(logits.detach().abs().max()) < 2.0  # capped: 2 tanh(x / 2)
+    chunk_causal_lm_loss(model, chunk_tokens=5)
+    with pytest.raises(RuntimeError, match="changes the logits between the head and the loss"):
+        model(ids, targets=labels)
+    assert "forward" not in model.lm_head.__dict__  # the head is given back
+    assert torch.equal(model(ids), logits)  # without targets: the model's own forward, capped
 
 
 @pytest.mark.parametrize("chunked", [False, True])

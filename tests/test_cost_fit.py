@@ -68,6 +68,27 @@ def test_the_trust_region_is_the_measured_range_and_16x_past_it():
     assert fit.trusted(3, 1) and not fit.trusted(2, 1)  # below: the fewest tokens / 16 (2 * 16 < 40)
 
 
+def test_a_size_exactly_16x_below_the_smallest_measured_is_trusted_and_one_token_fewer_is_not():
+    fit = CostFit()
+    for tokens, length in [(32, 16), (64, 32), (128, 64)]:
+        fit.add(tokens, length, cost(tokens, length))
+    # the bound itself: 2 tokens x 16 = 32, the fewest measured; length 1 x 16 = 16, the shortest measured
+    assert fit.trusted(2, 1)
+    assert not fit.trusted(1, 1)  # 16 < 32 tokens
+    assert fit.trusted(32, 1) and fit.trusted(2, 64)  # each bound alone, the other value well inside
+
+
+def test_a_larger_measured_size_clamps_a_prediction_only_where_it_is_no_shorter():
+    fit = CostFit()
+    for tokens, length in [(32, 8), (64, 16), (128, 32)]:
+        fit.add(tokens, length, cost(tokens, length))
+    # 2 rows of 48: fewer tokens than the 128 measured, but longer sequences (its T L term is larger): by hand
+    # 1000 + 6*96 + 2*96*48 = 10,792, with the margin ceil(11,007.84) = 11,008; 40*96 = 3,840 -> ceil(3,916.8) = 3,917.
+    # (128, 32) measured 9,960 and does not cover it: it must not cap the prediction
+    assert cost(128, 32)[0] == 9_960
+    assert fit.predict(96, 48, keep=[2]) == [11_008, 3_917, 3]
+
+
 def test_predictions_are_clamped_by_the_sizes_measured():
     fit = CostFit()
     for tokens, length in [(32, 8), (64, 16), (128, 32)]:

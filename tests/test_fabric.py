@@ -216,6 +216,48 @@ def test_the_longest_batch_is_planned_before_the_first_step_with_loss_fn():
     assert checkpointed_names(model.module) == []  # given back: the failed step undid the checkpointing
 
 
+class MatmulBlock(torch.nn.Module):
+    """One matmul: its input is all it holds fully checkpointed."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class MatmulStack(torch.nn.Module):
+    """Embedding, a linear stem (whose output autocast makes bf16), two :class:`MatmulBlock`, a head."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, width)
+        self.stem = torch.nn.Linear(width, width)
+        self.blocks = torch.nn.ModuleList(MatmulBlock(width) for _ in range(2))
+        self.head = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.stem(self.emb(idx))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_the_longest_batch_is_planned_under_the_fabric_s_precision():
+    fabric = cpu_fabric(precision="bf16-mixed")
+    ckpt = FabricCheckpointing(fabric, memory_budget=10**9, max_length=32, loss_fn=loss_of, layer_cls=MatmulBlock)
+    model = ckpt.setup(MatmulStack())
+    ids = batches(0)[0]  # 4 rows of 9 token ids; the longest batch: 4 rows of 32 (bucket 128), 31 of them inputs
+    with ckpt.step(ids):
+        longest = ckpt.plans[128]
+        # by hand: each block's input is the bf16 output of a matmul under autocast, 4 x 31 x 16 x 2 B (fp32: 7,936)
+        assert [c.full_bytes for c in longest.costs] == [4 * 31 * 16 * 2] * 2 == [3968, 3968]
+        ckpt.backward(loss_of(model, ids))
+    assert sorted(ckpt.plans) == [128]  # checkpointing nothing, its plan covers the real 36-token step
+
+
 def test_an_impossible_budget_raises_in_backward_before_any_gradient():
     ckpt = FabricCheckpointing(cpu_fabric(), memory_budget=100_000)  # below every block checkpointed (400 KB)
     model = ckpt.setup(tiny_lm())
@@ -225,6 +267,20 @@ def test_an_impossible_budget_raises_in_backward_before_any_gradient():
             ckpt.backward(loss_of(model, ids))
     assert all(p.grad is None for p in model.parameters())  # refused before the backward ran
     assert checkpointed_names(model.module) == []
+
+
+def test_a_step_that_raised_ends_the_checkpointing_and_a_further_step_is_refused():
+    ckpt = FabricCheckpointing(cpu_fabric(), every_n_layers=1)
+    model = ckpt.setup(tiny_lm())
+    ids = batches(0)[0]
+    with pytest.raises(KeyError, match="the user's own error"):
+        with ckpt.step(ids):
+            raise KeyError("the user's own error")
+    assert checkpointed_names(model.module) == []  # the layers as they were, as after a Trainer's failed fit
+    # the loop went on regardless: its steps would run without the checkpointing they were set up with
+    with pytest.raises(RuntimeError, match=r"Call `FabricCheckpointing.setup\(model\)` before the first `step`"):
+        with ckpt.step(ids):
+            pass
 
 
 # ------------------------------------------------------------------------------------------------ two processes

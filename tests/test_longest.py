@@ -109,6 +109,32 @@ def test_the_plan_for_the_longest_batch_is_kept_and_equals_one_from_a_real_measu
                                                                    expected.planned_bytes)
 
 
+def test_a_batch_of_another_length_owns_exactly_its_bytes():
+    """The fake step counts a saved tensor's whole storage: a view of the longer batch (cut) or of the tiled copy
+    (tiled to a length that is not a multiple) would count the bytes beyond the length as well."""
+    ids = torch.arange(6).view(2, 3)  # int64: 8 bytes a token
+    mask = torch.ones(2, 3, 5)  # float32, dim 1 the length: 20 bytes a token
+    for length, tokens in ((2, [[0, 1], [3, 4]]), (8, [[0, 1, 2, 0, 1, 2, 0, 1], [3, 4, 5, 3, 4, 5, 3, 4]])):
+        cut_ids, cut_mask = batch_of_length((ids, mask), length)
+        assert cut_ids.tolist() == tokens
+        # by hand: 2 rows x length x 8 B, and 2 x length x 5 x 4 B; a view would keep 2 x 3 (cut) or 2 x 9 (tiled 3x)
+        assert cut_ids.untyped_storage().nbytes() == 2 * length * 8
+        assert cut_mask.untyped_storage().nbytes() == 2 * length * 5 * 4
+    assert batch_of_length((ids, mask), 3)[0].untyped_storage().nbytes() == 48  # the same length: a copy of 48 B
+
+
+def test_a_resumed_run_has_its_plans_and_plans_the_longest_batch_no_more():
+    first = GradientCheckpointing(memory_budget="1MiB", max_length=64)
+    fit(CountingGPT(), first, max_steps=1)
+    assert sorted(first.plans) == [64, 256]  # the longest batch (4 x 64 tokens) on fake tensors, the 16-token step
+    model, resumed = CountingGPT(), GradientCheckpointing(memory_budget="1MiB", max_length=64)
+    resumed.load_state_dict(first.state_dict())
+    trainer = fit(model, resumed)
+    assert trainer.global_step == 2 and model.calls == 2  # two real steps, no fake one before them
+    assert resumed._cycle.measured_steps == 0  # both run the plan saved for their size
+    assert {b: p.state_dict() for b, p in resumed.plans.items()} == {b: p.state_dict() for b, p in first.plans.items()}
+
+
 def test_fake_measurement_equals_the_real_one_and_leaves_the_module_as_it_was():
     model = CountingGPT()
     model.train()

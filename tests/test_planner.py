@@ -266,6 +266,21 @@ def test_budget_already_met_checkpoints_nothing() -> None:
     assert plan.apply(model) == [] and checkpointed_names(model) == []
 
 
+def test_a_chunked_plan_s_baseline_is_the_step_without_checkpointing_and_without_chunks() -> None:
+    from lightning_ckpt.core.planner import ChunkedHead
+
+    costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+                       full_flops=50, selective_flops=5) for i in range(4)]
+    # unchunked, the logits hold 1,000 B outside the layers: a 700 B budget only the chunked head (300 B) reaches
+    chunked = ChunkedHead(chunk_tokens=256, outside_bytes=300, head_bytes=100, head_peak_bytes=50, flops=20)
+    plan = make_plan(costs, outside_bytes=1000, memory_budget=700, head_bytes=600, head_peak_bytes=800,
+                     chunked=chunked, chunk_loss=None)
+    assert plan.chunk_tokens == 256
+    # by hand: 1,000 B outside + 4 x 100 B in the layers, as the run holds without the package; not 300 + 400
+    assert plan.baseline_bytes == 1400
+    assert plan.outside_bytes == 300 and plan.planned_bytes < 700 < plan.baseline_bytes
+
+
 class BNBlock(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
