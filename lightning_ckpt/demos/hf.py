@@ -115,7 +115,7 @@ class TokenDataModule(pl.LightningDataModule):
 
 class ViTClassifier(pl.LightningModule):
     """A ``ViTForImageClassification`` built from a ``ViTConfig`` in ``__init__`` (its ``trunc_normal_`` init reads
-    values, so it cannot be built under fake tensors: ``lightning-ckpt plan`` measures it for real).
+    values: ``lightning-ckpt plan --fake`` builds it without weight init).
 
     Batches are ``(pixel_values [batch, channels, size, size], labels [batch])``; the encoder layers are
     ``model.vit.encoder.layer.<i>`` from the LightningModule.

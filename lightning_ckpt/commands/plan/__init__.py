@@ -47,6 +47,18 @@ Lightning's ``FSDPStrategy`` (by its ``sharding_strategy``) or ``ModelParallelSt
 over the data-parallel devices (devices x num_nodes for ``fsdp_ckpt`` and full sharding), rows padded as
 ``fully_shard`` pads them; buffers and 0-d state whole. The largest batch is then per device.
 
+Under ``fsdp_ckpt``'s CPU offload (``--trainer.strategy=fsdp_ckpt_cpu_offload``, or ``cpu_offload: true`` in its
+``init_args``) that share is in host memory, and the device holds the buffers and what FSDP2 gathers there
+(:func:`~lightning_ckpt.commands.plan.measure.gathered_bytes`): the root units' parameters (kept from their forward to
+the end of the backward) and two blocks' (one computing, the next prefetched), in the dtype they are gathered in
+(bfloat16 under ``bf16-mixed``), and the gradients of the roots and of one block; no optimizer state. One device
+(``--trainer.devices=1``) can then be planned as ALST's one-GPU runs are.
+
+``--host-memory 256GiB`` is the target's host memory per device (default: half of this machine's available memory,
+which the report then says): what offloaded activations may take, less what CPU offload keeps there. Where no plan
+fits it (the planner's "needs more than `host_memory=...`"), the report says so, and at the plan's longest length
+that it, not an overshoot of the device, made the length shorter.
+
 LightningCLI arguments after the options override the config, as for ``lightning-ckpt fit``.
 
 Example::
@@ -54,6 +66,8 @@ Example::
     lightning-ckpt plan --config configs/tiny.yaml --memory-budget 0.5 --device-memory 80GiB
     lightning-ckpt plan --config configs/tiny.yaml --trainer.accelerator=cuda --trainer.precision=bf16-mixed \
         --model.init_args.n_embd=4096 --model.init_args.n_layer=32 --device-memory 80GiB
+    lightning-ckpt plan --config configs/tiny.yaml --trainer.strategy=fsdp_ckpt_cpu_offload --trainer.devices=1 \
+        --offload true --device-memory 80GiB --host-memory 256GiB
 
 With ``--device`` (a preset such as ``h100-sxm``, or ``auto``: the accelerator the step runs on, measured) the
 plan minimises the predicted step time on that device, and every setting gets its predicted step time
@@ -80,13 +94,18 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
 - ``batch_size``: the measured batch; ``batch_sizes``: both measured with ``--device-memory``.
 - ``memory_budget``: as given (a fraction or bytes); ``device_memory``: ``--device-memory`` in bytes;
   ``device``: the ``--device`` profile's name, or ``null``; ``offload``: what was planned with, ``true``, ``false``
-  or ``"auto"``.
+  or ``"auto"``; ``host_memory``: ``{bytes, given, static_bytes, for_offload_bytes}``, the host memory per device
+  planned with (``--host-memory``, ``given: true``, or this machine's), what CPU offload keeps of it and what is left
+  for offloaded activations (the planner's ``host_memory``).
 - ``outside_bytes``: activations held outside the matched layers (embeddings, head, loss), part of every setting.
 - ``static_bytes_per_device``: weights, gradients and optimizer state one device holds.
 - ``static``: ``weights_bytes`` (parameters and buffers), ``gradient_bytes``, ``optimizer_state_bytes``
   (``null`` when ``configure_optimizers`` could not run), ``optimizer``, ``unsharded_bytes`` (the three summed,
   undivided), ``strategy``, ``world`` (devices x num_nodes), ``weight_shards`` and ``state_shards`` (how many ways
-  parameters, and gradients and optimizer state, are divided), ``note`` (what is not modelled).
+  parameters, and gradients and optimizer state, are divided), ``note`` (what is not modelled, how CPU offload is
+  counted); ``cpu_offload`` (``fsdp_ckpt``'s: the device figures are then the buffers and what FSDP2 gathers),
+  ``host_weights_bytes``, ``host_gradient_bytes``, ``host_optimizer_state_bytes`` and ``host_bytes`` (their sum):
+  this device's share in host memory under CPU offload, 0 without.
 - ``layers``: per matched layer ``{name, class, none_bytes, full_bytes, selective_bytes, full_flops,
   selective_flops}``: bytes held not checkpointed, fully and selectively checkpointed; FLOPs recomputed.
 - ``settings``: per setting ``{name, description, checkpointed_layers, activation_bytes, peak_bytes, host_bytes,
@@ -117,8 +136,10 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
   ``length_fit``: ``"quadratic"``, ``"linear"`` or ``null`` (one length); ``largest_length``: setting -> the
   largest length that fits ``device_memory`` at ``batch_size``, and ``"plan"``: the longest the plan itself fits
   (``null`` when unbounded; the whole entry ``null`` without ``--device-memory``); ``longest_plan``: ``{fitted_length,
-  length, batch_size, least_peak_bytes, plan, plan_error, predicted_seconds_per_token}``, the plan made at its
-  longest length (``null`` without ``--device-memory`` or with one length). ``plan.png`` then has a second panel:
+  length, batch_size, least_peak_bytes, plan, plan_error, predicted_seconds_per_token, shortened}``, the plan made at
+  its longest length (``null`` without ``--device-memory`` or with one length); ``shortened``: why each shorter length
+  was measured, ``"overshot"`` (the least peak was over the room), ``"host_memory"`` (no plan fit the host memory)
+  or ``"no_plan"``. ``plan.png`` then has a second panel:
   each setting's peak against the length, the plan's least peak, the room the device leaves and the plan at its
   longest length.
 """
@@ -144,7 +165,9 @@ from lightning_ckpt.commands.arguments import (
 )
 from lightning_ckpt.commands.plan.measure import (
     Built,
+    HostMemory,
     Measurement,
+    StaticMemory,
     accelerator_available,
     build,
     check_length,
@@ -152,6 +175,7 @@ from lightning_ckpt.commands.plan.measure import (
     device_profile,
     loader_batch_size,
     static_memory,
+    this_machine_host_memory,
     would_not_fit,
 )
 # Aliased: bound here as `measure`, the function would hide the submodule `lightning_ckpt.commands.plan.measure`.
@@ -160,6 +184,7 @@ from lightning_ckpt.commands.plan.predictions import (
     PlanSettings,
     SettingRow,
     fit_peak,
+    host_memory_short,
     largest_length,
     planner_front,
     setting_choices,
@@ -217,6 +242,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                         help="plan with offload: 'true' (every checkpointed layer's inputs in host memory), 'false', or"
                              " 'auto' (the plan chooses per layer; needs --device); default: the config's"
                              " GradientCheckpointing offload")
+    parser.add_argument("--host-memory", default=None,
+                        help="host memory per device on the target (256GiB), for what offload keeps there: the"
+                             " offloaded activations and, under fsdp_ckpt's cpu_offload, the parameters, gradients and"
+                             " optimizer state; default: half of this machine's available memory")
     parser.add_argument("--compress", choices=("bf16", "fp8", "none"), default=None,
                         help="plan with the checkpointed layers' inputs held as bf16 or fp8 (see the guide 'Compressed"
                              " checkpoints'), or 'none' (exact); default: the config's GradientCheckpointing compress")
@@ -254,6 +283,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         except (TypeError, ValueError):
             parser.error(f"--device-memory {args.device_memory}: pass the device's memory in bytes, such as 80GiB,"
                          " 40e9 or 16000000000")
+    if args.host_memory is not None:
+        try:
+            args.host_memory = parse_bytes_arg(args.host_memory)
+        except (TypeError, ValueError):
+            parser.error(f"--host-memory {args.host_memory}: pass the target's host memory per device in bytes, such"
+                         " as 256GiB, 2.5e11 or 250000000000")
     return args
 
 
@@ -261,8 +296,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``lightning-ckpt plan --config X.yaml [--memory-budget 0.3] [--device-memory 80GiB] [--lengths 512,2048]
-    [--fake]``; the exit status."""
+    """``lightning-ckpt plan --config X.yaml [--memory-budget 0.3] [--device-memory 80GiB] [--host-memory 256GiB]
+    [--lengths 512,2048] [--fake]``; the exit status."""
     args = _parse(sys.argv[1:] if argv is None else argv)
     try:
         built = _build(args)
@@ -368,10 +403,27 @@ def _measure(built: Built, batch_size: int, length: Optional[int] = None) -> Mea
     return replace(m, costs=[c.compressed(built.compress) for c in m.costs])
 
 
-def plan_settings(built: Built, profile: Optional[DeviceProfile]) -> PlanSettings:
-    """The settings every plan of the command is made with: the one place they are gathered (offload, compression
-    and the chunked LM head and loss)."""
-    return PlanSettings(offload=built.offload, device=profile, compress=built.compress, chunk_loss=built.chunk_loss)
+def plan_settings(built: Built, profile: Optional[DeviceProfile], host: Optional[HostMemory] = None) -> PlanSettings:
+    """The settings every plan of the command is made with: the one place they are gathered (offload, compression,
+    the chunked LM head and loss, and the host memory offloaded activations may take, :attr:`HostMemory.for_offload`;
+    ``None``: the planner's default, half of this machine's available memory)."""
+    return PlanSettings(offload=built.offload, device=profile, compress=built.compress, chunk_loss=built.chunk_loss,
+                        host_memory=None if host is None else host.for_offload)
+
+
+def host_memory_of(given: Optional[int], static: StaticMemory) -> HostMemory:
+    """The host memory the command plans with: ``--host-memory`` when ``given``, else this machine's
+    (:func:`~lightning_ckpt.commands.plan.measure.this_machine_host_memory`), less what ``static`` keeps there under
+    CPU offload.
+
+    Example::
+
+        >>> from lightning_ckpt.commands.plan.measure import StaticMemory
+        >>> host_memory_of(2**30, StaticMemory(0, 0, 0, "AdamW", host_weights=2**28))
+        HostMemory(total=1073741824, given=True, static=268435456)
+    """
+    total = given if given is not None else this_machine_host_memory()
+    return HostMemory(total, given is not None, static.host_total)
 
 
 def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profile: Optional[DeviceProfile],
@@ -382,16 +434,18 @@ def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profil
     config_budget = built.memory_budget if built.memory_budget not in (None, "auto") else None
     budget = args.memory_budget if args.memory_budget is not None else config_budget or DEFAULT_BUDGET
     main_m, other = measured.main, measured.other
-    settings = plan_settings(built, profile)
+    static = static_memory(built)  # its optimizer step changes the weights: after every measurement but the longest
+    host = host_memory_of(getattr(args, "host_memory", None), static)
+    settings = plan_settings(built, profile, host)
     plan, plan_error = settings.plan(main_m, budget)
-    static = static_memory(built)
     room = None if args.device_memory is None else args.device_memory - static.total
     rows = _rows(main_m, plan, built.offload, profile, other, room)
     front = planner_front(main_m, built.offload, min(r.peak_bytes for r in rows),
-                          include=[plan.budget_bytes] if plan is not None else [], device=profile)
+                          include=[plan.budget_bytes] if plan is not None else [], device=profile,
+                          host_memory=settings.host_memory)
     batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
     result = PlanResult(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
-                        batch_sizes, front, profile)
+                        batch_sizes, front, profile, host_memory=host)
     if measured.at_lengths:
         _across_lengths(result, measured.at_lengths, room, settings)
         if room is not None and len(measured.at_lengths) >= 2 and measure_length is not None:
@@ -439,7 +493,8 @@ def _plan_longest(result: PlanResult, room: int, settings: PlanSettings,
     """The plan at the longest length its settings fit (``result.largest_length["plan"]``, from the fitted least
     peak), planned for ``room`` (device memory less static memory) on the step measured again at that length. Where
     the fit promised too much, the length shrinks by what the least peak there overshoots (or by 1% where the least
-    peak fits but the planner found no plan), and is measured again, up to :data:`_LONGEST_TRIES` times;
+    peak fits but the planner found no plan: no plan fit the host memory, or its knapsack's rounding), and is
+    measured again, up to :data:`_LONGEST_TRIES` times, each shrink's reason kept in ``LongestPlan.shortened``;
     ``result.largest_length["plan"]`` ends as the length the plan was made at, except where the model's ``limit``
     capped it (the plan is then made at the limit, and the fitted length stays, as every setting's does)."""
     fitted = result.largest_length.get("plan")
@@ -453,12 +508,28 @@ def _plan_longest(result: PlanResult, room: int, settings: PlanSettings,
         longest.plan, longest.plan_error = settings.plan(measured, room)
         if longest.plan is not None or length <= 1:
             break
-        # Past the room: shrink by what the least peak overshoots. Within it, the planner still found no plan (its
-        # knapsack's rounding): 1% shorter.
+        # Past the room: shrink by what the least peak overshoots. Within it, the planner still found no plan (the host
+        # memory is short, or its knapsack's rounding): 1% shorter.
+        longest.shortened.append(_why_shorter(longest.least_peak_bytes, room, longest.plan_error))
         length = max(1, min(length - max(1, length // 100), math.floor(length * room / longest.least_peak_bytes)))
     result.longest = longest
     if longest.plan is not None and longest.capped is None:  # capped: the fit's length stays, as every setting's
         result.largest_length["plan"] = longest.length
+
+
+def _why_shorter(least_peak_bytes: int, room: int, plan_error: Optional[str]) -> str:
+    """Why no plan was made at a length: ``"overshot"`` (the least peak is over the room: the fit promised too much),
+    ``"host_memory"`` (the device could hold it, but no plan fits the host memory for offload) or ``"no_plan"`` (the
+    planner found none within the room all the same).
+
+    Example::
+
+        >>> _why_shorter(120, 100, "least reachable"), _why_shorter(90, 100, "needs more than `host_memory=5`")
+        ('overshot', 'host_memory')
+    """
+    if least_peak_bytes > room:
+        return "overshot"
+    return "host_memory" if host_memory_short(plan_error) else "no_plan"
 
 
 def _write(result: PlanResult, out_dir: Path) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
 import torch
 import yaml
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -27,6 +28,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.accelerators import AcceleratorRegistry, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
+from torch import nn
 from torch._subclasses import FakeTensorMode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointing
 from lightning_ckpt.commands.cli_builder import run_cli
+from lightning_ckpt.core.budget import host_memory_share
 from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
 from lightning_ckpt.core.fake_values import real_branches
@@ -44,6 +47,7 @@ from lightning_ckpt.core.chunked_loss import DEFAULT_CHUNK_TOKENS, chunk_loss_of
 from lightning_ckpt.core.planner import PLAN_MODES, ChunkedHead, LayerCost, Offload, measure_chunked_head, measure_step
 from lightning_ckpt.core.profiling import storage_key, tensor_bytes
 from lightning_ckpt.strategies import CheckpointingFSDPStrategy
+from lightning_ckpt.strategies.fsdp import cpu_offload_policy, mixed_precision_policy, unit_parameters
 
 #: What the trainer is built with when the configured accelerator is missing here (planning only, under --fake).
 PLANNING_TRAINER = ("--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto")
@@ -141,7 +145,10 @@ class Sharding:
     """How the configured strategy divides static memory over devices: each device holds ``1/weights`` of the
     parameters and ``1/states`` of the gradients and optimizer state (buffers and 0-d tensors whole).
 
-    ``world`` is devices x num_nodes; ``note`` says what is not modelled (tensor parallelism, CPU offload).
+    ``world`` is devices x num_nodes; ``note`` says what is not modelled (tensor parallelism) and how CPU offload is
+    counted. ``cpu_offload``: the shares live in host memory (``fsdp_ckpt``'s ``cpu_offload``) and the device holds
+    only what FSDP2 gathers (:func:`gathered_bytes`); ``reshard_after_forward``: the strategy's, whether a block's
+    gathered parameters are freed after its forward.
     """
 
     strategy: str = "auto"
@@ -149,6 +156,8 @@ class Sharding:
     weights: int = 1
     states: int = 1
     note: str = ""
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
 
 
 #: FSDPStrategy's ``sharding_strategy`` -> (parameters sharded, gradients and optimizer state sharded), each over
@@ -183,11 +192,14 @@ def sharding_of(strategy: Any, devices: int, num_nodes: int) -> Sharding:
     """How ``strategy`` (as configured: see :func:`_strategy_spec`) shards static memory over ``devices`` x
     ``num_nodes``. The package's ``fsdp_ckpt`` and Lightning's ``ModelParallelStrategy`` shard parameters, gradients
     and optimizer state over the data-parallel size; Lightning's ``FSDPStrategy`` as its ``sharding_strategy`` says.
+    ``fsdp_ckpt`` with ``cpu_offload`` keeps the shares in host memory (``Sharding.cpu_offload``).
 
     Example::
 
         >>> sharding_of("fsdp_ckpt", devices=4, num_nodes=2)
-        Sharding(strategy='fsdp_ckpt', world=8, weights=8, states=8, note='')
+        Sharding(strategy='fsdp_ckpt', world=8, weights=8, states=8, note='', cpu_offload=False, reshard_after_forward=True)
+        >>> sharding_of("fsdp_ckpt_cpu_offload", devices=1, num_nodes=1).cpu_offload
+        True
         >>> sharding_of("ddp", devices=8, num_nodes=1).states
         1
         >>> sharding_of({"class_path": "lightning.pytorch.strategies.FSDPStrategy",
@@ -199,8 +211,14 @@ def sharding_of(strategy: Any, devices: int, num_nodes: int) -> Sharding:
     if cls is None or not issubclass(cls, (ModelParallelStrategy, FSDPStrategy)):
         return Sharding(name, world)
     notes = []
+    offload, reshard = False, True
     if issubclass(cls, ModelParallelStrategy):
         ours = issubclass(cls, CheckpointingFSDPStrategy)
+        if ours:
+            offload = _cpu_offload_asked(params.get("cpu_offload"))
+            reshard = params.get("reshard_after_forward") is not False
+            if offload:
+                notes.append(CPU_OFFLOAD_NOTE)
         tp = params.get("tensor_parallel_size", 1 if ours else "auto")
         tp = devices if tp == "auto" else int(tp)  # Lightning's "auto": the devices of one node
         dp = params.get("data_parallel_size", "auto")
@@ -215,7 +233,29 @@ def sharding_of(strategy: Any, devices: int, num_nodes: int) -> Sharding:
         weights, states = ({"world": world, "node": devices, None: 1}[o] for o in over)
         if params.get("cpu_offload"):
             notes.append("`cpu_offload` keeps the shards in host memory, so the device holds less than shown")
-    return Sharding(name, world, weights, states, "; ".join(notes))
+    return Sharding(name, world, weights, states, "; ".join(notes), offload, reshard)
+
+
+#: How :func:`static_memory` counts a device under ``fsdp_ckpt``'s CPU offload (the report's note).
+CPU_OFFLOAD_NOTE = ("`cpu_offload`: each device's share of the parameters, gradients and optimizer state is in host"
+                    " memory; the device holds the buffers and what FSDP2 gathers there: the root units' parameters"
+                    " (kept from their forward to the end of the backward) and two blocks' (one computing, the next"
+                    " prefetched), in the dtype they are gathered in, and the gradients of the roots and of one block"
+                    " until they are reduce-scattered to host memory; the reduce-scatter's own buffers are not counted")
+
+
+def _cpu_offload_asked(value: Any) -> bool:
+    """Whether a configured ``cpu_offload`` (``True``, a ``CPUOffloadPolicy``, ...) turns CPU offload on.
+
+    Example::
+
+        >>> _cpu_offload_asked(True), _cpu_offload_asked(None), _cpu_offload_asked("nonsense")
+        (True, False, False)
+    """
+    try:
+        return cpu_offload_policy(value, pin_memory=False) is not None
+    except ValueError:  # the strategy itself refuses it when the run starts
+        return False
 
 
 def device_count(devices: Any) -> Optional[int]:
@@ -579,7 +619,17 @@ def chunk_size(built: Built) -> Optional[int]:
 @dataclass
 class StaticMemory:
     """Bytes that checkpointing does not change, on one device: weights (and buffers), gradients, optimizer state,
-    each device's share when the configured strategy shards them (``sharding``; ``unsharded``: the whole)."""
+    each device's share when the configured strategy shards them (``sharding``; ``unsharded``: the whole).
+
+    Under CPU offload (``sharding.cpu_offload``) the shares are in host memory (``host_*``) and the device figures
+    are what FSDP2 gathers there (:func:`gathered_bytes`) and the buffers; no optimizer state.
+
+    Example::
+
+        >>> static = StaticMemory(10, 4, 0, "AdamW", host_weights=100, host_gradients=100, host_optimizer_state=208)
+        >>> static.total, static.host_total
+        (14, 408)
+    """
 
     weights: int
     gradients: int
@@ -587,10 +637,91 @@ class StaticMemory:
     optimizer: str
     sharding: Sharding = field(default_factory=Sharding)
     unsharded: Optional[int] = None
+    host_weights: int = 0
+    host_gradients: int = 0
+    host_optimizer_state: Optional[int] = 0
 
     @property
     def total(self) -> int:
+        """Bytes on the device."""
         return self.weights + self.gradients + (self.optimizer_state or 0)
+
+    @property
+    def host_total(self) -> int:
+        """Bytes in host memory (CPU offload; 0 without it)."""
+        return self.host_weights + self.host_gradients + (self.host_optimizer_state or 0)
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """The host memory one device's process may use (``--host-memory``, else this machine's:
+    :func:`this_machine_host_memory`), and what of it is left for offloaded activations once CPU offload's share of
+    the parameters, gradients and optimizer state (``static``) is in it.
+
+    Example::
+
+        >>> host = HostMemory(256 * 2**30, given=True, static=120 * 2**30)
+        >>> host.for_offload / 2**30, host.fits
+        (136.0, True)
+        >>> HostMemory(2**30, given=False, static=3 * 2**30).for_offload  # the static share alone does not fit
+        0
+    """
+
+    total: int
+    given: bool
+    static: int = 0
+
+    @property
+    def for_offload(self) -> int:
+        """Bytes offloaded activations may take: what ``static`` leaves (the planner's ``host_memory``)."""
+        return max(0, self.total - self.static)
+
+    @property
+    def fits(self) -> bool:
+        """Whether CPU offload's static share fits at all."""
+        return self.static <= self.total
+
+
+def this_machine_host_memory() -> int:
+    """Half of this machine's available memory: the planner's ``host_memory`` when not told
+    (:func:`~lightning_ckpt.core.budget.host_memory_share` for one device)."""
+    return host_memory_share(psutil.virtual_memory().available, 1)
+
+
+def gathered_bytes(module: nn.Module, layer_cls: Any = None, precision: Optional[Precision] = None,
+                   reshard_after_forward: bool = True) -> tuple[int, int]:
+    """``(parameters, gradients)``: the bytes FSDP2 gathers on a device at once for ``module`` sharded by
+    ``fsdp_ckpt`` (:func:`~lightning_ckpt.strategies.fsdp.unit_parameters`), whatever the shards are: the root units'
+    parameters, kept gathered from their forward to the end of the backward, and the two largest blocks' (the one
+    computing and the next, prefetched; every block when ``reshard_after_forward`` is ``False``); the gradients of
+    the roots' and the largest block's trainable parameters, held until reduce-scattered. In the dtype they are
+    gathered in: ``precision``'s FSDP2 policy (``bf16-mixed``: bfloat16), else the parameters' own.
+
+    Example::
+
+        >>> from lightning.pytorch.plugins.precision import MixedPrecision
+        >>> from lightning_ckpt.demos import GPT
+        >>> gpt = GPT(vocab_size=8, block_size=4, n_layer=3, n_embd=4, n_head=1)  # blocks of 244, roots of 96 floats
+        >>> gathered_bytes(gpt)  # (96 + 2 x 244) x 4 B, (96 + 244) x 4 B
+        (2336, 1360)
+        >>> gathered_bytes(gpt, precision=MixedPrecision("bf16-mixed", "cpu"))  # gathered in bfloat16
+        (1168, 680)
+    """
+    try:
+        policy = mixed_precision_policy(precision) if precision is not None else None
+    except ValueError:  # "16-mixed", which fsdp_ckpt refuses when the run starts
+        policy = None
+    dtype = getattr(policy, "param_dtype", None)
+
+    def nbytes(params: Iterable[torch.Tensor], trainable_only: bool = False) -> int:
+        return sum(p.numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
+                   for p in params if p.requires_grad or not trainable_only)
+
+    blocks, roots = unit_parameters(module, layer_cls)
+    sizes = sorted((nbytes(b) for b in blocks), reverse=True)
+    held = sizes if not reshard_after_forward else sizes[:2]
+    grads = max((nbytes(b, trainable_only=True) for b in blocks), default=0)
+    return nbytes(roots) + sum(held), nbytes(roots, trainable_only=True) + grads
 
 
 def sharded_bytes(tensors: Iterable[Optional[torch.Tensor]], shards: int) -> int:
@@ -620,6 +751,9 @@ def static_memory(built: Built) -> StaticMemory:
 
     The optimizer comes from the module's ``configure_optimizers``; its step changes the weights (Adam's weight
     decay), so this runs after everything else has been measured.
+
+    Under CPU offload (``fsdp_ckpt``'s ``cpu_offload``) those shares are in host memory (``host_*``), and the device
+    holds the buffers, what FSDP2 gathers (:func:`gathered_bytes`) and no optimizer state.
     """
     module, sharding = built.module, built.sharding
     params = list(module.parameters())
@@ -639,14 +773,28 @@ def static_memory(built: Built) -> StaticMemory:
                 optimizer.step()
     except Exception as err:  # noqa: BLE001 - a configure_optimizers that needs the Trainer, a closure, ...
         weights, gradients, _ = share(sharding.weights, sharding.states, [])
-        return StaticMemory(weights, gradients, None, f"unknown: configure_optimizers or its step failed ({err})",
-                            sharding)
+        return _offloaded(StaticMemory(weights, gradients, None, f"unknown: configure_optimizers or its step failed"
+                                       f" ({err})", sharding), built, buffers)
     finally:
         for p in params:
             p.grad = None
     names = ", ".join(type(o).__name__ for o in optimizers) or "none"
-    return StaticMemory(*share(sharding.weights, sharding.states, optimizers), names, sharding,
-                        sum(share(1, 1, optimizers)))
+    return _offloaded(StaticMemory(*share(sharding.weights, sharding.states, optimizers), names, sharding,
+                                   sum(share(1, 1, optimizers))), built, buffers)
+
+
+def _offloaded(static: StaticMemory, built: Built, buffers: int) -> StaticMemory:
+    """``static`` as it is under CPU offload (:attr:`Sharding.cpu_offload`): its shares of the parameters, gradients
+    and optimizer state in host memory; on the device the buffers and what FSDP2 gathers (:func:`gathered_bytes`).
+    Unchanged without CPU offload."""
+    if not static.sharding.cpu_offload:
+        return static
+    parameters, gradients = gathered_bytes(built.module, built.layer_cls, built.precision,
+                                           static.sharding.reshard_after_forward)
+    return replace(static, weights=buffers + parameters, gradients=gradients,
+                   optimizer_state=None if static.optimizer_state is None else 0,
+                   host_weights=static.weights - buffers, host_gradients=static.gradients,
+                   host_optimizer_state=static.optimizer_state)
 
 
 def _optimizers(configured: Any) -> list[torch.optim.Optimizer]:

@@ -133,6 +133,9 @@ class PlanSettings:
     #: The LM head and loss in chunks (``measured.chunked``): ``True`` always, ``False`` never, ``None`` where the
     #: plan is cheaper or only reaches the budget with them (:func:`~lightning_ckpt.core.planner.make_plan`).
     chunk_loss: Optional[bool] = None
+    #: Bytes of host memory offloaded activations may take (the planner's ``host_memory``; ``None``: half of this
+    #: machine's available memory): ``--host-memory`` less what CPU offload keeps there.
+    host_memory: Optional[int] = None
 
     def plan(self, measured: Measurement, budget: object) -> tuple[Optional[CheckpointPlan], Optional[str]]:
         """``(plan, None)``: the planner's plan for ``budget`` on ``measured``; ``(None, why)`` when it cannot be
@@ -141,7 +144,7 @@ class PlanSettings:
             return make_plan(measured.costs, measured.outside_bytes, budget, offload=self.offload, device=self.device,
                              outside_ops=measured.outside_ops, head_bytes=measured.head_bytes,
                              head_peak_bytes=measured.head_peak_bytes, compress=self.compress,
-                             chunked=measured.chunked, chunk_loss=self.chunk_loss), None
+                             chunked=measured.chunked, chunk_loss=self.chunk_loss, host_memory=self.host_memory), None
         except ValueError as err:
             return None, str(err)
 
@@ -159,6 +162,25 @@ class PlanSettings:
         chunked = _least_peak(costs, head.outside_bytes, PLAN_MODES, self.offload, DEFAULT_MIN_BYTES, head.head_bytes,
                               head.head_peak_bytes)
         return chunked if self.chunk_loss else min(plain, chunked)
+
+
+#: The planner's words when the device could hold a plan but host memory cannot hold what it would offload
+#: (:func:`~lightning_ckpt.core.planner.make_plan`'s error).
+HOST_MEMORY_SHORT = "needs more than `host_memory="
+
+
+def host_memory_short(plan_error: Optional[str]) -> bool:
+    """Whether the planner found no plan because what it would offload does not fit its ``host_memory`` (the device
+    could hold the plan): ``plan --host-memory`` is then what to raise, not the device memory.
+
+    Example::
+
+        >>> host_memory_short("`memory_budget=100` (100 B of activations) needs more than `host_memory=50` (50 B)")
+        True
+        >>> host_memory_short("the least reachable is 3.9 MiB"), host_memory_short(None)
+        (False, False)
+    """
+    return plan_error is not None and HOST_MEMORY_SHORT in plan_error
 
 
 def host_bytes(costs: Sequence[LayerCost], layers: Mapping[str, str], moved: Union[bool, Sequence[str]],
@@ -295,11 +317,12 @@ def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], of
 
 
 def planner_front(main: Measurement, offload: Offload, lowest: int, points: int = 16,
-                  include: Sequence[int] = (), device: Optional[DeviceProfile] = None) -> list[dict[str, Any]]:
+                  include: Sequence[int] = (), device: Optional[DeviceProfile] = None,
+                  host_memory: Optional[int] = None) -> list[dict[str, Any]]:
     """The planner's plans for ``points`` budgets from ``lowest`` bytes up to the activation peak without
     checkpointing, and for the budgets in ``include`` (the run's own), each ``{budget_bytes, activation_bytes,
-    peak_bytes, host_bytes, recompute_flops, predicted_step_seconds}``, planned with ``offload`` as the run's plan
-    is; budgets it cannot meet are left out, equal plans kept once.
+    peak_bytes, host_bytes, recompute_flops, predicted_step_seconds}``, planned with ``offload`` (and at most
+    ``host_memory`` bytes offloaded) as the run's plan is; budgets it cannot meet are left out, equal plans kept once.
 
     Example::
 
@@ -319,7 +342,7 @@ def planner_front(main: Measurement, offload: Offload, lowest: int, points: int 
         try:
             plan = make_plan(main.costs, main.outside_bytes, max(1, budget), offload=offload, device=device,
                              outside_ops=main.outside_ops, head_bytes=main.head_bytes,
-                             head_peak_bytes=main.head_peak_bytes)
+                             head_peak_bytes=main.head_peak_bytes, host_memory=host_memory)
         except ValueError:
             continue
         point = {"budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes, "peak_bytes": plan.peak_bytes,

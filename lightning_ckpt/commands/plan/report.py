@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_ckpt.commands.plan.measure import PLANNING_TRAINER, Built, Measurement, StaticMemory
-from lightning_ckpt.commands.plan.predictions import SETTINGS, SettingRow
+from lightning_ckpt.commands.plan.measure import PLANNING_TRAINER, Built, HostMemory, Measurement, StaticMemory
+from lightning_ckpt.commands.plan.predictions import SETTINGS, SettingRow, host_memory_short
 from lightning_ckpt.commands.plot_labels import LEADER, place_labels
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.op_curve import describe
@@ -79,8 +79,10 @@ def sharding_lines(static: StaticMemory) -> list[str]:
     """Report paragraph: whether, and how, the figures above are one device's share of sharded static memory."""
     s = static.sharding
     if s.states == 1 and s.weights == 1:
+        holds = ("every device's host memory holds all of it (CPU offload)" if s.cpu_offload else
+                 "every device holds all of it")
         text = (f"Not sharded (strategy {s.strategy!r}, {s.world} device{'s' * (s.world > 1)} in all: devices x"
-                " num_nodes): every device holds all of it." + (f" Note: {s.note}." if s.note else ""))
+                f" num_nodes): {holds}." + (f" Note: {s.note}." if s.note else ""))
         return [text, ""]
     unsharded = "" if static.unsharded is None else f" ({format_bytes(static.unsharded)} unsharded)"
     what = (f"parameters, gradients and optimizer state over {s.states} devices" if s.weights == s.states else
@@ -89,6 +91,47 @@ def sharding_lines(static: StaticMemory) -> list[str]:
             f" ({s.world} in all: devices x num_nodes), rows padded as `fully_shard` pads them; buffers and 0-d"
             " optimizer state (step counters) are whole on every device. The command launches no process: it plans"
             " one device's share, and the largest batch is per device." + (f" Note: {s.note}." if s.note else ""), ""]
+
+
+def host_memory_lines(static: StaticMemory, host: Optional[HostMemory], offload: object = False) -> list[str]:
+    """Report paragraph: the host memory planned with, whose it is (``--host-memory`` or this machine's) and, under
+    CPU offload, what the parameters, gradients and optimizer state take of it and leave for offloaded activations.
+
+    Example::
+
+        >>> from lightning_ckpt.commands.plan.measure import Sharding
+        >>> static = StaticMemory(0, 0, 0, "AdamW", Sharding(cpu_offload=True), host_weights=3 * 2**30)
+        >>> print(host_memory_lines(static, HostMemory(8 * 2**30, given=True, static=3 * 2**30))[0])
+        ... # doctest: +NORMALIZE_WHITESPACE
+        Host memory planned with: 8.0 GiB per device (given: --host-memory). CPU offload keeps 3.0 GiB of it (this
+        device's share of the parameters, gradients and optimizer state), leaving 5.0 GiB for offloaded activations.
+    """
+    if host is None:
+        return []
+    if not offload and not static.sharding.cpu_offload and not host.given:  # this machine's figure would change nothing
+        return ["Host memory planned with: nothing is planned there (offload is off, no CPU offload); --host-memory sets the"
+                " target's (default: half of this machine's available memory).", ""]
+    source = ("given: --host-memory" if host.given else
+              "this machine's: half of its available memory; pass --host-memory with the target's")
+    text = f"Host memory planned with: {format_bytes(host.total)} per device ({source})."
+    if static.sharding.cpu_offload:
+        text += (f" CPU offload keeps {format_bytes(static.host_total)} of it (this device's share of the parameters,"
+                 " gradients and optimizer state)")
+        text += (f", leaving {format_bytes(host.for_offload)} for offloaded activations." if host.fits else
+                 f": **more than the host memory, so the run does not fit it**; pass the target's --host-memory, or"
+                 " shard over more devices.")
+    else:
+        text += (" Offloaded activations may take all of it." if offload else
+                 " Nothing is planned there (offload is off).")
+    return [text, ""]
+
+
+def _host_hint(host: Optional[HostMemory]) -> str:
+    """What to do when no plan fits the host memory: the figure planned with, and whose it was."""
+    if host is None:
+        return ""
+    whose = "given by --host-memory" if host.given else "this machine's; pass --host-memory with the target's"
+    return f" (host memory for offloaded activations: {format_bytes(host.for_offload)}, {whose})"
 
 
 @dataclass
@@ -119,6 +162,9 @@ class LongestPlan:
     plan_error: Optional[str]
     least_peak_bytes: int = 0
     capped: Optional[tuple[str, int]] = None
+    #: why each shorter length was measured: ``"overshot"`` (the least peak was over the room), ``"host_memory"`` (no
+    #: plan fit the host memory for offload) or ``"no_plan"`` (none within the room all the same)
+    shortened: list[str] = field(default_factory=list)
 
     def seconds_per_token(self) -> Optional[float]:
         """The plan's predicted step time over the tokens of its step; ``None`` without a plan or a device.
@@ -163,6 +209,8 @@ class PlanResult:
     largest_length: dict[str, Optional[int]] = field(default_factory=dict)
     #: the plan at its longest length (with ``--device-memory`` and 2 or more lengths)
     longest: Optional[LongestPlan] = None
+    #: the host memory planned with (``--host-memory`` or this machine's); ``None``: not told (the planner's default)
+    host_memory: Optional[HostMemory] = None
 
 
 def render(result: PlanResult) -> str:
@@ -238,7 +286,8 @@ def _plan_lines(result: PlanResult) -> list[str]:
     plan = result.plan
     lines = [f"## Plan for memory_budget={result.budget!r}", ""]
     if plan is None:
-        return [*lines, f"No plan: {result.plan_error}"]
+        hint = _host_hint(result.host_memory) if host_memory_short(result.plan_error) else ""
+        return [*lines, f"No plan: {result.plan_error}{hint}"]
     n = sum(m != "none" for m in plan.layers.values())
     checkpointed = ", ".join(f"{k}: {v}" for k, v in plan.layers.items() if v != "none")
     lines.append(f"{n} of {len(plan.layers)} layers checkpointed"
@@ -326,15 +375,26 @@ def _static_lines(result: PlanResult) -> list[str]:
     """The Static memory table, how it is sharded, and how much of the total activations are."""
     static, none_bytes = result.static, result.rows[0].activation_bytes
     state = "unknown" if static.optimizer_state is None else _b(static.optimizer_state)
+    device_row = (f"| {_b(static.weights)} | {_b(static.gradients)} | {state} | {static.optimizer}"
+                  f" | {format_bytes(static.total)} |")
+    if static.sharding.cpu_offload:
+        host_state = "unknown" if static.host_optimizer_state is None else _b(static.host_optimizer_state)
+        table = ["| where | weights and buffers (B) | gradients (B) | optimizer state (B) | optimizer | total |",
+                 "|---|---:|---:|---:|---|---:|",
+                 f"| device (buffers; gathered units) {device_row}",
+                 f"| host (CPU offload) | {_b(static.host_weights)} | {_b(static.host_gradients)} | {host_state}"
+                 f" | {static.optimizer} | {format_bytes(static.host_total)} |"]
+    else:
+        table = ["| weights and buffers (B) | gradients (B) | optimizer state (B) | optimizer | total |",
+                 "|---:|---:|---:|---|---:|", device_row]
     return [
         "",
         "## Static memory (checkpointing does not change it)",
         "",
-        "| weights and buffers (B) | gradients (B) | optimizer state (B) | optimizer | total |",
-        "|---:|---:|---:|---|---:|",
-        f"| {_b(static.weights)} | {_b(static.gradients)} | {state} | {static.optimizer} | {format_bytes(static.total)} |",
+        *table,
         "",
         *sharding_lines(static),
+        *host_memory_lines(static, result.host_memory, result.built.offload),
         f"Optimizer state counted after one optimizer step. Without checkpointing, activations are"
         f" {100 * none_bytes / (none_bytes + static.total):.0f}% of static memory plus activations"
         + (": checkpointing cannot save much here; shard the weights and optimizer state (FSDP) or train fewer"
@@ -372,7 +432,9 @@ def _length_lines(result: PlanResult) -> list[str]:
         lines.append(f"| {at.length} | {shape} | {_b(at.batch_size * at.length)} | {len(modes)} of {len(at.plan.layers)}"
                      + (f" ({kinds})" if kinds else "") + f" | {_b(at.plan.peak_bytes)} | {format_bytes(at.plan.peak_bytes)}"
                      f" | {_b(at.plan.recompute_flops)}{step} |")
-    missing = [f"No plan at {at.batch_size} x {at.length}: {at.plan_error}" for at in result.lengths if at.plan is None]
+    missing = [f"No plan at {at.batch_size} x {at.length}: {at.plan_error}"
+               + (_host_hint(result.host_memory) if host_memory_short(at.plan_error) else "")
+               for at in result.lengths if at.plan is None]
     lines += ["", *missing] if missing else []  # a blank line first: a text line right after a table joins it
     lines += ["", *_length_peak_lines(result)]
     return lines
@@ -448,10 +510,12 @@ def _longest_lines(result: PlanResult) -> list[str]:
             f" ({_settings_text(result.built, result.main.chunked is not None)})")
     capped = (f" (the fit gave {longest.fitted:,}; the model's {longest.capped[0]} is {longest.capped[1]:,})"
               if longest.capped else "")
-    fell_short = (f" (the fit gave {longest.fitted:,}; its least peak there overshot, so shorter lengths were"
-                  " measured)" if longest.length < longest.fitted and not longest.capped else "")
+    fell_short = (f" (the fit gave {longest.fitted:,}; {_shortened_text(longest.shortened, result.host_memory)}"
+                  if longest.length < longest.fitted and not longest.capped else "")
     if longest.plan is None:
-        return ["", f"{head}: no plan at {shape}, measured again there{capped}{fell_short}: {longest.plan_error}"]
+        said = "host_memory" in longest.shortened and not longest.capped  # the fell_short text names the figure
+        hint = _host_hint(result.host_memory) if host_memory_short(longest.plan_error) and not said else ""
+        return ["", f"{head}: no plan at {shape}, measured again there{capped}{fell_short}: {longest.plan_error}{hint}"]
     plan = longest.plan
     n = sum(m != "none" for m in plan.layers.values())
     chunks = f", runs the LM head and loss in chunks of {plan.chunk_tokens:,} tokens" if plan.chunk_tokens else ""
@@ -466,6 +530,26 @@ def _longest_lines(result: PlanResult) -> list[str]:
                 f" {format_bytes(plan.peak_bytes)} ({_b(plan.peak_bytes)} B), host memory"
                 f" {format_bytes(plan.planned_host_bytes)}, least reachable {format_bytes(longest.least_peak_bytes)}"
                 f"{time}."]
+
+
+def _shortened_text(reasons: list[str], host: Optional[HostMemory]) -> str:
+    """Why the plan's longest length is shorter than the fit gave, in words, each reason once, in order, ending the
+    parenthesis the caller opened.
+
+    Example::
+
+        >>> _shortened_text(["overshot", "overshot"], None)
+        'its least peak there overshot, so shorter lengths were measured)'
+        >>> print(_shortened_text(["host_memory"], HostMemory(2**30, given=False)))  # doctest: +NORMALIZE_WHITESPACE
+        no plan there fit the host memory for offloaded activations (1.0 GiB, this machine's; pass --host-memory with
+        the target's), so shorter lengths were measured)
+    """
+    words = {"overshot": "its least peak there overshot",
+             "host_memory": "no plan there fit the host memory for offloaded activations"
+                            + (_host_hint(host).replace(" (host memory for offloaded activations: ", " (")),
+             "no_plan": "the planner found no plan within the room there"}
+    said = [words.get(reason, reason) for reason in dict.fromkeys(reasons)]
+    return ("; then ".join(said) + ", so shorter lengths were measured)") if said else "shorter lengths were measured)"
 
 
 def _plan_data(plan: Optional[CheckpointPlan]) -> Optional[dict[str, Any]]:
@@ -483,7 +567,7 @@ def _plan_data(plan: Optional[CheckpointPlan]) -> Optional[dict[str, Any]]:
 def report_data(result: PlanResult) -> dict[str, Any]:
     """Every figure of the report as plain data (``plan.json``; the keys are listed in the docstring of
     :mod:`lightning_ckpt.commands.plan`)."""
-    built, main, static = result.built, result.main, result.static
+    built, main, static, host = result.built, result.main, result.static, result.host_memory
     s = static.sharding
     data = {
         "config": result.title,
@@ -496,12 +580,17 @@ def report_data(result: PlanResult) -> dict[str, Any]:
         "device_memory": result.device_memory,
         "device": result.profile.name if result.profile is not None else None,
         "offload": built.offload,
+        "host_memory": None if host is None else {"bytes": host.total, "given": host.given, "static_bytes": host.static,
+                                                  "for_offload_bytes": host.for_offload},
         "outside_bytes": main.outside_bytes,
         "static_bytes_per_device": static.total,
         "static": {"weights_bytes": static.weights, "gradient_bytes": static.gradients,
                    "optimizer_state_bytes": static.optimizer_state, "optimizer": static.optimizer,
                    "unsharded_bytes": static.unsharded, "strategy": s.strategy, "world": s.world,
-                   "weight_shards": s.weights, "state_shards": s.states, "note": s.note},
+                   "weight_shards": s.weights, "state_shards": s.states, "note": s.note,
+                   "cpu_offload": s.cpu_offload, "host_weights_bytes": static.host_weights,
+                   "host_gradient_bytes": static.host_gradients,
+                   "host_optimizer_state_bytes": static.host_optimizer_state, "host_bytes": static.host_total},
         "layers": [{"name": c.name, "class": c.cls, "none_bytes": c.none_bytes,
                     "full_bytes": c.device_bytes("full", built.offload is True),
                     "selective_bytes": c.device_bytes("selective", built.offload is True), "full_flops": c.full_flops,
@@ -537,7 +626,8 @@ def _length_data(result: PlanResult) -> dict[str, Any]:
         "longest_plan": None if longest is None else {
             "fitted_length": longest.fitted, "length": longest.length, "batch_size": longest.batch_size,
             "least_peak_bytes": longest.least_peak_bytes, "plan": _plan_data(longest.plan),
-            "plan_error": longest.plan_error, "predicted_seconds_per_token": longest.seconds_per_token()},
+            "plan_error": longest.plan_error, "predicted_seconds_per_token": longest.seconds_per_token(),
+            "shortened": list(longest.shortened)},
     }
 
 
