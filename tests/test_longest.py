@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader
 
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.core.longest import batch_of_length, longest_length, measure_fake_step
@@ -43,11 +44,12 @@ class CountingGPT(GPT):
 
 
 class ItemGPT(CountingGPT):
-    """A training_step fake tensors cannot run: it reads a value (``.item()``) from the data."""
+    """A training_step fake tensors cannot run: it reads a value (``.item()``) computed from the weights (a value read
+    from the batch's token ids alone is answered on fake tensors: see core/fake_values.py)."""
 
     def training_step(self, batch, batch_idx):
-        if batch[0].sum().item() < 0:
-            raise AssertionError("token ids are never negative")
+        if torch.isnan(self.model.tok_emb(batch[0])).any().item():
+            raise AssertionError("the embeddings are never NaN")
         return super().training_step(batch, batch_idx)
 
 
@@ -66,14 +68,58 @@ def test_an_impossible_budget_is_refused_before_the_first_step_naming_the_longes
     model = CountingGPT()
     before = weights(model)
     with pytest.raises(ValueError) as info:
-        fit(model, GradientCheckpointing(memory_budget=SHORT_ONLY))
+        fit(model, GradientCheckpointing(memory_budget=SHORT_ONLY, max_length=64))
     message = str(info.value)
     assert "but the least reachable is 776.5 KiB" in message, message
     assert "This was for a batch of 256 tokens (length 64)" in message, message
-    assert "length 64, from the model's block_size. Nothing was trained." in message, message
+    assert "length 64, from max_length. Nothing was trained." in message, message
     assert model.optimizer_steps == 0 and model.calls == 1  # the fake step only
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert checkpointed_names(model) == []  # nothing left applied
+
+
+def test_the_models_own_limit_is_a_hint_the_budget_is_not_refused_for_and_the_longest_length_held_is_said(caplog):
+    """Without ``max_length`` the model's block_size (64) is only a hint: a budget that holds the data (16 tokens)
+    but not 64 trains, says the longest length it holds at this batch size, and that length is right on real tensors:
+    the budget holds it and not one step (64 / 64 = 1 token) further."""
+    model = CountingGPT()
+    callback = GradientCheckpointing(memory_budget=SHORT_ONLY)
+    with caplog.at_level("INFO"):
+        trainer = fit(model, callback)
+    assert trainer.global_step == 2 and list(callback.plans) == [64]  # nothing planned for length 64
+    said = [r.getMessage() for r in caplog.records if "does not hold a batch at the model's longest" in r.getMessage()]
+    assert len(said) == 1 and "(64, from the model's block_size)" in said[0], said
+    held = int(said[0].split("it holds up to length ")[1].split(" ")[0])
+    assert 16 <= held < 64
+    batch = next(iter(CountingDataModule(32, 16, 4, 64).train_dataloader()))
+    real = CountingGPT()
+    real.train()
+
+    def least_peak(length):
+        resized = batch_of_length(batch, length)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            measured = measure_step(real, lambda: real.training_step(resized, 0), modes=("full", "selective"))
+        try:
+            make_plan(measured.costs, measured.outside_bytes, SHORT_ONLY, ("full", "selective"),
+                      head_bytes=measured.head_bytes, head_peak_bytes=measured.head_peak_bytes)
+            return True
+        except ValueError:
+            return False
+
+    assert least_peak(held) and not least_peak(held + 1)
+
+
+def test_a_batch_longer_than_the_budget_holds_stops_the_run_when_it_comes():
+    model = CountingGPT()
+    callback = GradientCheckpointing(memory_budget=SHORT_ONLY)
+    trainer = Trainer(max_steps=3, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    short = list(CountingDataModule(32, 16, 4, 64).train_dataloader())[:2]
+    long = list(CountingDataModule(32, 64, 4, 64).train_dataloader())[:1]
+    with pytest.raises(ValueError, match="but the least reachable is 776.5 KiB"):
+        trainer.fit(model, DataLoader(short + long, batch_size=None))
+    assert model.optimizer_steps == 2  # the two short batches trained; the long one was refused before its backward
 
 
 def test_max_length_short_enough_lets_the_same_budget_run():
@@ -93,7 +139,7 @@ def test_the_plan_for_the_longest_batch_is_kept_and_equals_one_from_a_real_measu
         trainer = fit(model, callback, max_steps=1)
     assert trainer.global_step == 1
     assert ("GradientCheckpointing: the budget holds the longest batch, 256 tokens (length 64): planned before the"
-            " first step for length 64 (from the model's block_size) on fake tensors.") in caplog.text
+            " first step for length 64 (from the model's block_size) on fake tensors, through your training_step.") in caplog.text
     kept = callback.plans[256]
     # The same step measured on real tensors at length 64, on a fresh copy of the model.
     real = CountingGPT()

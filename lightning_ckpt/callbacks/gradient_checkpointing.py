@@ -61,6 +61,7 @@ from lightning_ckpt.core.chunked_loss import (
     unchunk_causal_lm_loss,
 )
 from lightning_ckpt.core.compress import Compress
+from lightning_ckpt.core.tiling import apply_tiling, tile_classes, validate_tile_tokens
 from lightning_ckpt.core.wrapping import (
     CheckpointOptions,
     Mode,
@@ -70,7 +71,8 @@ from lightning_ckpt.core.wrapping import (
 )
 
 _SETTINGS = ("layer_cls", "every_n_layers", "offload", "mode", "memory_budget", "use_reentrant",
-             "preserve_rng_state", "checkpoint_kwargs", "compress", "max_length", "chunk_loss")
+             "preserve_rng_state", "checkpoint_kwargs", "compress", "max_length", "chunk_loss", "tile_mlp", "tile_tokens",
+             "tile_cls")
 
 T = TypeVar("T")
 
@@ -141,8 +143,10 @@ class GradientCheckpointing(Callback):
             compressed bytes. See the guide "Compressed checkpoints".
         max_length: with ``memory_budget``, the longest sequence the run will see (default: the model's
             ``block_size`` / ``max_position_embeddings`` where it has one). Before the first step, the first batch
-            at this length (its batch size kept) is measured on fake tensors (no memory) and planned for: an
-            impossible budget is refused before anything is trained, and that plan is kept for batches it covers.
+            at this length (its batch size kept) is measured on fake tensors (no memory) and planned for: a budget
+            that cannot hold a ``max_length`` you gave is refused before anything is trained, and that plan is kept
+            for batches it covers. The model's own limit is only a hint: a budget that cannot hold it is not
+            refused; the longest length it holds is said once, and a batch that comes longer stops the run.
         chunk_loss: ``True``: the LM head and the cross-entropy run in chunks of tokens, so nothing of ``tokens x
             vocab`` is kept for backward (:func:`lightning_ckpt.lm_loss`), for Transformers ``*ForCausalLM`` called
             with ``labels`` (PEFT-wrapped too), litgpt's ``GPT`` called with ``targets=`` and the demo GPT; with
@@ -151,6 +155,15 @@ class GradientCheckpointing(Callback):
             the measuring step runs the head in chunks of 1024 tokens, the plain head and loss and chunks of 512 and
             256 are priced apart on fake tensors, the largest chunk that fits is taken (as ``plan_checkpointing``
             does), and ``plan.chunk_tokens`` says what was chosen. Other models keep their loss, said once.
+        tile_mlp: ``True``: each decoder layer's MLP (and the norms next to it) runs over tiles of tokens, each tile
+            under checkpoint, so that only one tile's intermediates are alive at a time (ALST's TiledMLP;
+            :mod:`~lightning_ckpt.core.tiling`), in every layer, checkpointed or not: Transformers' Llama, Mistral,
+            Qwen2/3, Phi3, Gemma/2/3 decoder layers, litgpt's ``Block``, the demo GPT; ``tile_cls`` names the class for
+            a model of your own. ``False``: whole. ``None``: whole for now (a budget's plan will choose it).
+        tile_tokens: with ``tile_mlp``: tokens per tile along the sequence; ``None``: ``ceil(length / hidden)`` tiles
+            (ALST's rule).
+        tile_cls: with ``tile_mlp``: the class(es) to tile instead of the MLPs it knows (a class, a dotted import
+            path, or a list of either); name only modules that compute each token alone.
 
     Layers are checkpointed in ``setup`` and, for models built in ``configure_model``, right after it,
     before any strategy wraps the model. Everything is undone in ``teardown`` (or on an exception).
@@ -202,6 +215,12 @@ class GradientCheckpointing(Callback):
         " the model's ``block_size`` / ``max_position_embeddings``.")
     chunk_loss: _SettingAttribute[Optional[bool]] = _SettingAttribute(
         "``True``: the LM head and loss in chunks of tokens; ``False`` / ``None``: as the model computes them.")
+    tile_mlp: _SettingAttribute[Optional[bool]] = _SettingAttribute(
+        "``True``: each layer's MLP over tiles of tokens; ``False``: whole; ``None``: whole until a plan chooses.")
+    tile_tokens: _SettingAttribute[Optional[int]] = _SettingAttribute(
+        "With ``tile_mlp``: tokens per tile; ``None``: ``ceil(length / hidden)`` tiles.")
+    tile_cls: _SettingAttribute[Union[str, type, Sequence[Union[str, type]], None]] = _SettingAttribute(
+        "With ``tile_mlp``: the class(es) to tile instead of the MLPs it knows; ``None``: those it knows.")
 
     def __init__(
         self,
@@ -217,13 +236,17 @@ class GradientCheckpointing(Callback):
         compress: Optional[Compress] = None,
         max_length: Optional[int] = None,
         chunk_loss: Optional[bool] = None,
+        tile_mlp: Optional[bool] = None,
+        tile_tokens: Optional[int] = None,
+        tile_cls: Union[str, type, Sequence[Union[str, type]], None] = None,
     ) -> None:
         if length_fn is not None and not callable(length_fn):
             raise TypeError(f"`length_fn` must be a function of the batch returning its tokens, got {length_fn!r}.")
         settings = dict(layer_cls=layer_cls, every_n_layers=every_n_layers, offload=offload, mode=mode,
                         memory_budget=memory_budget, use_reentrant=use_reentrant,
                         preserve_rng_state=preserve_rng_state, checkpoint_kwargs=checkpoint_kwargs, compress=compress,
-                        max_length=max_length, chunk_loss=chunk_loss)
+                        max_length=max_length, chunk_loss=chunk_loss, tile_mlp=tile_mlp, tile_tokens=tile_tokens,
+                        tile_cls=tile_cls)
         settings = {name: copy.copy(value) for name, value in settings.items()}
         _validate(settings)
         self._settings: dict[str, Any] = settings  # the one place the options live; attributes read from it
@@ -239,6 +262,7 @@ class GradientCheckpointing(Callback):
         self._start_step = 0
         self._device: Optional[tuple[DeviceProfile, int]] = None  # profile and host memory, for "auto"
         self._longest_checked = False  # the longest batch planned for (or found unknown) before the first step
+        self._fake_failed = False  # fake tensors could not run the step (said once)
         # chunk_loss=None with a budget: the measuring step runs the head chunked; the unchunked head and loss are
         # measured apart on fake tensors, and the plan chooses between them
         self._head_count: Optional[HeadCount] = None
@@ -267,11 +291,13 @@ class GradientCheckpointing(Callback):
         measuring step).
         """
         options = {k: v for k, v in self._settings.items()
-                   if k not in ("memory_budget", "every_n_layers", "mode", "max_length", "chunk_loss")}
+                   if k not in ("memory_budget", "every_n_layers", "mode", "max_length", "chunk_loss", "tile_mlp",
+                                "tile_tokens", "tile_cls")}
         chunk_loss = self._settings["chunk_loss"] is True
+        tiles = self._tiles()
         if self._settings["memory_budget"] is None:
             names = apply_checkpointing(pl_module, every_n_layers=self._settings["every_n_layers"],
-                                        mode=self._settings["mode"], chunk_loss=chunk_loss, **options)
+                                        mode=self._settings["mode"], chunk_loss=chunk_loss, **options, **tiles)
         elif self.plan is not None:
             options.pop("layer_cls")
             options.pop("offload")  # the plan's own, which it was solved for
@@ -279,9 +305,11 @@ class GradientCheckpointing(Callback):
             names = self.plan.apply(pl_module, **options)
             if chunk_loss and self.plan.chunk_tokens is None:
                 chunk_causal_lm_loss(pl_module)
+            if tiles:  # after the plan, which re-wraps each layer whole
+                apply_tiling(pl_module, tiles["tile_cls"], tiles["tile_tokens"])
         else:  # measuring: every layer, full, compressed as asked (so it holds no more than the plans can), and the
             # head chunked when the plan may choose it (no more than the unchunked head holds)
-            names = apply_checkpointing(pl_module, **{**options, "offload": False}, chunk_loss=chunk_loss)
+            names = apply_checkpointing(pl_module, **{**options, "offload": False}, chunk_loss=chunk_loss, **tiles)
             if self._chooses_chunks(pl_module):
                 chunk_causal_lm_loss(pl_module, _MEASURED_CHUNK)
         if names != self.checkpointed_layers and self._settings["memory_budget"] is None:
@@ -290,6 +318,17 @@ class GradientCheckpointing(Callback):
             rank_zero_info(f"GradientCheckpointing: checkpointing {len(names)} layers ({shown})")
         self.checkpointed_layers = names
         return names
+
+    def _tiles(self) -> dict[str, Any]:
+        """The tiling options :func:`apply_checkpointing` gets: ``tile_mlp=True`` with its ``tile_tokens`` and
+        ``tile_cls``, or none (``False``, and ``None``).
+
+        ``None`` is the hook for the planner: a budget's plan will choose tiling and the tokens per tile (as
+        ``chunk_loss=None`` lets it choose the chunked head); until it does, ``None`` tiles nothing.
+        """
+        if self._settings["tile_mlp"] is not True:
+            return {}
+        return {"tile_mlp": True, "tile_tokens": self._settings["tile_tokens"], "tile_cls": self._settings["tile_cls"]}
 
     def remove(self) -> None:
         """Undo everything this callback did to the module it was set up on."""
@@ -441,43 +480,27 @@ class GradientCheckpointing(Callback):
                            " (its sharded layers gather their weights for real); the budget is checked on each batch"
                            " as it comes.")
             shorter = False
-        resized = batch_of_length(batch, longest[0]) if shorter else None
-        measured: Optional[RankMeasurement] = None
-        chunked: Optional[HeadCount] = None
-        if resized is not None:
-            modes = ("full",) if self._reentrant() else ("full", "selective")
-            chooses = self._chooses_chunks(pl_module)
-            remove_checkpointing(pl_module)
-            try:
-                # The head as the run computes it: chunked with chunk_loss=True. Where the plan chooses, through
-                # lm_loss in one chunk (fake tensors hold nothing): whole, and seen to reach lm_loss at all; its chunks
-                # are priced apart.
-                if self._settings["chunk_loss"] is True:
-                    chunk_causal_lm_loss(pl_module)
-                elif chooses:
-                    chunk_causal_lm_loss(pl_module, _ONE_CHUNK)
-                with self._longest_step(trainer, pl_module) as step, HeadCount(pl_module) as count:
-                    found = measure_fake_step(pl_module, step, resized, self._settings["layer_cls"], modes)
-                measured = RankMeasurement(found.costs, found.outside_bytes, found.head_bytes, found.head_peak_bytes,
-                                           self._settings["compress"])
-                chunked = count if chooses else None
-            except Exception as err:  # noqa: BLE001 - whatever fake tensors cannot run: carry on as without a length
-                rank_zero_warn(f"GradientCheckpointing: could not measure the longest batch (length {longest[0]}, from"
-                               f" {longest[1]}) on fake tensors before the first step ({type(err).__name__}: {err});"
-                               " the budget is checked on each batch as it comes.")
-            finally:
-                self.apply(pl_module)
-        elif sequence_length_of(batch) is None and self._settings["max_length"] is not None:
+        if not shorter and sequence_length_of(batch) is None and self._settings["max_length"] is not None:
             rank_zero_warn("GradientCheckpointing: `max_length` needs token ids in the batch (a 2-D integer tensor,"
                            " batch x length); this batch has none, so the longest batch is not planned before the"
                            " first step.")
+        found = self._fake_measured(trainer, pl_module, batch, longest) if shorter else None
         # Every rank plans, or none does: the plan combines the ranks' costs.
-        if not _all_ranks(trainer.strategy, measured is not None):
+        if not _all_ranks(trainer.strategy, found is not None):
             return
-        assert measured is not None and resized is not None
-        size = _largest_over_ranks(trainer.strategy, batch_size_of(resized, self.length_fn))
+        assert found is not None
+        if longest[1] != "max_length" and not self._holds(trainer, *found):
+            # The model's limit is only a hint (today's models take 32K-131K, beyond most data): not refused here.
+            held = self._longest_held(trainer, pl_module, batch, first, longest[0])
+            rank_zero_info(f"GradientCheckpointing: the budget does not hold a batch at the model's longest length"
+                           f" ({longest[0]}, from {longest[1]}); at this batch size it holds up to length {held}"
+                           " (planned before the first step on fake tensors, through your training_step). A longer"
+                           " batch will stop the run; pass `max_length=` your data's longest length to plan for it"
+                           " instead.")
+            return
+        size = _largest_over_ranks(trainer.strategy, batch_size_of(batch_of_length(batch, longest[0]), self.length_fn))
         self._cycle.begin(size, predict=False)
-        self._take(measured, chunked, _ONE_CHUNK)
+        self._take(*found, _ONE_CHUNK)
         try:
             self._make_plan(trainer, pl_module)
         except ValueError as err:
@@ -485,7 +508,70 @@ class GradientCheckpointing(Callback):
                              f" length {longest[0]}, from {longest[1]}. Nothing was trained. If the data is never"
                              " that long, pass `max_length=` its longest length.") from None
         rank_zero_info(f"GradientCheckpointing: the budget holds the longest batch, {size}: planned before the first"
-                       f" step for length {longest[0]} (from {longest[1]}) on fake tensors.")
+                       f" step for length {longest[0]} (from {longest[1]}) on fake tensors, through your"
+                       " training_step.")
+
+    def _fake_measured(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                       longest: tuple[int, str]) -> Optional[tuple[RankMeasurement, Optional[HeadCount]]]:
+        """One fully checkpointed step of ``batch`` at length ``longest[0]`` on fake tensors: its costs, and the LM
+        head's calls where the plan chooses its chunks; ``None`` (said once) where fake tensors cannot run it."""
+        resized = batch_of_length(batch, longest[0])
+        modes = ("full",) if self._reentrant() else ("full", "selective")
+        chooses = self._chooses_chunks(pl_module)
+        remove_checkpointing(pl_module)
+        try:
+            # The head as the run computes it: chunked with chunk_loss=True. Where the plan chooses, through
+            # lm_loss in one chunk (fake tensors hold nothing): whole, and seen to reach lm_loss at all; its chunks
+            # are priced apart.
+            if self._settings["chunk_loss"] is True:
+                chunk_causal_lm_loss(pl_module)
+            elif chooses:
+                chunk_causal_lm_loss(pl_module, _ONE_CHUNK)
+            with self._longest_step(trainer, pl_module) as step, HeadCount(pl_module) as count:
+                found = measure_fake_step(pl_module, step, resized, self._settings["layer_cls"], modes)
+            return (RankMeasurement(found.costs, found.outside_bytes, found.head_bytes, found.head_peak_bytes,
+                                    self._settings["compress"]), count if chooses else None)
+        except Exception as err:  # noqa: BLE001 - whatever fake tensors cannot run: carry on as without a length
+            if not self._fake_failed:
+                self._fake_failed = True
+                rank_zero_warn(f"GradientCheckpointing: could not measure the longest batch (length {longest[0]}, from"
+                               f" {longest[1]}) on fake tensors before the first step ({type(err).__name__}: {err});"
+                               " the budget is checked on each batch as it comes.")
+            return None
+        finally:
+            self.apply(pl_module)
+
+    def _holds(self, trainer: pl.Trainer, measured: RankMeasurement, count: Optional[HeadCount]) -> bool:
+        """Whether some plan holds ``measured`` (combined over ranks, so every rank answers alike) within the
+        budget: with the LM head whole, or in any of the chunks the plan may choose."""
+        run = _HeadRun(measured, count, _ONE_CHUNK) if count is not None and count.calls else None
+        combined, _ = _combine_over_ranks(trainer.strategy, measured if run is None else _rechunked(run, None), [])
+        for chunk in [None, *(chunk_sizes(DEFAULT_CHUNK_TOKENS) if run is not None else [])]:
+            try:
+                self._solve(trainer, combined, None,
+                            None if chunk is None or run is None else _chunked_head(trainer.strategy, run, chunk))
+                return True
+            except ValueError:
+                continue
+        return False
+
+    def _longest_held(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, shortest: int,
+                      longest: int) -> int:
+        """The longest length the budget holds at ``batch``'s size, to ``longest / 64``: bisected between 0 and
+        ``longest`` (which it does not hold) with fake steps, every rank alike; 0 when none is held or fake tensors
+        stop running. ``shortest`` (the first batch's length, measured anyway) is tried first."""
+        held, missed, probe = 0, longest, max(shortest, 1)
+        while missed - held > max(1, longest // 64):
+            found = self._fake_measured(trainer, pl_module, batch, (probe, "a search for the longest length held"))
+            if not _all_ranks(trainer.strategy, found is not None):
+                break
+            assert found is not None
+            if self._holds(trainer, *found):
+                held = probe
+            else:
+                missed = probe
+            probe = (held + missed) // 2
+        return held
 
     @contextlib.contextmanager
     def _longest_step(self, trainer: Any, pl_module: Any) -> Iterator[Callable[[Any], torch.Tensor]]:
@@ -644,6 +730,7 @@ class GradientCheckpointing(Callback):
     def state_dict(self) -> dict[str, Any]:
         settings = {name: copy.copy(value) for name, value in self._settings.items()}
         settings["layer_cls"] = _layer_cls_as_paths(settings["layer_cls"])
+        settings["tile_cls"] = _layer_cls_as_paths(settings["tile_cls"])
         state = {"settings": settings, "checkpointed_layers": list(self.checkpointed_layers)}
         if self.plan is not None:
             state["plan"] = self.plan.state_dict()
@@ -752,6 +839,7 @@ def _validate(settings: Mapping[str, Any]) -> None:
     if settings["chunk_loss"] is not None and not isinstance(settings["chunk_loss"], bool):
         raise TypeError(f"`chunk_loss` is True, False or None, got {settings['chunk_loss']!r}. Pass True (the LM"
                         " head and loss in chunks), False (whole) or None (a budget's plan chooses).")
+    _validate_tiles(settings)
     max_length = settings["max_length"]
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"`max_length` is the longest sequence the run will see, in tokens: pass an int >= 1 (or"
@@ -768,8 +856,23 @@ def _validate(settings: Mapping[str, Any]) -> None:
         )
 
 
+def _validate_tiles(settings: Mapping[str, Any]) -> None:
+    """``tile_mlp`` is True, False or None; ``tile_tokens`` and ``tile_cls`` go with a ``tile_mlp`` that is not False."""
+    tile_mlp = settings["tile_mlp"]
+    if tile_mlp is not None and not isinstance(tile_mlp, bool):
+        raise TypeError(f"`tile_mlp` is True, False or None, got {tile_mlp!r}. Pass True (each layer's MLP over tiles"
+                        " of tokens), False (whole) or None (whole until a budget's plan chooses).")
+    if settings["tile_tokens"] is not None:
+        validate_tile_tokens(settings["tile_tokens"])
+    tile_classes(settings["tile_cls"])
+    if tile_mlp is False and (settings["tile_tokens"] is not None or settings["tile_cls"] is not None):
+        raise ValueError(f"`tile_tokens={settings['tile_tokens']!r}` and `tile_cls={settings['tile_cls']!r}` say how"
+                         " the MLP is tiled, but `tile_mlp=False` tiles nothing. Pass tile_mlp=True (or None) with"
+                         " them, or leave both None.")
+
+
 _PLAN_SETTINGS = {"layer_cls", "memory_budget", "offload", "use_reentrant", "checkpoint_kwargs", "compress",
-                  "chunk_loss"}
+                  "chunk_loss", "tile_mlp", "tile_tokens", "tile_cls"}
 # The constructor options a plan does not depend on, each with why (a test keeps the two sets covering them all).
 _KEEPS_PLAN = {
     "every_n_layers": "refused with memory_budget other than 1, so a plan never used it",
