@@ -562,6 +562,10 @@ CASES: dict[str, Case] = {
         "strategies.fsdp.CheckpointingFSDPStrategy.__init__",
         lambda: CheckpointingFSDPStrategy(start_method="thread"), ValueError,
         "`start_method='thread'`", "Pass 'popen', 'spawn', 'fork' or 'forkserver'", "is not understood. Pass 'popen'"),
+    "FSDP cpu_offload": Case(
+        "strategies.fsdp.cpu_offload_policy", lambda: CheckpointingFSDPStrategy(cpu_offload="yes"), ValueError,
+        "`cpu_offload='yes'`", "or a `torch.distributed.fsdp.CPUOffloadPolicy`",
+        "is not understood. Pass True (parameters, gradients and optimizer state in host memory)"),
 }
 
 
@@ -728,6 +732,10 @@ USAGE_ERRORS: dict[str, Usage] = {
     "plan, device memory": Usage(
         ["plan", "--config", str(TINY), "--device-memory", "0.5"], "commands.plan._parse", "--device-memory 0.5",
         "pass the device's memory in bytes, such as 80GiB", ": pass the device's memory in bytes"),
+    "plan, host memory": Usage(
+        ["plan", "--config", str(TINY), "--host-memory", "lots"], "commands.plan._parse", "--host-memory lots",
+        "pass the target's host memory per device in bytes, such as 256GiB",
+        ": pass the target's host memory per device in bytes"),
     "compare, no config": Usage(
         ["compare"], "commands.arguments.check_config_argument", "--config is required",
         "pass the LightningCLI YAML of the run to compare", "--config is required"),
@@ -955,6 +963,9 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
     "commands.plan.measure.build": (
         1, "the command plans with fake tensors when the accelerator is missing; only `build` called alone raises it"
            " (test_plan_command)"),
+    "strategies.fsdp._check_units_offloaded": (
+        1, "cpu_offload with a configure_model that shards without it needs a distributed run: asserted with 2 spawned"
+           " ranks in test_fsdp_cpu_offload.py (its Troubleshooting line is there too)"),
     "strategies.fsdp.CheckpointingFSDPStrategy.setup": (
         1, "FSDP1 modules under fsdp_ckpt: needs a distributed run with FSDP1 wrapping, left to the strategies' own"
            " tests"),
