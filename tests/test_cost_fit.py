@@ -57,6 +57,47 @@ def test_a_fit_that_does_not_reproduce_its_sizes_is_not_trusted():
     assert not fit.trusted(96, 24) and not fit.trusted(200, 50)
 
 
+#: Four sizes whose ``T L`` is ``T^2 / 4``: every cost column is a quadratic in ``T`` at ``T / 32 = 1, 2, 4, 8``, so the
+#: residuals of a fit are the projection of the column on the one vector orthogonal to all quadratics there, by hand
+#: (Lagrange) ``r = (-8, 14, -7, 1)``, ``|r|^2 = 310``: the largest residual of a column ``y`` is ``14 |r . y| / 310``.
+FOUR_SIZES = [(32, 8), (64, 16), (128, 32), (256, 64)]
+
+
+def test_the_residual_tolerance_is_per_cost_1_percent_of_its_largest_value_and_half_a_unit():
+    # bytes 8 B off the model at one size (an allocation rounded up): residual at most 14 x 8 x 14 / 310 = 5.06, far
+    # within 1% of 35,304 + 0.5: trusted
+    off = CostFit()
+    for tokens, length in FOUR_SIZES:
+        off.add(tokens, length, [cost(tokens, length)[0] + (8 if tokens == 64 else 0), 3])
+    assert off.trusted(100, 25)
+    # a count that jumps 3 -> 23 at the fourth size: r . y = 20, residual 14 x 20 / 310 = 0.903, over its own
+    # 1% x 23 + 0.5 = 0.73 (though far under 1% of the bytes beside it, and under 1.5 units): not trusted
+    jump = CostFit()
+    for tokens, length in FOUR_SIZES:
+        jump.add(tokens, length, [cost(tokens, length)[0], 23 if tokens == 256 else 3])
+    assert not jump.trusted(100, 25)
+
+
+def test_a_size_measured_again_replaces_its_row_and_a_fit_without_sizes_says_so():
+    fresh = CostFit()
+    assert not fresh.trusted(64, 16)
+    with pytest.raises(RuntimeError, match=r"no fit yet \(0 sizes measured, 3 needed\)"):
+        fresh.predict(64, 16)
+    fit = CostFit()
+    for tokens, length in [(32, 8), (64, 16), (128, 32)]:
+        fit.add(tokens, length, cost(tokens, length))
+    fit.add(64, 16, [row + 10 for row in cost(64, 16)])  # measured again after a failed check
+    assert fit.sizes == [(32, 8), (128, 32), (64, 16)] and fit.rows[-1] == [row + 10 for row in cost(64, 16)]
+
+
+def test_fit_peak_through_two_lengths_is_a_line_and_refuses_what_it_cannot_fit():
+    assert fit_peak([4, 8], [140, 260]) == pytest.approx((20.0, 30.0, 0.0), abs=1e-9)  # 140 = 20 + 30 x 4, 260 = 20 + 30 x 8
+    with pytest.raises(ValueError, match=r"needs 2 or more distinct lengths with a peak each, got \[4, 4, 4\]"):
+        fit_peak([4, 4, 4], [1, 2, 3])
+    with pytest.raises(ValueError, match=r"got \[4, 8\]"):
+        fit_peak([4, 8], [140])
+
+
 def test_the_trust_region_is_the_measured_range_and_16x_past_it():
     assert EXTRAPOLATION == 16.0
     fit = CostFit()
@@ -106,6 +147,26 @@ def test_predictions_are_clamped_by_the_sizes_measured():
         falling.add(tokens, length, [1000 - 2 * tokens])
     assert falling.predict(256, 64) == [936]
     assert falling.predict(50, 12) == [744]
+
+
+def test_a_smaller_measured_size_clamps_at_equal_tokens_or_equal_length_and_counts_are_never_clamped():
+    # a cost that shrinks with T L, 5000 - T L / 4, measured at three sizes none of which covers another; at (64, 20)
+    # the fit says 5000 - 320 = 4,680, but (64, 16) measured, with as many tokens and shorter, held 4,744
+    by_length = CostFit()
+    for tokens, length in [(32, 32), (64, 16), (128, 12)]:
+        by_length.add(tokens, length, [5000 - tokens * length // 4])
+    assert by_length.predict(64, 20, margin=0.0) == [4744]
+    # one that shrinks with T, 5000 - 2 T: at (48, 16) the fit says 4,904, (32, 16) measured, as long, held 4,936
+    by_tokens = CostFit()
+    for tokens, length in [(32, 16), (64, 13), (16, 24)]:
+        by_tokens.add(tokens, length, [5000 - 2 * tokens])
+    assert by_tokens.predict(48, 16, margin=0.0) == [4936]
+    # a count (kept) is the fit rounded, whatever was measured around it: 1000 - 2 T at 256 and at 50 tokens; and a
+    # cost that is 0 at every size is predicted 0, not raised to a byte
+    falling = CostFit()
+    for tokens, length in [(32, 8), (64, 16), (128, 32)]:
+        falling.add(tokens, length, [1000 - 2 * tokens, 0])
+    assert falling.predict(256, 64, keep=[0]) == [488, 0] and falling.predict(50, 12, keep=[0]) == [900, 0]
 
 
 def test_fit_peak_is_the_one_least_squares_of_plan_lengths():
