@@ -1,5 +1,5 @@
-"""A Hugging Face causal LM with LoRA adapters (PEFT) and a ViT image classifier as LightningModules, and their
-data made in memory.
+"""A Hugging Face causal LM (fully fine-tuned, or with LoRA adapters through PEFT) and a ViT image classifier as
+LightningModules, and their data made in memory.
 
 The most common real case for checkpointing: fine-tune a Transformers model with PEFT, base weights
 frozen. The model is a tiny Llama built from a ``LlamaConfig`` (nothing is downloaded) in
@@ -29,12 +29,69 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ckpt.demos import counting_sequences
 
 
-class LoraCausalLM(pl.LightningModule):
-    """A ``LlamaForCausalLM`` built from a config, wrapped by ``peft.get_peft_model`` with LoRA adapters.
+class CausalLM(pl.LightningModule):
+    """A ``LlamaForCausalLM`` built from a config in ``configure_model``, every weight trained (full fine-tuning).
 
-    Batches are token ids ``[batch, seq]``; the loss is the causal LM loss (``labels=input_ids``).
-    Only the LoRA weights train. ``self.model`` is the ``PeftModel``, so the decoder layers are
-    ``model.base_model.model.model.layers.<i>`` from the LightningModule.
+    Batches are token ids ``[batch, seq]``; the loss is the causal LM loss (``labels=input_ids``). ``num_kv_heads``
+    below ``num_heads`` is grouped-query attention (Llama-3's 8 of 32); ``max_position_embeddings`` bounds the length.
+
+    Example::
+
+        >>> module = CausalLM(num_layers=2)
+        >>> module.configure_model()
+        >>> [name for name, _ in module.named_children()], len(module.model.model.layers)
+        (['model'], 2)
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        hidden_size: int = 64,
+        num_layers: int = 4,
+        num_heads: int = 4,
+        intermediate_size: int = 128,
+        num_kv_heads: Optional[int] = None,
+        max_position_embeddings: int = 256,
+        lr: float = 3e-2,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: Optional[torch.nn.Module] = None
+
+    def _llama(self) -> transformers.PreTrainedModel:
+        h = self.hparams
+        config = transformers.LlamaConfig(
+            vocab_size=h.vocab_size,
+            hidden_size=h.hidden_size,
+            num_hidden_layers=h.num_layers,
+            num_attention_heads=h.num_heads,
+            num_key_value_heads=h.num_kv_heads or h.num_heads,
+            intermediate_size=h.intermediate_size,
+            max_position_embeddings=h.max_position_embeddings,
+            initializer_range=0.1,
+        )
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self._llama()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
+
+
+class LoraCausalLM(CausalLM):
+    """:class:`CausalLM` wrapped by ``peft.get_peft_model`` with LoRA adapters: only the LoRA weights train.
+    ``self.model`` is the ``PeftModel``, so the decoder layers are ``model.base_model.model.model.layers.<i>`` from the
+    LightningModule.
 
     Example::
 
@@ -56,47 +113,22 @@ class LoraCausalLM(pl.LightningModule):
         lora_dropout: float = 0.0,
         target_modules: Optional[list[str]] = None,
         lr: float = 3e-2,
+        num_kv_heads: Optional[int] = None,
+        max_position_embeddings: int = 256,
     ) -> None:
-        super().__init__()
+        super().__init__(vocab_size, hidden_size, num_layers, num_heads, intermediate_size, num_kv_heads,
+                         max_position_embeddings, lr)
         if target_modules is None:
             target_modules = ["q_proj", "v_proj"]
         self.save_hyperparameters()
-        self.model: Optional[peft.PeftModel] = None
 
     def configure_model(self) -> None:
         if self.model is not None:
             return
         h = self.hparams
-        config = transformers.LlamaConfig(
-            vocab_size=h.vocab_size,
-            hidden_size=h.hidden_size,
-            num_hidden_layers=h.num_layers,
-            num_attention_heads=h.num_heads,
-            num_key_value_heads=h.num_heads,
-            intermediate_size=h.intermediate_size,
-            max_position_embeddings=256,
-            initializer_range=0.1,
-        )
-        base = transformers.AutoModelForCausalLM.from_config(config)
-        lora = peft.LoraConfig(
-            r=h.lora_r,
-            lora_alpha=h.lora_alpha,
-            lora_dropout=h.lora_dropout,
-            target_modules=list(h.target_modules),
-            task_type="CAUSAL_LM",
-        )
-        self.model = peft.get_peft_model(base, lora)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids).logits
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch, labels=batch).loss
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
+        lora = peft.LoraConfig(r=h.lora_r, lora_alpha=h.lora_alpha, lora_dropout=h.lora_dropout,
+                               target_modules=list(h.target_modules), task_type="CAUSAL_LM")
+        self.model = peft.get_peft_model(self._llama(), lora)
 
 
 class TokenDataModule(pl.LightningDataModule):

@@ -35,8 +35,10 @@ with ``accelerator="cpu", devices=1`` for planning, the precision kept (``bf16-m
 to bfloat16): PyTorch built without CUDA cannot run autograd on fake CUDA tensors, so the step runs CPU kernels'
 shape and dtype rules, and the report says which attention kernel ran and how the target's may differ.
 
-A model that fake tensors cannot build (PEFT's adapters swap weights; a ViT's ``trunc_normal_`` init reads a value)
-is measured with real tensors instead, its size first checked on the meta device, and stdout says why; with
+The datamodule is built with real tensors (data is cheap, and its values steer the branches a step takes, see
+:mod:`lightning_ckpt.core.fake_values`); weights are not initialised under fake tensors (Transformers'
+``no_init_weights``), and modules may be moved (PEFT's adapters). A model that fake tensors still cannot build (its own
+code reads a value of its weights) is measured with real tensors instead, its size first checked on the meta device, and stdout says why; with
 ``--fake`` or without the config's accelerator it is an error that says where to run instead.
 
 Static memory is one device's share. The command launches no process: the trainer is built for one device

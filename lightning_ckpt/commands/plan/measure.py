@@ -351,6 +351,25 @@ def _swappable(fake_mode: Optional[FakeTensorMode]) -> Iterator[None]:
         torch.utils.swap_tensors = swap
 
 
+def _without_weight_init(fake: bool) -> AbstractContextManager[Any]:
+    """Under fake tensors, Transformers' own ``no_init_weights``: weights have no values to initialise there, and an
+    initialiser that reads one (``trunc_normal_``'s rejection loop, as ViT's) cannot run on them."""
+    if not fake:
+        return nullcontext()
+    for where in ("transformers.initialization", "transformers.modeling_utils"):  # 5.x, then 4.x
+        no_init = getattr(_import_module(where), "no_init_weights", None)
+        if no_init is not None:
+            return no_init()
+    return nullcontext()
+
+
+def _import_module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
 class _RealDataCLI(LightningCLI):
     """LightningCLI whose datamodule is made with real tensors when the model is made under fake ones: data is
     cheap to build, its values decide the branches a step takes (:mod:`~lightning_ckpt.core.fake_values`), and a
@@ -403,7 +422,7 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
     configured = ["--config", str(config), *cli_args]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
-        with context, _swappable(fake_mode), _seed_banner(seed_banner):
+        with context, _swappable(fake_mode), _without_weight_init(fake), _seed_banner(seed_banner):
             cli = run_cli([*configured, *(PLANNING_TRAINER if planned_for else ONE_DEVICE)], cli_class=_RealDataCLI,
                           run=False, save_config_callback=None)
     trainer_config = cli.parser.parse_args(configured).trainer
@@ -415,7 +434,8 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
     module = cli.model
     device = cli.trainer.strategy.root_device
     precision = cli.trainer.precision_plugin
-    with context, _swappable(fake_mode), (nullcontext() if fake or meta else torch.device(device)):
+    with context, _swappable(fake_mode), _without_weight_init(fake), (nullcontext() if fake or meta
+                                                                       else torch.device(device)):
         module.configure_model()
         if not meta and any(t.device != device for t in (*module.parameters(), *module.buffers())):
             module.to(device)
