@@ -53,7 +53,8 @@ class FabricCheckpointing:
             ``time/step_sec``) are logged through ``fabric.log_dict`` every ``log_every_n_steps`` steps (default 50),
             and its summary is printed by :meth:`teardown`.
         **options: :class:`GradientCheckpointing`'s (``layer_cls``, ``every_n_layers``, ``offload``, ``mode``,
-            ``memory_budget``, ``compress``, ``length_fn``, ``max_length``, ...), with the same meaning.
+            ``memory_budget``, ``compress``, ``length_fn``, ``max_length``, ``chunk_loss``, ``tile_mlp``,
+            ``tile_tokens``, ``tile_cls``, ...), with the same meaning.
 
     The loop: :meth:`setup` checkpoints the model and sets it up with Fabric (or checkpoints a model Fabric already
     set up); each batch runs inside :meth:`step`, whose :meth:`backward` replaces ``fabric.backward``. One ``step``
