@@ -40,6 +40,7 @@ from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss
 from lightning_ckpt.core.fake_streams import FakeStreams
 from lightning_ckpt.core.offload import OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost, make_plan, plan_checkpointing
+from lightning_ckpt.core.tiling import apply_tiling
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, Transformer
 from lightning_ckpt.strategies.ddp import check_ddp_settings
 from lightning_ckpt.strategies.fsdp import CheckpointingFSDPStrategy, mixed_precision_policy, shard_for_checkpointing
@@ -112,6 +113,42 @@ def _plan_chunked_out_of_reach() -> None:
     model = Transformer(64, 16, 2, 16, 2, 0.0)
     idx = torch.randint(0, 64, (2, 17))
     plan_checkpointing(model, lambda: model(idx[:, :-1], idx[:, 1:]), 1024, chunk_loss=True)
+
+
+class _OwnMLP(nn.Module):
+    """A model's own MLP, which takes a second (optional) tensor: tiled, called with both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fc(x) if scale is None else self.fc(x) * scale
+
+
+def _tiled_called_with_two_tensors() -> None:
+    holder = nn.ModuleDict({"mlp": _OwnMLP()})
+    apply_tiling(holder, tile_cls=_OwnMLP, tile_tokens=2)
+    holder["mlp"](torch.randn(1, 4, 8, requires_grad=True), torch.ones(8))
+
+
+class _Pool(nn.Module):
+    """One row for the whole sequence: not token-wise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(-2, keepdim=True)
+
+
+def _tiled_pool() -> None:
+    holder = nn.ModuleDict({"pool": _Pool()})
+    apply_tiling(holder, tile_cls=_Pool, tile_tokens=2)
+    holder["pool"](torch.randn(1, 4, 8, requires_grad=True))
+
+
+def _tiles_nested() -> None:
+    model = Transformer(16, 8, 1, 8, 2, 0.0)
+    apply_tiling(model)
+    apply_tiling(model, tile_cls=Block)
 
 
 def tiny_gpt() -> GPT:
@@ -478,6 +515,54 @@ CASES: dict[str, Case] = {
     "chunk_loss type (callback)": Case(
         "callbacks.gradient_checkpointing._validate", lambda: GradientCheckpointing(chunk_loss="yes"), TypeError,
         "got 'yes'", "None (a budget's plan chooses)", "`chunk_loss` is True, False or None"),
+    "tile_tokens": Case(
+        "core.tiling.validate_tile_tokens", lambda: apply_checkpointing(blocks(), tile_mlp=True, tile_tokens=0),
+        ValueError, "got 0", "pass an int >= 1", "`tile_tokens` is the tokens per tile along the sequence"),
+    "tile_mlp type (apply)": Case(
+        "core.wrapping._tiles_asked", lambda: apply_checkpointing(blocks(), tile_mlp="yes"), TypeError,
+        "got 'yes'", "Pass True to run each layer's MLP over tiles", "`tile_mlp` is True or False"),
+    "tile options without tile_mlp (apply)": Case(
+        "core.wrapping._tiles_asked", lambda: apply_checkpointing(blocks(), tile_tokens=64), ValueError,
+        "`tile_tokens=64`", "Pass tile_mlp=True with them", "but tile_mlp is False"),
+    "tile_mlp type (callback)": Case(
+        "callbacks.gradient_checkpointing._validate_tiles", lambda: GradientCheckpointing(tile_mlp="auto"), TypeError,
+        "got 'auto'", "None (whole until a budget's plan chooses)", "`tile_mlp` is True, False or None"),
+    "tile options with tile_mlp=False (callback)": Case(
+        "callbacks.gradient_checkpointing._validate_tiles",
+        lambda: GradientCheckpointing(tile_mlp=False, tile_cls="torch.nn.Linear"), ValueError,
+        "`tile_cls='torch.nn.Linear'`", "Pass tile_mlp=True (or None) with them", "but `tile_mlp=False` tiles nothing"),
+    "tile_cls import": Case(
+        "core.tiling.tile_classes", lambda: apply_checkpointing(blocks(), tile_mlp=True, tile_cls="my_model.MLP"),
+        ValueError, "`tile_cls='my_model.MLP'`", "Pass a dotted import path", "could not be imported"),
+    "tile_mlp, no MLP known": Case(
+        "core.tiling.check_tiling", lambda: apply_checkpointing(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
+                                                                tile_mlp=True),
+        ValueError, "in Sequential", "Pass tile_cls= the class of your layers' MLP",
+        "found no MLP it knows to be token-wise"),
+    "apply_tiling type": Case(
+        "core.tiling.check_tiling", lambda: apply_tiling("model"), TypeError, "got str", "takes an `nn.Module`",
+        "`apply_tiling` takes an `nn.Module`"),
+    "tile_cls takes more than the hidden states": Case(
+        "core.tiling.check_tiling", lambda: apply_tiling(nn.ModuleDict({"a": nn.MultiheadAttention(8, 2)}),
+                                                         tile_cls=nn.MultiheadAttention),
+        TypeError, "`a` (torch.nn.modules.activation.MultiheadAttention)", "Pass tile_cls= a class called with the"
+        " hidden states alone", "takes more than one tensor argument"),
+    "tiles nested": Case(
+        "core.tiling.check_tiling", _tiles_nested, ValueError, "`blocks.0.ln2` would be tiled inside `blocks.0`",
+        "Pass a tile_cls that matches one of them", "which is tiled too"),
+    "checkpointed as the tiled module": Case(
+        "core.wrapping._check_tiles_inside",
+        lambda: apply_checkpointing(Transformer(16, 8, 1, 8, 2, 0.0), layer_cls=nn.LayerNorm, tile_mlp=True),
+        ValueError, "`blocks.0.ln2` would be checkpointed as the tiled `blocks.0.ln2`",
+        "Pass a layer_cls around the MLP", "whose tiles already run under checkpoint"),
+    "tiled module called with two tensors": Case(
+        "core.tiling.TiledForward.__call__", _tiled_called_with_two_tensors, TypeError,
+        "was called with more than one tensor (2)", "Tile a module that takes the hidden states alone",
+        "tiling splits only its first argument"),
+    "tiled module not token-wise": Case(
+        "core.tiling.TiledForward.__call__", _tiled_pool, TypeError, "returned (1, 1, 8) for a tile of (1, 2, 8)",
+        "Pass tile_mlp=False, or tile_cls= a token-wise class", "a tiled module must return one tensor with a row per"
+        " token"),
     "plan in eval mode": Case(
         "core.measure._measure", lambda: plan_checkpointing(blocks().eval(), lambda: None, 0.5), ValueError,
         "the module is in eval mode", "Call `module.train()` first", "measures a training step, but the module is in"
