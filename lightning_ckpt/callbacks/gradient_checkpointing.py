@@ -71,8 +71,8 @@ from lightning_ckpt.core.wrapping import (
 )
 
 _SETTINGS = ("layer_cls", "every_n_layers", "offload", "mode", "memory_budget", "use_reentrant",
-             "preserve_rng_state", "checkpoint_kwargs", "compress", "max_length", "chunk_loss", "tile_mlp", "tile_tokens",
-             "tile_cls")
+             "preserve_rng_state", "checkpoint_kwargs", "compress", "max_length", "chunk_loss", "tile_mlp",
+             "tile_tokens", "tile_cls")
 
 T = TypeVar("T")
 
@@ -857,7 +857,7 @@ def _validate(settings: Mapping[str, Any]) -> None:
 
 
 def _validate_tiles(settings: Mapping[str, Any]) -> None:
-    """``tile_mlp`` is True, False or None; ``tile_tokens`` and ``tile_cls`` go with a ``tile_mlp`` that is not False."""
+    """``tile_mlp`` is True, False or None; ``tile_tokens`` and ``tile_cls`` need a ``tile_mlp`` that is not False."""
     tile_mlp = settings["tile_mlp"]
     if tile_mlp is not None and not isinstance(tile_mlp, bool):
         raise TypeError(f"`tile_mlp` is True, False or None, got {tile_mlp!r}. Pass True (each layer's MLP over tiles"

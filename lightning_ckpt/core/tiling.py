@@ -84,7 +84,7 @@ _TOKEN_WISE = {
                                                      ("qwen3", "Qwen3"), ("phi3", "Phi3"), ("gemma", "Gemma"),
                                                      ("gemma2", "Gemma2"), ("gemma3", "Gemma3")]
       for k in ("MLP", "RMSNorm")),
-    "litgpt.model.GptNeoxMLP", "litgpt.model.LLaMAMLP", "litgpt.model.GemmaMLP",
+    "litgpt.model.GptNeoxMLP", "litgpt.model.LLaMAMLP", "litgpt.model.GemmaMLP", "litgpt.model.RMSNorm",
 }
 #: Leaf modules that act on each token alone; an ``nn.Sequential`` of them (the demo GPT's MLP) is token-wise.
 _TOKEN_WISE_LEAVES = (nn.Linear, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity)
@@ -101,8 +101,6 @@ def _is_token_wise(module: nn.Module) -> bool:
         return getattr(module, "dim", -1) == -1  # litgpt's RMSNorm may normalise over another dimension
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return len(module.normalized_shape) == 1
-    if class_path(type(module)) == "litgpt.model.RMSNorm":
-        return module.dim == -1
     if type(module) is nn.Sequential:
         return len(module) > 0 and all(isinstance(m, _TOKEN_WISE_LEAVES) or _is_token_wise(m) for m in module)
     return False
@@ -164,7 +162,7 @@ class TiledForward:
         forward = self.original if self.original is not None else type(module).forward.__get__(module)
         if not (module.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
-        if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
+        if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2 or args[0].shape[-2] == 0:
             return forward(*args, **kwargs)  # nothing to tile along (checked at apply for the classes it knows)
         x, rest = args[0], args[1:]
         others = [type(v).__name__ for v in (*rest, *kwargs.values()) if isinstance(v, torch.Tensor)]
