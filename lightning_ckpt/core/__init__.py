@@ -5,6 +5,7 @@
 - :mod:`~lightning_ckpt.core.layer_state`: buffers a layer updates in forward, restored for the recompute;
 - :mod:`~lightning_ckpt.core.policies`: selective checkpointing (which op outputs are kept);
 - :mod:`~lightning_ckpt.core.offload`: saved tensors in pinned host memory, on side streams;
+- :mod:`~lightning_ckpt.core.tiling`: a layer's MLP over tiles of tokens, each under checkpoint (``tile_mlp``);
 - :mod:`~lightning_ckpt.core.profiling`: bytes held for backward and FLOPs;
 - :mod:`~lightning_ckpt.core.memory_stats`: what ``MemoryMonitor`` measures and computes (probes, reductions over
   ranks, the memory breakdown);
