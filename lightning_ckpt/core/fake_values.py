@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional
 
@@ -103,19 +104,16 @@ class BatchValues(TorchDispatchMode):
 def untraced_fakes() -> Iterator[None]:
     """While inside, Transformers' tracing check (``is_tracing``) does not take a fake tensor for tracing, so a
     model takes the branches it takes on real tensors (with :class:`BatchValues` to read their values). Nothing
-    happens where Transformers is not installed.
+    happens where Transformers has not been imported.
 
     Example::
 
         >>> with untraced_fakes():
         ...     pass
     """
-    try:
-        from transformers.utils import import_utils
-    except ImportError:
-        yield
-        return
-    if not hasattr(import_utils, "is_fake_tensor"):  # the 4.x line checks no fake tensors
+    # Not imported here: a model of Transformers has imported it already, and without one nothing is to be patched.
+    import_utils = sys.modules.get("transformers.utils.import_utils")
+    if import_utils is None or not hasattr(import_utils, "is_fake_tensor"):  # the 4.x line checks no fake tensors
         yield
         return
     original = import_utils.is_fake_tensor
