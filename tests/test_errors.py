@@ -292,8 +292,8 @@ CASES: dict[str, Case] = {
         "Pass max_length=8 or less", "is longer than the model can take"),
     "budget out of reach at the longest length": Case(
         "callbacks.gradient_checkpointing.GradientCheckpointing._plan_longest",
-        lambda: fit_tiny_gpt(GradientCheckpointing(memory_budget="1KiB"), length=4), ValueError,
-        "length 8, from the model's block_size", "pass `max_length=` its longest length",
+        lambda: fit_tiny_gpt(GradientCheckpointing(memory_budget="1KiB", max_length=8), length=4), ValueError,
+        "length 8, from max_length", "pass `max_length=` its longest length",
         "Planned before the first step for the longest sequences the run may see"),
     "every_n_layers type": Case(
         "core.selection.validate_every_n_layers", lambda: GradientCheckpointing(every_n_layers="2"), TypeError,
