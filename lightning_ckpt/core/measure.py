@@ -48,6 +48,7 @@ from lightning_ckpt.core.profiling import (
     tensor_bytes,
 )
 from lightning_ckpt.core.selection import LayerClassArg, is_inside, layer_classes, select_layers
+from lightning_ckpt.core.tiling import restore_tiles, tiles_of
 from lightning_ckpt.core.wrapping import (
     apply_checkpointing,
     check_no_nesting,
@@ -816,11 +817,13 @@ def _fully_checkpointed(module: nn.Module, selected: Sequence[tuple[str, nn.Modu
     """Every selected layer fully checkpointed (no offload), model caches off, inside the block; each forward and
     cache as it was after."""
     before = [(layer, layer.__dict__.get("forward")) for _, layer in selected]
+    tiles = tiles_of(module)  # measured as the module runs: its tiles kept inside the re-wrapped layers
     caches: list[nn.Module] = []
     try:
         for _, layer in selected:
             remove_checkpointing(layer)
             apply_checkpointing(layer, layer_cls=type(layer))
+        restore_tiles(module, tiles)
         caches = turn_off_caches(module, [name for name, _ in selected])
         yield
     finally:
@@ -829,3 +832,4 @@ def _fully_checkpointed(module: nn.Module, selected: Sequence[tuple[str, nn.Modu
             remove_checkpointing(layer)
             if forward is not None:
                 layer.forward = forward
+        restore_tiles(module, tiles)

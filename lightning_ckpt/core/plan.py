@@ -23,6 +23,7 @@ from lightning_ckpt.core.costs import LayerCost, Offload
 from lightning_ckpt.core.op_curve import describe
 from lightning_ckpt.core.policies import keep_ops_context_fn
 from lightning_ckpt.core.profiling import format_bytes, format_flops
+from lightning_ckpt.core.tiling import apply_tiling
 from lightning_ckpt.core.wrapping import (
     CheckpointOptions,
     apply_checkpointing,
@@ -49,7 +50,10 @@ class CheckpointPlan:
     an un-checkpointed layer saves); ``host_bytes`` is what they hold there.
 
     ``compress`` (``None``, ``"bf16"``, ``"fp8"``) is how the checkpointed layers hold their inputs; ``costs``, and
-    every figure, count the inputs at that width.
+    every figure, count the inputs at that width. ``tile_mlp`` says the layers' token-wise submodules (their MLPs)
+    run over tiles of ``tile_tokens`` tokens (``None``: ALST's ``ceil(length / hidden)`` tiles), as
+    :func:`~lightning_ckpt.core.tiling.apply_tiling` does; ``costs`` were measured so, and ``recompute_flops``
+    includes the tiles' second forward in backward.
 
     ``planned_bytes`` is what the forward leaves held; ``peak_bytes`` the step's activation peak, which the budget
     bounds: the end of the forward, or a layer's backward, when it recomputes what it did not keep and makes its
@@ -74,6 +78,8 @@ class CheckpointPlan:
     baseline_peak_bytes: int = 0  # the same without checkpointing: what a fraction budget is a fraction of
     compress: Optional[Compress] = None  # how checkpointed layers hold their inputs (``costs`` count it)
     chunk_tokens: Optional[int] = None  # the LM head and loss run in chunks of this many tokens (None: unchunked)
+    tile_mlp: bool = False  # the layers' token-wise submodules run over tiles of tokens
+    tile_tokens: Optional[int] = None  # tokens per tile (None: ALST's rule, ceil(length / hidden) tiles)
 
     def __post_init__(self) -> None:
         self.peak_bytes = self.peak_bytes or self.planned_bytes
@@ -90,7 +96,8 @@ class CheckpointPlan:
     def checkpoints_nothing(self) -> bool:
         """Whether applying the plan leaves a module as it is: no layer checkpointed or offloaded, the LM head and
         loss unchunked. No plan is cheaper, so it also holds for every smaller batch."""
-        return not self.offloaded and self.chunk_tokens is None and all(m == "none" for m in self.layers.values())
+        return (not self.offloaded and self.chunk_tokens is None and not self.tile_mlp
+                and all(m == "none" for m in self.layers.values()))
 
     def applies_like(self, other: CheckpointPlan) -> bool:
         """Whether applying ``other`` does to a module what applying this plan does (the same modes, kept ops,
@@ -109,21 +116,23 @@ class CheckpointPlan:
         ops = {name: (list(self.kept_ops[name]), self._op_names(name)) for name, mode in self.layers.items() if mode == "ops"}
         checkpointed = any(mode != "none" for mode in self.layers.values())
         return (dict(self.layers), ops, sorted(self.offloaded), self.compress if checkpointed else None,
-                self.chunk_tokens)
+                self.chunk_tokens, self.tile_mlp, self.tile_tokens if self.tile_mlp else None)
 
     def apply(self, module: nn.Module, **checkpoint_options: Any) -> list[str]:
         """Checkpoint ``module``'s layers as planned (layers planned ``"none"`` are left or made plain).
 
         ``checkpoint_options`` (``use_reentrant``, ``preserve_rng_state``, ``checkpoint_kwargs``) go to
         :func:`~lightning_ckpt.core.wrapping.apply_checkpointing`; layer selection, mode, offload and ``compress``
-        come from the plan, and so does the LM head and loss in chunks (``chunk_tokens``). Returns the checkpointed names,
-        in order.
+        come from the plan, and so does the LM head and loss in chunks (``chunk_tokens``) and the tiles
+        (``tile_mlp``, ``tile_tokens``; ``tile_cls`` names what to tile where the model's MLPs are not known).
+        Returns the checkpointed names, in order.
         Everything is checked before anything changes.
         """
+        tile_cls = checkpoint_options.pop("tile_cls", None)
         unknown = set(checkpoint_options) - {"use_reentrant", "preserve_rng_state", "checkpoint_kwargs"}
         if unknown:
-            raise TypeError(f"`apply` takes use_reentrant, preserve_rng_state and checkpoint_kwargs; got {sorted(unknown)}."
-                            " Layer selection, mode and offload come from the plan.")
+            raise TypeError(f"`apply` takes use_reentrant, preserve_rng_state, checkpoint_kwargs and tile_cls; got"
+                            f" {sorted(unknown)}. Layer selection, mode and offload come from the plan.")
         for name, mode in self.layers.items():
             if mode != "none" or name in self.offloaded:
                 CheckpointOptions(offload=name in self.offloaded, **self._mode_options(name, mode, checkpoint_options))
@@ -144,6 +153,8 @@ class CheckpointPlan:
         turn_off_caches(module, names)
         if self.chunk_tokens is not None:
             chunk_causal_lm_loss(module, self.chunk_tokens)
+        if self.tile_mlp:  # after the layers, which were re-wrapped whole
+            apply_tiling(module, tile_cls, self.tile_tokens)
         return names
 
     def _mode_options(self, name: str, mode: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -193,6 +204,8 @@ class CheckpointPlan:
                if self.offload else "")
             + (f"; inputs held as {self.compress}" if self.compress else "")
             + (f"; LM head and loss in chunks of {self.chunk_tokens} tokens" if self.chunk_tokens else "")
+            + ((f"; MLPs in tiles of {self.tile_tokens} tokens" if self.tile_tokens else "; MLPs in tiles")
+               if self.tile_mlp else "")
             + (f"; {self.step_time_text()}" if self.predicted_step_seconds is not None else ""),
         ]
         return "\n".join(lines)

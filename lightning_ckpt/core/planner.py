@@ -115,6 +115,7 @@ from lightning_ckpt.core.profiling import (
 )
 from lightning_ckpt.core.say_once import say_once
 from lightning_ckpt.core.selection import LayerClassArg, parse_memory_budget
+from lightning_ckpt.core.tiling import apply_tiling, check_tiling, remove_tiling, tiled_names, token_wise_modules
 from lightning_ckpt.core.solver import (
     CURVE_POINTS,
     LayerOption,
@@ -442,6 +443,9 @@ def plan_checkpointing(
     host_memory: Optional[int] = None,
     compress: Optional[Compress] = None,
     chunk_loss: Optional[bool] = None,
+    tile_mlp: Optional[bool] = None,
+    tile_tokens: Optional[int] = None,
+    tile_cls: LayerClassArg = None,
 ) -> CheckpointPlan:
     """Measure one step and return the cheapest :class:`CheckpointPlan` whose activations fit ``memory_budget``.
 
@@ -471,6 +475,12 @@ def plan_checkpointing(
             :data:`~lightning_ckpt.core.chunked_loss.DEFAULT_CHUNK_TOKENS` tokens (or ``chunk_tokens`` the module
             already has) halved down to :data:`MIN_CHUNK_TOKENS`, each smaller one measured (one more step) only
             when the larger misses the budget; ``plan.chunk_tokens`` says what was chosen. Other models: ignored.
+        tile_mlp: ``True`` plans with the layers' token-wise submodules (their MLPs and the norms next to them, see
+            :func:`~lightning_ckpt.core.tiling.apply_tiling`) over tiles of ``tile_tokens`` tokens (``None``: ALST's
+            ``ceil(length / hidden)`` tiles), measured so; ``False`` without; ``None`` plans without first and with
+            tiles only when no plan without them fits (a tile's second forward costs time), for a model that has
+            something to tile (``tile_cls`` names its MLP class where it is not known). ``plan.tile_mlp`` says
+            what was chosen; ``recompute_flops`` counts the tiles' second forward (their matmuls).
 
     Without ``device`` the plan has the fewest recompute FLOPs among those whose predicted bytes fit: layers
     (and op outputs) that free most bytes per recomputed FLOP go first, whatever their position; FLOPs are exact
@@ -485,6 +495,28 @@ def plan_checkpointing(
     minimum and what else would help.
     """
     check_module_and_step(module, step)
+    if tile_mlp is not None and not isinstance(tile_mlp, bool):
+        raise TypeError(f"`tile_mlp` is True, False or None, got {tile_mlp!r}. Pass True (the MLPs over tiles of"
+                        " tokens), False (whole) or None (the plan chooses).")
+    tileable = tile_mlp is not False and bool(token_wise_modules(module, tile_cls))
+    if tile_mlp is True:
+        check_tiling(module, tile_cls, tile_tokens)  # refuses a model with nothing to tile, before anything runs
+    options = (memory_budget, layer_cls, modes, offload, device, host_memory, compress, chunk_loss)
+    if tile_mlp is not True:
+        try:
+            return _plan_whole(module, step, *options)
+        except ValueError:
+            if not tileable or tiled_names(module):
+                raise
+    with _tiled(module, tile_cls, tile_tokens) as flops:
+        plan = _plan_whole(module, step, *options)
+    return _with_tiles(plan, tile_tokens, flops.flops, resolve_device(device))
+
+
+def _plan_whole(module: nn.Module, step: Callable[[], Any], memory_budget: object, layer_cls: LayerClassArg,
+                modes: Sequence[str], offload: Offload, device: Union[None, str, DeviceProfile],
+                host_memory: Optional[int], compress: Optional[Compress], chunk_loss: Optional[bool]) -> CheckpointPlan:
+    """:func:`plan_checkpointing` of ``module`` as it is (tiled or not)."""
     modes = validate_modes(modes)
     validate_offload(offload)
     validate_compress(compress)
@@ -526,6 +558,55 @@ def plan_checkpointing(
             error = missed
     assert error is not None
     raise error
+
+
+class _TileFlops:
+    """The FLOPs of the tiled submodules' second forward (each tile recomputed in backward), as torch's
+    ``FlopCounterMode`` counts them: ``2 x rows x in x out`` for each ``nn.Linear`` inside (element-wise ops are not
+    counted), with the rows each tiled module first ran on in the step."""
+
+    def __init__(self, module: nn.Module, names: Sequence[str]) -> None:
+        self.rows: dict[str, int] = {}
+        self.weights = {name: sum(m.weight.numel() for m in module.get_submodule(name).modules()
+                                  if isinstance(m, nn.Linear)) for name in names}
+        self.handles = [module.get_submodule(name).register_forward_pre_hook(self._hook(name)) for name in names]
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def record(_: nn.Module, args: tuple[Any, ...]) -> None:
+            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if x is not None and x.dim() >= 2:
+                self.rows.setdefault(name, x.numel() // x.shape[-1])
+        return record
+
+    @property
+    def flops(self) -> int:
+        return sum(2 * self.rows.get(name, 0) * weights for name, weights in self.weights.items())
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@contextmanager
+def _tiled(module: nn.Module, tile_cls: LayerClassArg, tile_tokens: Optional[int]) -> Iterator[_TileFlops]:
+    """``module`` tiled while inside (untiled again after), with what its tiles' second forward costs."""
+    names = apply_tiling(module, tile_cls, tile_tokens)
+    counter = _TileFlops(module, names)
+    try:
+        yield counter
+    finally:
+        counter.close()
+        remove_tiling(module)
+
+
+def _with_tiles(plan: CheckpointPlan, tile_tokens: Optional[int], flops: int,
+                profile: Optional[DeviceProfile]) -> CheckpointPlan:
+    """``plan`` (solved from a tiled step) marked tiled, priced with its tiles' second forward."""
+    seconds = plan.predicted_step_seconds
+    if seconds is not None and profile is not None:
+        seconds += flops / profile.matmul_flops
+    return replace(plan, tile_mlp=True, tile_tokens=tile_tokens, recompute_flops=plan.recompute_flops + flops,
+                   predicted_step_seconds=seconds)
 
 
 def _chunk_of(module: nn.Module) -> Optional[int]:

@@ -53,8 +53,8 @@ from torch.utils.checkpoint import checkpoint
 from lightning_ckpt.core.say_once import say_once
 from lightning_ckpt.core.selection import LayerClassArg, class_path, is_inside, resolve_layer_classes
 
-__all__ = ["KNOWN_LAYERS", "TiledForward", "apply_tiling", "check_tiling", "is_tiled", "remove_tiling", "tile_classes",
-           "tile_size", "tiled_names", "token_wise_modules", "validate_tile_tokens"]
+__all__ = ["KNOWN_LAYERS", "TiledForward", "apply_tiling", "check_tiling", "is_tiled", "remove_tiling", "restore_tiles",
+           "tile_classes", "tile_size", "tiled_names", "tiles_of", "token_wise_modules", "validate_tile_tokens"]
 
 log = logging.getLogger(__name__)
 
@@ -346,3 +346,25 @@ def remove_tiling(module: nn.Module) -> list[str]:
                 sub.forward = original
             names.append(name)
     return names
+
+
+def tiles_of(module: nn.Module) -> dict[str, Optional[int]]:
+    """The tiled submodules of ``module`` with their tokens per tile, for :func:`restore_tiles` after something that
+    re-wraps layers whole (as measuring does).
+
+    Example::
+
+        >>> model = nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(2, 2))})
+        >>> _ = apply_tiling(model, tile_cls=nn.Sequential, tile_tokens=4)
+        >>> tiles_of(model)
+        {'mlp': 4}
+    """
+    return {name: sub.forward.tile_tokens for name, sub in module.named_modules() if is_tiled(sub)}
+
+
+def restore_tiles(module: nn.Module, tiles: dict[str, Optional[int]]) -> None:
+    """Tile again each submodule of ``tiles`` (from :func:`tiles_of`) that is not tiled now."""
+    for name, tile_tokens in tiles.items():
+        sub = module.get_submodule(name)
+        if not is_tiled(sub):
+            sub.forward = TiledForward(sub, sub.__dict__.get("forward"), tile_tokens)

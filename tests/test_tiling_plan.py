@@ -1,0 +1,76 @@
+"""The planner chooses tiles of tokens (``tile_mlp``) where only they reach a budget, and prices them."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from helpers import counted_peak
+from lightning_ckpt import apply_checkpointing, remove_checkpointing
+from lightning_ckpt.core.planner import plan_checkpointing
+from lightning_ckpt.core.plan import CheckpointPlan
+from lightning_ckpt.core.tiling import tiled_names
+from lightning_ckpt.demos import Transformer
+
+B, T, WIDTH, LAYERS = 2, 256, 16, 2
+
+
+def model_and_step():
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=32, block_size=T, n_layer=LAYERS, n_embd=WIDTH, n_head=2, dropout=0.0)
+    model.train()
+    idx = torch.randint(0, 32, (B, T), generator=torch.Generator().manual_seed(1))
+    return model, lambda: model(idx, idx)
+
+
+def least_reachable(error: ValueError) -> int:
+    return int(re.search(r"pass a budget of at least (\d+) bytes", str(error)).group(1))
+
+
+def test_a_budget_only_tiles_reach_is_planned_with_tiles_and_the_applied_step_holds_it():
+    model, step = model_and_step()
+    with pytest.raises(ValueError) as untiled:
+        plan_checkpointing(model, step, "1KiB", tile_mlp=False)
+    with pytest.raises(ValueError) as tiled:
+        plan_checkpointing(model, step, "1KiB", tile_mlp=True)
+    floor, tiled_floor = least_reachable(untiled.value), least_reachable(tiled.value)
+    # by hand, what tiles remove from a layer's backward: its MLP's [B*T, 4*WIDTH] float32 intermediates (the first
+    # Linear's output and GELU's) less one tile's; at least one of them is gone
+    assert floor - tiled_floor >= B * T * 4 * WIDTH * 4 * (1 - 1 / 16)
+    budget = (floor + tiled_floor) // 2
+    plan = plan_checkpointing(model, step, budget)  # tile_mlp=None: the plan chooses
+    assert plan.tile_mlp is True and plan.tile_tokens is None and plan.peak_bytes <= budget
+    assert tiled_names(model) == []  # planning leaves the module as it was
+    plan.apply(model)
+    assert tiled_names(model) == [f"blocks.{i}.{m}" for i in range(LAYERS) for m in ("ln2", "mlp")]
+    measured = counted_peak(model, step)
+    assert measured <= budget, (measured, budget)
+    remove_checkpointing(model)
+    assert tiled_names(model) == []
+
+
+def test_a_budget_reached_without_tiles_is_planned_without_them():
+    model, step = model_and_step()
+    with pytest.raises(ValueError) as untiled:
+        plan_checkpointing(model, step, "1KiB", tile_mlp=False)
+    plan = plan_checkpointing(model, step, least_reachable(untiled.value))
+    assert plan.tile_mlp is False and not plan.applies_like(CheckpointPlan(**{**plan.__dict__, "tile_mlp": True}))
+
+
+def test_the_tiles_second_forward_is_priced_as_its_matmuls_by_hand():
+    """Tiled, with a budget that checkpoints nothing: the only recompute is each tile's second forward in backward,
+    the MLP's two Linears (WIDTH x 4*WIDTH each) over every token of both layers: 2 FLOPs a multiply-add."""
+    model, step = model_and_step()
+    plan = plan_checkpointing(model, step, 1.0, tile_mlp=True)
+    assert all(mode == "none" for mode in plan.layers.values())
+    assert plan.recompute_flops == LAYERS * 2 * (B * T) * (2 * WIDTH * 4 * WIDTH)
+    assert plan.tile_mlp and not plan.checkpoints_nothing
+    assert "MLPs in tiles" in str(plan)
+
+
+def test_tile_mlp_must_be_a_bool_or_none():
+    model, step = model_and_step()
+    with pytest.raises(TypeError, match=r"`tile_mlp` is True, False or None, got 'yes'"):
+        plan_checkpointing(model, step, 0.5, tile_mlp="yes")
