@@ -62,6 +62,10 @@ def test_batch_size_of_counts_token_ids_a_length_fn_or_samples():
     assert batch_size_of({"input_ids": mask, "mask": mask}, length_fn=lambda b: int(b["mask"].sum())) == BatchSize(3, 3)
     assert batch_size_of([torch.zeros(5, 3, 8, 8)]) == BatchSize(5, 1)  # images: samples
     assert batch_size_of({"x": "no tensor"}) == BatchSize(1, 1)
+    assert batch_size_of((torch.zeros(8),)) == BatchSize(8, 1)  # a 1-D tensor: 8 samples
+    assert batch_size_of(torch.tensor(3.0)) == BatchSize(1, 1)  # a 0-D one: a sample
+    assert batch_size_of({"x": torch.zeros(5, 3)}, length_fn=lambda b: 7) == BatchSize(7, 1)  # no token ids: length 1
+    assert str(BatchSize(8, 2)) == "8 tokens (length 2)"
 
 
 # ------------------------------------------------------------------------------------------- the cycle
@@ -176,6 +180,99 @@ def test_a_resumed_cycle_measures_a_bucket_whose_check_failed_before_the_save():
     assert restored.remeasure == {512}
     restored.planned(make_plan(measurement(396, 99).costs, 0, 0.8), measurement(396, 99))
     assert 512 not in restored.remeasure and restored.begin(BatchSize(404, 101)).predicted is not None
+
+
+def test_a_fresh_or_abandoned_cycle_has_no_step_to_plan_and_says_so():
+    cycle = BudgetCycle()
+    assert cycle.state(64) is None and cycle.current is None and cycle.latest is None and not cycle.checking
+    message = "BudgetCycle.planned() needs a measuring or predicted step: call begin() first."
+    with pytest.raises(RuntimeError) as info:
+        cycle.planned(a_plan())
+    assert str(info.value) == message
+    cycle.begin(BatchSize(64, 16))
+    assert cycle.state(64) is BucketState.MEASURING
+    cycle.abandon()  # the step ended without a plan
+    assert cycle.state(64) is None
+    with pytest.raises(RuntimeError) as info:
+        cycle.planned(a_plan())
+    assert str(info.value) == message
+
+
+def test_each_step_carries_its_size_and_a_predicted_step_changes_nothing_yet():
+    from test_cost_fit import run_cycle
+
+    cycle, _ = run_cycle([8, 16, 32])
+    size = BatchSize(400, 100)
+    predicted = cycle.begin(size)
+    assert predicted.predicted is not None and predicted.plan is None
+    assert predicted.size == size and predicted.switch is False
+    covered = cycle.begin(BatchSize(120, 30))  # covered by the 128 tokens of length 32 measured
+    assert covered.size == BatchSize(120, 30) and covered.plan is cycle.plans[128]
+
+
+def test_a_bucket_measured_after_its_plan_was_predicted_is_not_checked_and_a_failed_one_leaves_no_predicted_plan():
+    from test_cost_fit import measurement, run_cycle
+
+    cycle, kinds = run_cycle([8, 16, 32, 100])
+    assert kinds[-1] == "predicted" and cycle.predicted == {512}
+    size = BatchSize(480, 120)  # bucket 512, not covered by its 400 tokens: measured (as after predict=False)
+    assert cycle.begin(size, predict=False).measure
+    cycle.planned(make_plan(measurement(480, 120).costs, 0, 0.8), measurement(480, 120))
+    assert cycle.predicted == set()
+    step = cycle.begin(size)
+    assert step.plan is cycle.plans[512] and not cycle.checking  # a measured plan holds what it measured
+    # a predicted plan whose check failed is dropped with its predicted mark: every predicted bucket has its plan
+    step = cycle.begin(BatchSize(1600, 400))  # bucket 2048, predicted (inside 16x the measured)
+    cycle.planned(make_plan(step.predicted.costs, 0, 0.8))
+    assert cycle.predicted == {2048}
+    cycle.check_failed(BatchSize(1600, 400))
+    assert cycle.predicted == set() and 2048 not in cycle.plans and cycle.remeasure == {2048}
+
+
+def test_a_resumed_cycle_checks_what_was_not_checked_and_restores_its_latest_plan():
+    from test_cost_fit import run_cycle
+
+    cycle, _ = run_cycle([8, 16, 32, 100])  # bucket 512 predicted, not yet checked
+    restored = BudgetCycle()
+    restored.load_state_dict(cycle.state_dict())
+    assert restored.predicted == {512} and restored.checked == set()
+    assert restored.begin(BatchSize(400, 100)).plan is restored.plans[512] and restored.checking  # checked now
+    cycle.check_passed(BatchSize(400, 100))
+    restored.load_state_dict(cycle.state_dict())
+    assert restored.checked == {512} and restored.begin(BatchSize(400, 100)).plan is not None
+    assert not restored.checking
+    # the latest plan round-trips when it is a dropped one (its check failed) and when there is none (measuring)
+    cycle.check_failed(BatchSize(400, 100))
+    restored.load_state_dict(cycle.state_dict())
+    assert restored.latest is not None and restored.latest.state_dict() == cycle.latest.state_dict()
+    cycle.begin(BatchSize(4000, 1000), predict=False)
+    assert cycle.latest is None and cycle.state_dict()["latest"] is None
+    restored.load_state_dict(cycle.state_dict())
+    assert restored.latest is None and restored.applied is None
+
+
+def test_a_cycle_saved_before_the_fit_was_loads_its_plans_and_measures_new_sizes():
+    from test_cost_fit import run_cycle
+
+    cycle, _ = run_cycle([8, 16, 32])
+    old = {key: cycle.state_dict()[key] for key in ("plans", "latest")}  # what checkpoints held before d26615d
+    restored = BudgetCycle()
+    restored.load_state_dict(old)
+    assert restored.sizes == cycle.sizes and restored.fit.sizes == [] and restored.template is None
+    assert restored.predicted == restored.checked == restored.remeasure == set()
+    assert restored.begin(BatchSize(120, 30)).plan is restored.plans[128]
+    assert restored.begin(BatchSize(400, 100)).measure  # nothing to predict from: measured
+
+
+def test_a_predicted_size_s_bytes_to_move_are_predicted_like_its_bytes_held():
+    from test_cost_fit import run_cycle
+
+    cycle, _ = run_cycle([8, 16, 32])
+    predicted = cycle.begin(BatchSize(400, 100)).predicted
+    # by hand: each block saves 600 T + 16 T L = 880,000 B at 4 x 100 tokens, all of it movable (no sizes recorded,
+    # so one storage), raised by the 2% margin: 897,600 B, under any offload threshold (not dropped at 1 MiB)
+    assert [c.movable_bytes("none", min_bytes=0) for c in predicted.costs] == [897_600, 897_600]
+    assert [c.none_bytes for c in predicted.costs] == [897_600, 897_600]
 
 
 # ------------------------------------------------------------------------------------------- the callback
