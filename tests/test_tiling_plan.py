@@ -74,3 +74,27 @@ def test_tile_mlp_must_be_a_bool_or_none():
     model, step = model_and_step()
     with pytest.raises(TypeError, match=r"`tile_mlp` is True, False or None, got 'yes'"):
         plan_checkpointing(model, step, 0.5, tile_mlp="yes")
+
+
+def test_plan_with_tile_mlp_measures_every_setting_with_tiles(tmp_path):
+    """``lightning-ckpt plan --tile-mlp true`` on tiny.yaml at 256 tokens, dropout off (SDPA keeps no T x T tensor; 8
+    tiles of 32 by ALST's rule, hidden 32):
+    every layer checkpointed, a layer's backward no longer holds its MLP's [8 x 256, 128] float32 intermediates whole
+    (the first Linear's output and GELU's: at least one of them less one tile's, by hand)."""
+    import json
+    from pathlib import Path
+
+    from lightning_ckpt.commands.plan import main as plan_main
+
+    config = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+    longer = ["--model.init_args.block_size=256", "--data.init_args.block_size=256", "--model.init_args.dropout=0.0"]
+    peaks = {}
+    for tiles in ("true", "false"):
+        out = tmp_path / tiles
+        assert plan_main(["--config", str(config), "--fake", "--tile-mlp", tiles, "--output-dir", str(out),
+                          *longer]) == 0
+        report = json.loads((out / "plan.json").read_text())
+        assert report["tile_mlp"] is (tiles == "true")
+        peaks[tiles] = {s["name"]: s["peak_bytes"] for s in report["settings"]}
+    rows, intermediate = 8 * 256, 4 * 32
+    assert peaks["false"]["every_layer"] - peaks["true"]["every_layer"] >= rows * intermediate * 4 * (1 - 1 / 8)

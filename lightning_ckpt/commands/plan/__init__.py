@@ -78,6 +78,10 @@ plan minimises the predicted step time on that device, and every setting gets it
 layer what lives in host memory, shown in the per-layer table (``+offload``) and in ``plan.json``'s ``offloaded``.
 ``--compress bf16|fp8|none`` (default: the config's ``GradientCheckpointing`` compress) counts every setting's
 checkpointed layers with their inputs held compressed (:meth:`~lightning_ckpt.core.costs.LayerCost.compressed`).
+``--tile-mlp true|false`` (default: the config's ``GradientCheckpointing`` tile_mlp) measures every step with each
+layer's MLP and the norms next to it over tiles of tokens (:func:`~lightning_ckpt.core.tiling.apply_tiling`), so
+every setting and the plan's longest length are with tiles; ``plan.json``'s ``tile_mlp`` says so. The tiles' second
+forward is not in the settings' recompute FLOPs.
 ``--chunk-loss auto|true|false`` (default: the config's ``GradientCheckpointing`` chunk_loss, else ``auto``): for a
 model whose loss :func:`~lightning_ckpt.core.chunked_loss.chunk_causal_lm_loss` can chunk (Transformers
 ``*ForCausalLM``, litgpt's ``GPT``, the demo GPT), the step is measured a second time with the LM head and loss in
@@ -196,6 +200,7 @@ from lightning_ckpt.commands.plan.report import LengthResult, LongestPlan, PlanR
 from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
 from lightning_ckpt.core.longest import length_limit
 from lightning_ckpt.core.planner import CheckpointPlan, Offload
+from lightning_ckpt.core.tiling import apply_tiling
 
 __all__ = ["main"]
 
@@ -256,6 +261,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                              " 'true', 'false', or 'auto' (the plan chooses them where it is cheaper or only reaches"
                              " the budget with them); default: the config's GradientCheckpointing chunk_loss, else"
                              " 'auto'")
+    parser.add_argument("--tile-mlp", choices=("true", "false"), default=None,
+                        help="measure with each layer's MLP (and the norms next to it) over tiles of tokens, so one"
+                             " layer's backward holds one tile's MLP intermediates (see the guide 'Long sequences');"
+                             " default: the config's GradientCheckpointing tile_mlp")
     parser.add_argument("--lengths", type=_lengths, default=(),
                         help="sequence lengths to plan at too (512,2048,8192): the step measured at each, the batch's"
                              " token ids and every tensor of their length cut or tiled; with --device-memory also the"
@@ -357,6 +366,10 @@ def _build(args: argparse.Namespace) -> Built:
         built.compress = None if args.compress == "none" else args.compress
     if args.chunk_loss is not None:
         built.chunk_loss = {"true": True, "false": False, "auto": None}[args.chunk_loss]
+    if args.tile_mlp is not None:
+        built.tile_mlp = args.tile_mlp == "true"
+    if built.tile_mlp:  # every step measured with the tiles, as the run would take it
+        apply_tiling(built.module, built.tile_cls, built.tile_tokens)
     return built
 
 
@@ -410,7 +423,7 @@ def plan_settings(built: Built, profile: Optional[DeviceProfile], host: Optional
     the chunked LM head and loss, and the host memory offloaded activations may take, :attr:`HostMemory.for_offload`;
     ``None``: the planner's default, half of this machine's available memory)."""
     return PlanSettings(offload=built.offload, device=profile, compress=built.compress, chunk_loss=built.chunk_loss,
-                        host_memory=None if host is None else host.for_offload)
+                        host_memory=None if host is None else host.for_offload, tile_mlp=built.tile_mlp)
 
 
 def host_memory_of(given: Optional[int], static: StaticMemory) -> HostMemory:

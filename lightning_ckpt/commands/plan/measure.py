@@ -297,6 +297,11 @@ class Built:
     chunk_loss: Optional[bool] = None
     #: How the configured strategy shards static memory (the trainer itself is built for one device).
     sharding: Sharding = field(default_factory=Sharding)
+    #: The layers' MLPs over tiles of tokens (the config's callback's ``tile_mlp=True``, or --tile-mlp), with its
+    #: ``tile_tokens`` and ``tile_cls``.
+    tile_mlp: bool = False
+    tile_tokens: Optional[int] = None
+    tile_cls: Any = None
 
     def mode(self) -> AbstractContextManager[Any]:
         """The context in which tensors are made: the fake mode, or nothing."""
@@ -449,7 +454,8 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
         data.setup("fit")
     return Built(module, data.train_dataloader(), device, settings.get("layer_cls"), settings.get("offload") or False,
                  settings.get("memory_budget"), fake_mode, precision, planned_for, compress=settings.get("compress"),
-                 chunk_loss=settings.get("chunk_loss"), sharding=sharding)
+                 chunk_loss=settings.get("chunk_loss"), sharding=sharding, tile_mlp=settings.get("tile_mlp") is True,
+                 tile_tokens=settings.get("tile_tokens"), tile_cls=settings.get("tile_cls"))
 
 
 def _auto_devices(cli: Any, planned_for: Optional[str]) -> int:

@@ -136,15 +136,18 @@ class PlanSettings:
     #: Bytes of host memory offloaded activations may take (the planner's ``host_memory``; ``None``: half of this
     #: machine's available memory): ``--host-memory`` less what CPU offload keeps there.
     host_memory: Optional[int] = None
+    #: The steps were measured with the layers' MLPs over tiles of tokens (``--tile-mlp``): every plan is tiled.
+    tile_mlp: bool = False
 
     def plan(self, measured: Measurement, budget: object) -> tuple[Optional[CheckpointPlan], Optional[str]]:
         """``(plan, None)``: the planner's plan for ``budget`` on ``measured``; ``(None, why)`` when it cannot be
         met."""
         try:
-            return make_plan(measured.costs, measured.outside_bytes, budget, offload=self.offload, device=self.device,
+            plan = make_plan(measured.costs, measured.outside_bytes, budget, offload=self.offload, device=self.device,
                              outside_ops=measured.outside_ops, head_bytes=measured.head_bytes,
                              head_peak_bytes=measured.head_peak_bytes, compress=self.compress,
-                             chunked=measured.chunked, chunk_loss=self.chunk_loss, host_memory=self.host_memory), None
+                             chunked=measured.chunked, chunk_loss=self.chunk_loss, host_memory=self.host_memory)
+            return (replace(plan, tile_mlp=True) if self.tile_mlp else plan), None
         except ValueError as err:
             return None, str(err)
 

@@ -235,7 +235,9 @@ def _intro_lines(result: PlanResult) -> list[str]:
         f"# Checkpointing plan: {result.title}",
         "",
         f"One training step of {type(built.module).__name__} at batch size {main.batch_size}, measured on"
-        f" {built.device} with {how}, every matched layer fully checkpointed. Bytes are activations held for"
+        f" {built.device} with {how}, every matched layer fully checkpointed"
+        + (", each layer's MLP over tiles of tokens (tile_mlp)" if built.tile_mlp else "")
+        + ". Bytes are activations held for"
         " backward; FLOPs are recomputed in backward per step (matmul and attention as torch's FlopCounterMode"
         " counts them, one per output element for other ops). Every figure below is predicted from this one"
         " measurement; no setting was run."
@@ -557,7 +559,7 @@ def _plan_data(plan: Optional[CheckpointPlan]) -> Optional[dict[str, Any]]:
     return None if plan is None else {
         "layers": dict(plan.layers),
         "offloaded": list(plan.offloaded),
-        "compress": plan.compress, "chunk_tokens": plan.chunk_tokens,
+        "compress": plan.compress, "chunk_tokens": plan.chunk_tokens, "tile_mlp": plan.tile_mlp,
         "budget_bytes": plan.budget_bytes, "activation_bytes": plan.planned_bytes, "peak_bytes": plan.peak_bytes,
         "host_bytes": plan.planned_host_bytes, "recompute_flops": plan.recompute_flops,
         "kept_ops": plan.kept_ops, "predicted_step_seconds": plan.predicted_step_seconds,
@@ -580,6 +582,7 @@ def report_data(result: PlanResult) -> dict[str, Any]:
         "device_memory": result.device_memory,
         "device": result.profile.name if result.profile is not None else None,
         "offload": built.offload,
+        "tile_mlp": built.tile_mlp,
         "host_memory": None if host is None else {"bytes": host.total, "given": host.given, "static_bytes": host.static,
                                                   "for_offload_bytes": host.for_offload},
         "outside_bytes": main.outside_bytes,
