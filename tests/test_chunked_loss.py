@@ -11,7 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ckpt import apply_checkpointing, lm_loss, remove_checkpointing
-from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss, chunk_loss_of, unchunk_causal_lm_loss
+from lightning_ckpt.core.chunked_loss import (
+    chunk_causal_lm_loss,
+    chunk_loss_of,
+    chunked_models,
+    head_of,
+    in_lm_loss,
+    unchunk_causal_lm_loss,
+)
 
 VOCAB, WIDTH = 97, 16
 
@@ -124,8 +131,60 @@ def test_chunk_tokens_must_be_positive_and_shapes_match():
     head, hidden, labels = _problem()
     with pytest.raises(ValueError, match="positive"):
         lm_loss(hidden, head, labels, chunk_tokens=0)
-    with pytest.raises(ValueError, match="26 hidden states and 25 labels"):
+    with pytest.raises(ValueError) as info:
         lm_loss(hidden, head, labels.flatten()[:-1])
+    assert str(info.value) == ("`lm_loss` got 26 hidden states and 25 labels. Pass one label per hidden state: labels"
+                               " [batch, seq] for hidden [batch, seq, width], shifted as for the loss (hidden[:, :-1]"
+                               " with labels[:, 1:]).")
+
+
+def test_no_tokens_give_the_mean_of_nothing_and_a_zero_sum_over_num_items():
+    head = nn.Linear(WIDTH, VOCAB)
+    hidden, labels = torch.randn(0, WIDTH, requires_grad=True), torch.zeros(0, dtype=torch.long)
+    # as cross_entropy: the mean over no labels is 0 / 0
+    assert torch.isnan(lm_loss(hidden, head, labels)) and torch.isnan(F.cross_entropy(head(hidden), labels))
+    summed = lm_loss(hidden, head, labels, num_items_in_batch=4)  # a micro-batch of padding only: 0 / 4
+    assert summed.item() == 0.0
+    summed.backward()  # in the graph, so a step of only padding runs its backward
+    assert hidden.grad.shape == (0, WIDTH)
+
+
+@pytest.mark.accelerator
+def test_labels_and_num_items_on_the_host_are_moved_to_the_device_of_the_hidden_states():
+    head, hidden, labels = _problem()
+    ref = F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten(), reduction="sum") / 41
+    device = torch.device("cuda")
+    # the labels as a host dataloader gives them, num_items_in_batch a 1-element host tensor (not a 0-D one, which
+    # torch would take as a scalar on any device)
+    loss = lm_loss(hidden.detach().to(device), copy.deepcopy(head).to(device), labels,
+                   num_items_in_batch=torch.tensor([41]), chunk_tokens=4)
+    assert loss.device.type == "cuda" and torch.allclose(loss.cpu(), ref.detach(), rtol=1e-5, atol=0)
+
+
+class _Recording(nn.Module):
+    """A head that records, at each call, whether lm_loss's chunk is running it."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(in_lm_loss())
+        return self.head(x)
+
+
+def test_in_lm_loss_is_true_exactly_while_a_chunk_runs_its_head():
+    head, hidden, labels = _problem()
+    recording = _Recording(head)
+    assert not in_lm_loss()
+    loss = lm_loss(hidden, recording, labels, chunk_tokens=10)  # 26 tokens: chunks of 10, 10 and 6
+    assert recording.seen == [True] * 3 and not in_lm_loss()
+    loss.backward()  # each chunk's head recomputed, inside its chunk again
+    assert recording.seen == [True] * 6 and not in_lm_loss()
+    lm_loss(hidden, recording, labels, chunk_tokens=26)  # a second loss starts from nothing running
+    recording(hidden)  # the head called by its model, outside lm_loss
+    assert recording.seen[6:] == [True, False] and not in_lm_loss()
 
 
 def test_frozen_head_gets_no_gradient_and_the_same_hidden_gradient():
@@ -218,8 +277,11 @@ def test_transformers_model_changing_logits_before_the_loss_is_refused():
     ids, labels = _ids()
     # as Cohere's logit_scale or Gemma-2's soft-capping: what reaches the loss is not what the head returned
     model.lm_head.register_forward_hook(lambda module, args, out: out * 2)
-    with pytest.raises(RuntimeError, match="changes the logits"):
+    with pytest.raises(RuntimeError) as info:
         model(input_ids=ids, labels=labels)
+    assert str(info.value) == (
+        "lightning_ckpt: chunk_loss cannot chunk LlamaForCausalLM's loss: its forward changes the logits between the"
+        " head and the loss (soft-capping or scaling). Pass chunk_loss=False for this model: its loss then stays whole.")
     assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__  # both restored
 
 
@@ -243,6 +305,104 @@ def test_transformers_shift_labels_given_to_the_forward_are_the_loss_s_labels():
     assert torch.allclose(loss, by_hand, rtol=1e-6, atol=0)
 
 
+def _chunked_head_calls(model: nn.Module, fn) -> int:
+    """How many times ``fn`` runs ``model``'s LM head inside lm_loss's chunks (the forward's, not the recompute's)."""
+    calls = []
+    handle = head_of(model).register_forward_hook(lambda *_: calls.append(in_lm_loss()))
+    try:
+        with torch.no_grad():
+            fn()
+    finally:
+        handle.remove()
+    return sum(calls)
+
+
+def test_transformers_chunks_of_the_size_asked_any_way_the_forward_is_called():
+    reference = _llama()
+    model = copy.deepcopy(reference)
+    ids, labels = _ids()
+    with torch.no_grad():
+        ref = reference(input_ids=ids, labels=labels)
+        ref_tuple = reference(input_ids=ids, labels=labels, return_dict=False)
+    assert chunk_causal_lm_loss(model, chunk_tokens=5) == [""] and chunk_loss_of(model) == 5
+    # 2 x 12 tokens in chunks of 5: 5 chunks (the last of 4)
+    assert _chunked_head_calls(model, lambda: model(input_ids=ids, labels=labels)) == 5
+    with torch.no_grad():
+        # labels passed by position (input_ids, attention_mask, position_ids, the cache, inputs_embeds, labels)
+        positional = model(ids, None, None, None, None, labels)
+        keyword = model(ids, labels=labels)
+        as_tuple = model(input_ids=ids, labels=labels, return_dict=False)
+        logits = model(ids).logits  # no labels, by position: the model's own forward
+    for out in (positional, keyword):
+        assert out.logits is None and torch.allclose(out.loss, ref.loss, rtol=1e-6, atol=0)
+    assert len(as_tuple) == len(ref_tuple) == 3 and as_tuple[1] is None  # (loss, logits, cache): the cache kept
+    assert torch.equal(logits, ref.logits)
+    assert unchunk_causal_lm_loss(model) == [""] and chunk_loss_of(model) is None
+
+
+def test_transformers_ignore_index_given_to_the_forward_reaches_the_chunked_loss():
+    reference = _llama()
+    model = copy.deepcopy(reference)
+    ids, labels = _ids()
+    labels[labels == -100] = 3  # padding marked 3, as a tokenizer whose pad id is 3 would
+    with torch.no_grad():
+        logits = reference(input_ids=ids).logits
+    # by hand: token t predicts labels[t + 1], the labels that are 3 not counted
+    by_hand = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=3)
+    chunk_causal_lm_loss(model, chunk_tokens=5)
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=labels, ignore_index=3).loss
+    assert torch.allclose(loss, by_hand, rtol=1e-6, atol=0)
+
+
+def test_transformers_model_keeps_its_own_forward_loss_function_and_head_forward():
+    """Forwards set on the instance (accelerate's hooks, a user's wrapper) and a loss_function the user set: the chunked
+    call runs through them, and each is given back as it was."""
+    reference = _llama()
+    model = copy.deepcopy(reference)
+    ids, labels = _ids()
+    calls = {"forward": 0, "head": 0}
+    class_forward, class_head_forward = model.forward, model.lm_head.forward
+
+    def own_forward(*args, **kwargs):
+        calls["forward"] += 1
+        return class_forward(*args, **kwargs)
+
+    def own_head_forward(hidden):
+        calls["head"] += 1
+        return class_head_forward(hidden)
+
+    def own_loss(*args, **kwargs):
+        raise AssertionError("the chunked loss replaces the model's loss function while it runs")
+
+    model.forward, model.lm_head.forward, model.loss_function = own_forward, own_head_forward, own_loss
+    chunk_causal_lm_loss(model, chunk_tokens=5)
+    with torch.no_grad():
+        ref = reference(input_ids=ids, labels=labels).loss
+        loss = model(input_ids=ids, labels=labels).loss
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=0)
+    assert calls == {"forward": 1, "head": 5}  # the model's forward once; its head's for each of the 5 chunks
+    assert model.lm_head.__dict__["forward"] is own_head_forward and model.__dict__["_loss_function"] is own_loss
+    unchunk_causal_lm_loss(model)
+    assert model.__dict__["forward"] is own_forward
+
+
+def test_a_model_with_an_lm_head_that_is_neither_transformers_nor_litgpt_is_left_as_it_is():
+    class Custom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = nn.Linear(WIDTH, VOCAB)
+
+        def forward(self, hidden):
+            return self.lm_head(hidden)
+
+    model = Custom()
+    assert chunked_models(model) == [] and chunk_causal_lm_loss(model) == []
+    assert "forward" not in model.__dict__ and chunk_loss_of(model) is None
+    llama = _llama(["q_proj", "v_proj"])  # PEFT: the causal LM inside its wrappers
+    assert chunked_models(llama) == ["base_model.model"] and head_of(llama.get_base_model()) is llama.get_base_model().lm_head
+
+
 def test_litgpt_gpt_with_targets_returns_the_same_loss_without_logits():
     litgpt = pytest.importorskip("litgpt")
     torch.manual_seed(0)
@@ -263,6 +423,31 @@ def test_litgpt_gpt_with_targets_returns_the_same_loss_without_logits():
     assert model(ids).shape == (2, 12, VOCAB)
 
 
+def test_litgpt_gpt_chunks_of_the_size_asked_through_its_own_forward_and_without_targets_is_itself():
+    litgpt = pytest.importorskip("litgpt")
+    torch.manual_seed(0)
+    reference = litgpt.GPT(litgpt.Config(n_layer=1, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, padded_vocab_size=VOCAB,
+                                         block_size=16, bias=True))
+    model = copy.deepcopy(reference)
+    ids, labels = _ids()
+    calls = [0]
+    class_forward = model.forward
+
+    def own_forward(*args, **kwargs):
+        calls[0] += 1
+        return class_forward(*args, **kwargs)
+
+    model.forward = own_forward
+    assert chunk_causal_lm_loss(model, chunk_tokens=7) == [""]
+    # 24 tokens in chunks of 7: 4 chunks, through the instance's own forward once
+    assert _chunked_head_calls(model, lambda: model(ids, targets=labels)) == 4 and calls[0] == 1
+    with torch.no_grad():
+        split = model(ids, lm_head_chunk_size=4)  # litgpt's own keyword, no targets: its own forward, as given
+        assert isinstance(split, list) and len(split) == 3
+        assert torch.equal(torch.cat(split, dim=1), reference(ids))
+    assert unchunk_causal_lm_loss(model) == [""] and model.__dict__["forward"] is own_forward
+
+
 def test_litgpt_gpt_soft_capping_its_logits_is_refused_and_left_as_it_was():
     """Gemma-2 style ``final_logit_softcapping``: litgpt caps the head's logits before returning them, so the hidden
     states through the head are not what the loss would see; chunking them would train on uncapped logits."""
@@ -274,8 +459,11 @@ def test_litgpt_gpt_soft_capping_its_logits_is_refused_and_left_as_it_was():
     logits = model(ids)
     assert float(logits.detach().abs().max()) < 2.0  # capped: 2 tanh(x / 2)
     chunk_causal_lm_loss(model, chunk_tokens=5)
-    with pytest.raises(RuntimeError, match="changes the logits between the head and the loss"):
+    with pytest.raises(RuntimeError, match="changes the logits between the head and the loss") as info:
         model(ids, targets=labels)
+    assert str(info.value).startswith("lightning_ckpt: chunk_loss cannot chunk GPT's loss: its forward changes the"
+                                      " logits between the head and the loss (soft-capping or scaling). Pass"
+                                      " chunk_loss=False for this model: its loss then stays whole.")
     assert "forward" not in model.lm_head.__dict__  # the head is given back
     assert torch.equal(model(ids), logits)  # without targets: the model's own forward, capped
 
@@ -293,6 +481,8 @@ def test_demo_gpt_training_step_loss(chunked):
     apply_checkpointing(module, chunk_loss=chunked)
     if chunked:
         assert chunk_causal_lm_loss(module, chunk_tokens=5) == ["model"]
+        assert "forward" not in module.model.__dict__ and chunk_loss_of(module.model) == 5  # it reads its chunk itself
+        assert head_of(module.model) is module.model.head
     loss, shapes = _saved_shapes(lambda: module.training_step((ids, labels), 0))
     assert bool(_vocab_shaped(shapes)) is not chunked
     assert torch.allclose(loss, ref, rtol=1e-6, atol=0)
@@ -302,7 +492,8 @@ def test_demo_gpt_training_step_loss(chunked):
         assert _rel(got[name], want[name]) <= 1e-6, name
 
 
-def test_unsupported_model_keeps_its_loss_and_says_so(caplog):
+def test_unsupported_model_keeps_its_loss_and_says_so(caplog, monkeypatch):
+    monkeypatch.setattr("lightning_ckpt.core.say_once._said", set())  # said once per process: whatever ran before
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with caplog.at_level("INFO", logger="lightning_ckpt"):
         apply_checkpointing(model, layer_cls=nn.Linear, chunk_loss=True)
