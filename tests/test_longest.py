@@ -73,7 +73,7 @@ def test_an_impossible_budget_is_refused_before_the_first_step_naming_the_longes
     assert "but the least reachable is 776.5 KiB" in message, message
     assert "This was for a batch of 256 tokens (length 64)" in message, message
     assert "length 64, from max_length. Nothing was trained." in message, message
-    assert model.optimizer_steps == 0 and model.calls == 1  # the fake step only
+    assert model.optimizer_steps == 0 and model.calls == 2  # the fake steps only: whole, then with tiles (tile_mlp=None)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert checkpointed_names(model) == []  # nothing left applied
 

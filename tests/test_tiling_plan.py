@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from helpers import counted_peak
 from lightning_ckpt import apply_checkpointing, remove_checkpointing
@@ -98,3 +99,62 @@ def test_plan_with_tile_mlp_measures_every_setting_with_tiles(tmp_path):
         peaks[tiles] = {s["name"]: s["peak_bytes"] for s in report["settings"]}
     rows, intermediate = 8 * 256, 4 * 32
     assert peaks["false"]["every_layer"] - peaks["true"]["every_layer"] >= rows * intermediate * 4 * (1 - 1 / 8)
+
+
+class TilesSeen(Callback):
+    """The tiled submodules at each training step (after the checkpointing callback has applied its plan)."""
+
+    def __init__(self) -> None:
+        self.names: list[list[str]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.names.append(tiled_names(pl_module))
+
+
+def _fit(callback, steps: int = 3, *extra, length: int = T // 2):
+    from lightning.pytorch import Trainer
+
+    from helpers import StepPeaks
+    from lightning_ckpt.demos import GPT, CountingDataModule
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, block_size=T, n_layer=LAYERS, n_embd=WIDTH, n_head=2, dropout=0.0)
+    peaks = StepPeaks()
+    trainer = Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[callback, peaks, *extra], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    # batches shorter than max_length (T): the longest batch is planned on fake tensors before the first step, where
+    # tile_mlp=None chooses the tiles
+    trainer.fit(model, CountingDataModule(vocab_size=32, block_size=length, batch_size=B, num_samples=16))
+    return model, peaks.peaks
+
+
+def test_the_callback_tiles_where_only_tiles_hold_the_longest_batch_and_every_step_holds_the_budget(caplog):
+    from helpers import least_reachable_bytes
+    from lightning_ckpt import GradientCheckpointing
+
+    floors = {}
+    for tiles in (False, True):
+        with pytest.raises(ValueError) as info:
+            _fit(GradientCheckpointing(memory_budget="1KiB", max_length=T, tile_mlp=tiles))
+        floors[tiles] = least_reachable_bytes(str(info.value))
+    assert floors[True] < floors[False]
+    budget = (floors[True] + floors[False]) // 2
+    callback, seen = GradientCheckpointing(memory_budget=budget, max_length=T), TilesSeen()  # tile_mlp=None
+    with caplog.at_level("INFO"):
+        model, peaks = _fit(callback, 3, seen)
+    assert "only with each layer's MLP over tiles of tokens" in caplog.text
+    assert seen.names == [[f"model.blocks.{i}.{m}" for i in range(LAYERS) for m in ("ln2", "mlp")]] * 3
+    assert tiled_names(model) == []  # undone with the rest at the end of fit
+    assert len(peaks) == 3 and max(peaks) <= budget, (peaks, budget)
+    assert callback.state_dict()["tiles_chosen"] is True
+
+
+def test_the_callback_does_not_tile_where_the_budget_holds_without_tiles():
+    from helpers import least_reachable_bytes
+    from lightning_ckpt import GradientCheckpointing
+
+    with pytest.raises(ValueError) as info:
+        _fit(GradientCheckpointing(memory_budget="1KiB", max_length=T, tile_mlp=False))
+    callback, seen = GradientCheckpointing(memory_budget=least_reachable_bytes(str(info.value)), max_length=T), TilesSeen()
+    _fit(callback, 3, seen)
+    assert seen.names == [[]] * 3 and "tiles_chosen" not in callback.state_dict()

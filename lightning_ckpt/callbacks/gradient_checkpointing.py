@@ -61,7 +61,7 @@ from lightning_ckpt.core.chunked_loss import (
     unchunk_causal_lm_loss,
 )
 from lightning_ckpt.core.compress import Compress
-from lightning_ckpt.core.tiling import apply_tiling, tile_classes, validate_tile_tokens
+from lightning_ckpt.core.tiling import apply_tiling, tile_classes, token_wise_modules, validate_tile_tokens
 from lightning_ckpt.core.wrapping import (
     CheckpointOptions,
     Mode,
@@ -263,6 +263,7 @@ class GradientCheckpointing(Callback):
         self._device: Optional[tuple[DeviceProfile, int]] = None  # profile and host memory, for "auto"
         self._longest_checked = False  # the longest batch planned for (or found unknown) before the first step
         self._fake_failed = False  # fake tensors could not run the step (said once)
+        self._tiles_chosen = False  # tile_mlp=None: the longest batch is held only with tiles, so the run tiles
         # chunk_loss=None with a budget: the measuring step runs the head chunked; the unchunked head and loss are
         # measured apart on fake tensors, and the plan chooses between them
         self._head_count: Optional[HeadCount] = None
@@ -323,10 +324,10 @@ class GradientCheckpointing(Callback):
         """The tiling options :func:`apply_checkpointing` gets: ``tile_mlp=True`` with its ``tile_tokens`` and
         ``tile_cls``, or none (``False``, and ``None``).
 
-        ``None`` is the hook for the planner: a budget's plan will choose tiling and the tokens per tile (as
-        ``chunk_loss=None`` lets it choose the chunked head); until it does, ``None`` tiles nothing.
+        ``None`` with a budget: tiles where the longest batch, planned before the first step, is held only with them
+        (then for the whole run, every plan measured with them); else nothing.
         """
-        if self._settings["tile_mlp"] is not True:
+        if self._settings["tile_mlp"] is not True and not self._tiles_chosen:
             return {}
         return {"tile_mlp": True, "tile_tokens": self._settings["tile_tokens"], "tile_cls": self._settings["tile_cls"]}
 
@@ -471,8 +472,9 @@ class GradientCheckpointing(Callback):
         longest = longest_length(pl_module, self._settings["max_length"])
         if longest is None:
             return
-        # A first batch already that long needs no fake step: its own measuring step plans before its backward. The
-        # ranks decide from the longest first batch over them, so that all of them take the same path.
+        # A first batch already that long needs no fake step: its own measuring step plans before its backward (and
+        # tile_mlp=None then tiles nothing: tiles are chosen on the fake step). The ranks decide from the longest first
+        # batch over them, so that all of them take the same path.
         first = _largest_over_ranks(trainer.strategy, BatchSize(0, sequence_length_of(batch) or 0)).length
         shorter = first < longest[0]
         if shorter and _sharded(pl_module):
@@ -489,6 +491,7 @@ class GradientCheckpointing(Callback):
         if not _all_ranks(trainer.strategy, found is not None):
             return
         assert found is not None
+        found = self._tiled_if_needed(trainer, pl_module, batch, longest, found)
         if longest[1] != "max_length" and not self._holds(trainer, *found):
             # The model's limit is only a hint (today's models take 32K-131K, beyond most data): not refused here.
             held = self._longest_held(trainer, pl_module, batch, first, longest[0])
@@ -511,6 +514,27 @@ class GradientCheckpointing(Callback):
                        f" step for length {longest[0]} (from {longest[1]}) on fake tensors, through your"
                        " training_step.")
 
+    def _tiled_if_needed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, longest: tuple[int, str],
+                         found: tuple[RankMeasurement, Optional[HeadCount]]) -> tuple[RankMeasurement,
+                                                                                     Optional[HeadCount]]:
+        """With ``tile_mlp=None`` and a ``max_length`` (a promise; the model's own limit is only a hint, for which
+        the run is not slowed): where no plan holds the longest batch but one with the layers' MLPs over tiles of
+        tokens does (measured again on fake tensors), the run tiles from here on and ``found`` becomes the tiled
+        measurement. Every rank decides alike (the costs are combined over ranks)."""
+        if (self._settings["tile_mlp"] is not None or longest[1] != "max_length" or self._holds(trainer, *found)
+                or not token_wise_modules(pl_module, self._settings["tile_cls"])):
+            return found
+        self._tiles_chosen = True
+        tiled = self._fake_measured(trainer, pl_module, batch, longest)
+        if _all_ranks(trainer.strategy, tiled is not None) and self._holds(trainer, *tiled):  # type: ignore[misc]
+            rank_zero_info(f"GradientCheckpointing: the budget holds the longest batch (length {longest[0]}) only with"
+                           " each layer's MLP over tiles of tokens (tile_mlp=None lets the plan choose): tiling them"
+                           " for the run.")
+            return tiled  # type: ignore[return-value]
+        self._tiles_chosen = False
+        self.apply(pl_module)  # untiled again
+        return found
+
     def _fake_measured(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                        longest: tuple[int, str]) -> Optional[tuple[RankMeasurement, Optional[HeadCount]]]:
         """One fully checkpointed step of ``batch`` at length ``longest[0]`` on fake tensors: its costs, and the LM
@@ -519,7 +543,10 @@ class GradientCheckpointing(Callback):
         modes = ("full",) if self._reentrant() else ("full", "selective")
         chooses = self._chooses_chunks(pl_module)
         remove_checkpointing(pl_module)
+        tiles = self._tiles()
         try:
+            if tiles:  # measured as the run computes it
+                apply_tiling(pl_module, tiles["tile_cls"], tiles["tile_tokens"])
             # The head as the run computes it: chunked with chunk_loss=True. Where the plan chooses, through
             # lm_loss in one chunk (fake tensors hold nothing): whole, and seen to reach lm_loss at all; its chunks
             # are priced apart.
@@ -738,6 +765,8 @@ class GradientCheckpointing(Callback):
             state["plans"] = self._cycle.state_dict()
         if self._auto is not None:
             state["auto_budget"] = [self._auto.device_bytes, self._auto.static_bytes, self._auto.other_peak_bytes]
+        if self._tiles_chosen:
+            state["tiles_chosen"] = True
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -750,6 +779,7 @@ class GradientCheckpointing(Callback):
             # A resumed run: the plans from the checkpoint, from the first step, without measuring those sizes again.
             # (A checkpoint with only "plan" does not say which sizes it holds for: every size is measured anew.)
             self._cycle.load_state_dict(plans)
+            self._tiles_chosen = bool(state_dict.get("tiles_chosen"))  # the plans were measured with tiles
             if "auto_budget" in state_dict:
                 self._auto = AutoBudget(*state_dict["auto_budget"])
             self._measured = None
