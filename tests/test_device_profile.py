@@ -23,7 +23,7 @@ from lightning_ckpt.core.planner import (
 )
 from lightning_ckpt.demos import Block, BlockStack
 
-PRESETS = {"h100-sxm", "h100-pcie", "a100-80gb", "l4", "rtx-4090", "gh200"}
+PRESETS = {"h100-sxm", "h100-pcie", "a100-80gb", "l4", "rtx-4090", "gh200", "h200"}
 
 
 def test_presets_and_an_unknown_name() -> None:

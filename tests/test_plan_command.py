@@ -310,7 +310,7 @@ def test_fake_build_allocates_no_parameter_memory_and_is_chosen_when_the_model_w
     (["--memory-budget", "1.5"], "--memory-budget 1.5: pass a fraction in (0, 1]"),
     (["--memory-budget", "lots"], "--memory-budget lots: pass a fraction in (0, 1]"),
     (["--device-memory", "0.5"], "--device-memory 0.5: pass the device's memory in bytes, such as 80GiB"),
-    (["--device", "h200-nvl"], "--device h200-nvl: pass a preset (h100-sxm, h100-pcie, a100-80gb, l4, rtx-4090, gh200)"),
+    (["--device", "h200-nvl"], "--device h200-nvl: pass a preset (h100-sxm, h100-pcie, a100-80gb, l4, rtx-4090, gh200, h200)"),
     (["--device-mem", "8MiB"], "unrecognized arguments: --device-mem"),  # no abbreviations: --device is its own flag
 ])
 def test_bad_arguments_exit_2_saying_what_to_pass(args, message, capsys):

@@ -48,6 +48,7 @@ _PRESETS: dict[str, tuple[float, float, float, float]] = {
     "l4": (121e12, 300e9, 32e9, 1e-5),
     "rtx-4090": (165.2e12, 1008e9, 32e9, 1e-5),
     "gh200": (989e12, 4.0e12, 450e9, 1e-5),
+    "h200": (989e12, 4.8e12, 64e9, 1e-5),  # H200 SXM: H100's compute, 141 GB of HBM3e at 4.8 TB/s, PCIe 5
 }
 
 
