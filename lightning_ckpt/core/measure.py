@@ -541,6 +541,9 @@ def _backward_seed(layer: nn.Module, inputs: Sequence[torch.Tensor],
     wrt = [t for t in inputs if t.requires_grad]
     if not wrt:  # frozen inputs (PEFT): the backward still runs for the layer's own trainable weights
         wrt = [p for p in _own_parameters(layer) if p.requires_grad and not hasattr(p, "to_local")]
+    else:  # tiled submodules: each tile's weight gradients are alive until added up, which a step's peak sees
+        wrt += [p for name in tiles_of(layer) for p in layer.get_submodule(name).parameters()
+                if p.requires_grad and not hasattr(p, "to_local")]
     if not outs or not wrt:
         return None, wrt
     return _OnesGrad.apply(*outs), wrt
