@@ -4,7 +4,7 @@ A dispatch mode sees every op of the forward, the backward and any recompute. It
 storage (a weak reference, so it keeps nothing alive) and, after each op, drops those that have died. Replaying
 the births and deaths gives the bytes alive after every op; the peak leaves out the storages named in ``exclude``
 (the parameters' gradients, which live on after the step). Storages made before the mode was entered (parameters,
-the batch) are never counted.
+the batch) are never counted, nor fake tensors' (they hold no memory).
 
     with LiveStorages() as live:
         loss_fn().backward()
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -36,9 +37,11 @@ class LiveStorages(TorchDispatchMode):
                 del self._live[key]
                 self.events.append((key, -nbytes))
         # A view or an in-place result makes no storage: a parameter's transpose is not an activation.
-        read = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        read = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)}
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            # Fake tensors (the package prices a chunked head on them inside a step) hold no memory.
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" and not isinstance(tensor, FakeTensor):
                 storage = tensor.untyped_storage()
                 key, nbytes = storage.data_ptr(), storage.nbytes()
                 if nbytes and key not in self._live and key not in read:

@@ -69,9 +69,9 @@ def test_a_rank_packs_each_layer_then_the_outside_bytes_then_the_figures():
                      transient_bytes=4000, bf16_bytes=500, fp8_bytes=260, shared_bytes=64)
     measured = Measurement([cost], outside_bytes=7, head_bytes=5, head_peak_bytes=9)
     assert pack_costs(measured, [80, 30, 2], min_bytes=1000) == [3000, 1000, 2000, 1000, 10, 1, 2, 4000, 500, 260, 64,
-                                                                 2500, 1000, 7, 5, 9, 80, 30, 2]
+                                                                 0, 2500, 1000, 7, 5, 9, 80, 30, 2]
     # the engine's threshold decides what is moved: at 1200 only the 1500 B storage of what the layer saves
-    assert pack_costs(measured, min_bytes=1200)[11:] == [1500, 0, 7, 5, 9]
+    assert pack_costs(measured, min_bytes=1200)[12:] == [1500, 0, 7, 5, 9]
 
 
 def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device():
@@ -89,7 +89,7 @@ def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device()
     gathered = torch.tensor([pack_costs(mine, [1000, 40, 11], min_bytes=DEFAULT_MIN_BYTES), other_row])
     assert [c.shared_bytes for c in combine_costs(gathered, mine)[0].costs] == [8192, 0]
     # and the other way round: this rank's larger outside bytes are kept
-    other_row[26] = 3  # the outside bytes
+    other_row[28] = 3  # the outside bytes
     gathered = torch.tensor([pack_costs(mine, [1000, 40, 11], min_bytes=DEFAULT_MIN_BYTES), other_row])
     assert combine_costs(gathered, mine)[0].outside_bytes == 7
 

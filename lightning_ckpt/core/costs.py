@@ -20,7 +20,7 @@ from typing import Literal, Optional, Union
 
 from lightning_ckpt.core.compress import Compress
 from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
-from lightning_ckpt.core.op_curve import OpRecord
+from lightning_ckpt.core.op_curve import OpRecord, forward_peak
 
 __all__ = ["PLAN_MODES", "Choice", "LayerCost", "Offload", "validate_modes", "validate_offload"]
 
@@ -69,6 +69,11 @@ class LayerCost:
     #: Exact bytes of the compressible inputs it shares with other layers (a rotary ``cos``/``sin``): held once,
     #: outside the layers, so not in ``full_bytes``; under ``compress`` its backward decompresses them anew.
     shared_bytes: int = 0
+    #: The most bytes its forward has alive at once selectively checkpointed: its inputs, the outputs it keeps so far
+    #: and the intermediates alive then (the largest over its calls, with what its earlier calls keep; 0: not
+    #: measured). Above :meth:`backward_peak` where a chain of cheap ops runs next to a large kept output (SDPA with
+    #: dropout on the CPU: the scores, then the softmax, the mask and the dropped probabilities).
+    selective_forward_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.ops, tuple) or any(isinstance(r, Mapping) for r in self.ops):  # from a state_dict
@@ -148,7 +153,34 @@ class LayerCost:
                        offloadable_bytes=round(self.offloadable_bytes * ratio),
                        input_sizes=tuple(round(size * ratio) for size in self.input_sizes),
                        transient_bytes=self.backward_peak + held + self.shared_bytes, bf16_bytes=0, fp8_bytes=0,
-                       codec_bytes=2 * (self.full_bytes + held))
+                       codec_bytes=2 * (self.full_bytes + held),
+                       selective_forward_bytes=self.selective_forward_bytes + held + self.shared_bytes
+                       if self.selective_forward_bytes else 0)
+
+    def forward_bytes(self, choice: Choice, keep: Sequence[int] = ()) -> Optional[int]:
+        """The most bytes its forward has alive at once as ``choice`` keeps outputs (``"selective"``, or ``"ops"``
+        keeping those at ``keep``): :attr:`selective_forward_bytes`, and for ``"ops"`` the same with its kept outputs
+        instead of the matmuls' (:func:`~lightning_ckpt.core.op_curve.forward_peak`). ``None`` where not measured, and
+        for ``"none"`` and ``"full"``, whose forward never has more alive than their backward.
+
+        Example::
+
+            >>> ops = (OpRecord("aten.mm.default", 400, 10, 0, freed=1),
+            ...        OpRecord("aten.exp.default", 400, 1, 0, freed=2))
+            >>> cost = LayerCost("a", "Block", none_bytes=800, full_bytes=100, selective_bytes=500, offloadable_bytes=0,
+            ...                  full_flops=11, selective_flops=1, ops=ops, selective_forward_bytes=900)
+            >>> cost.forward_bytes("selective"), cost.forward_bytes("ops", keep=[1]), cost.forward_bytes("full")
+            (900, 500, None)
+        """
+        if choice == "selective":
+            return self.selective_forward_bytes or None
+        if choice != "ops" or not self.selective_forward_bytes:
+            return None
+        heavy = forward_peak(self.ops, [i for i, r in enumerate(self.ops) if r.heavy])
+        kept = forward_peak(self.ops, keep)
+        if heavy is None or kept is None:
+            return None
+        return self.selective_forward_bytes - heavy + kept
 
     def flops(self, choice: Choice, keep: Sequence[int] = ()) -> int:
         if choice == "ops":

@@ -29,10 +29,11 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_ckpt.core.costs import PLAN_MODES, LayerCost, validate_modes
 from lightning_ckpt.core.layer_state import buffers_restored
-from lightning_ckpt.core.op_curve import OpRecord, add_records, op_records
+from lightning_ckpt.core.op_curve import OpRecord, add_records, forward_peak, op_records
 from lightning_ckpt.core.placement import fsdp2
 from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS
 from lightning_ckpt.core.compress import held_bytes, layer_compress
@@ -168,6 +169,7 @@ class _LayerTotals:
     bf16_bytes: int = 0
     fp8_bytes: int = 0
     shared_bytes: int = 0  # the largest over the calls
+    selective_forward_bytes: int = 0  # the largest over the calls
 
 
 @dataclass(frozen=True)
@@ -186,13 +188,16 @@ class _HeldInput:
 @dataclass(frozen=True)
 class _Call:
     """One measured call of a layer: its held inputs by storage, the outputs it saves un-checkpointed (storage,
-    bytes), its inputs' bytes and its backward's peak beyond them."""
+    bytes), its inputs' bytes and its backward's peak beyond them; selectively checkpointed, the bytes of the outputs
+    it keeps and its forward's peak beyond its inputs (0: not measured)."""
 
     name: str
     inputs: dict[tuple[Any, int], _HeldInput]
     saved_outputs: tuple[tuple[tuple[Any, int], int], ...]
     full: int
     backward: int
+    kept: int = 0
+    selective_forward: int = 0
 
 
 def _held_once(calls: Sequence[_Call], step_saved: set[tuple[Any, int]],
@@ -221,11 +226,17 @@ def _held_once(calls: Sequence[_Call], step_saved: set[tuple[Any, int]],
         for key in call.inputs:
             takers[key] = takers.get(key, 0) + 1
     shared = {key for key, n in takers.items() if n > 1}
-    out = {name: replace(t, transient_bytes=0) for name, t in totals.items()}
+    out = {name: replace(t, transient_bytes=0, selective_forward_bytes=0) for name, t in totals.items()}
+    before: dict[str, int] = {}  # what a layer's earlier calls hold selectively checkpointed, during its next call
     for i, call in enumerate(calls):
         t = out[call.name]
         gone = [held for key, held in call.inputs.items() if key in shared]
         common = sum(h.nbytes for h in gone)
+        if call.selective_forward:
+            held_before = before.get(call.name, 0)
+            t.selective_forward_bytes = max(t.selective_forward_bytes,
+                                            held_before + call.full - common + call.selective_forward)
+            before[call.name] = held_before + call.full - common + call.kept
         t.full_bytes -= common
         t.selective_bytes -= common
         t.offloadable_bytes -= sum(h.nbytes for h in gone if h.on_device)
@@ -258,6 +269,58 @@ class _Rerun:
     #: No op of the forward had an output whose shape or value depends on the data (``nonzero``, ``.item()``: a
     #: mixture of experts' routing): only then can the same shapes be taken to measure the same.
     reusable: bool
+    #: Selectively checkpointed, its forward's peak beyond the inputs (:meth:`LayerCostRecorder._forward_lives`;
+    #: 0: not measured).
+    selective_forward: int = 0
+
+
+class _ForwardLives:
+    """A selective-checkpoint policy that keeps nothing and records, per op it sees (the positions op-level choices
+    count), its name, the bytes of the storages it creates and the position of the op before which they were all
+    freed (storages are watched by weak references, looked at as each op comes)."""
+
+    def __init__(self) -> None:
+        self.ops: list[str] = []
+        self.created: list[int] = []
+        self.freed: list[int] = []
+        self._live: dict[tuple[Any, int], tuple[Any, int]] = {}  # storage -> (weak reference, the op that made it)
+        self._alive: list[int] = []  # per op, how many of the storages it made are alive
+
+    def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        position = len(self.ops)
+        for key, (ref, made_by) in list(self._live.items()):
+            if torch.UntypedStorage._expired(ref):
+                torch.UntypedStorage._free_weak_ref(ref)
+                del self._live[key]
+                self._alive[made_by] -= 1
+                if not self._alive[made_by]:  # the last of its storages
+                    self.freed[made_by] = position
+        read = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        created = alive = 0
+        for tensor in tree_leaves(getattr(ctx, "op_output", None)):
+            if isinstance(tensor, torch.Tensor) and storage_key(tensor) not in read | set(self._live):
+                storage = tensor.untyped_storage()
+                self._live[storage_key(tensor)] = (storage._weak_ref(), position)
+                created, alive = created + storage.nbytes(), alive + 1
+        self.ops.append(str(op))
+        self.created.append(created)
+        self.freed.append(-1 if alive else position + 1)  # -1: not freed yet
+        self._alive.append(alive)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def records(self) -> list[OpRecord]:
+        """The ops as :class:`OpRecord` (bytes and ``freed``; what is alive at the end is freed after the last op)."""
+        self.freed = [f if f >= 0 else len(self.ops) for f in self.freed]
+        for ref, _ in self._live.values():
+            torch.UntypedStorage._free_weak_ref(ref)
+        self._live.clear()
+        return [OpRecord(op, nbytes, 0, 0, freed=f) for op, nbytes, f in zip(self.ops, self.created, self.freed)]
+
+    def heavy(self) -> list[int]:
+        """The positions of the ops ``mode="selective"`` keeps
+        (:data:`~lightning_ckpt.core.policies.COMPUTE_HEAVY_OPS`)."""
+        heavy = {str(op) for op in COMPUTE_HEAVY_OPS}
+        return [i for i, op in enumerate(self.ops) if op in heavy]
 
 
 class LayerCostRecorder:
@@ -271,6 +334,11 @@ class LayerCostRecorder:
     the layers are recorded too (:attr:`outside_ops`, for a predicted step time). ``held_bytes`` is what the fully
     checkpointed step itself held for backward. The re-runs are hidden from counters outside (:func:`~lightning_ckpt.core.profiling.hidden_from_counters`): a monitor counting the step
     sees the step's bytes only.
+
+    With ``selective=True`` the re-run's forward runs once more, checkpointed and keeping nothing, to learn when what
+    each op creates is freed: a layer that keeps outputs (selective, op-level) can peak in its forward, above its
+    backward (``LayerCost.selective_forward_bytes``, ``OpRecord.freed``), with what the modules outside the layers
+    returned still alive (an embedding's output a model's forward keeps in a local while its layers run).
 
     Layers identical to one re-run before in the step (class, configuration, weights, training flags) and called
     alike (the same arguments' shapes and plain values) are not re-run: they reuse its figures, which are the same
@@ -324,6 +392,12 @@ class LayerCostRecorder:
         self._after_layers = 0
         self._last_output: Any = None
         self._pending: list[_Rerun] = []  # the re-runs of the layers whose forward is running (see _enter_layer)
+        # Storages the modules outside the layers returned (an embedding's output, which the model's forward may keep
+        # in a local while the layers run): weak references and bytes; and, per layer whose forward is running, the
+        # bytes of them alive at its start that nothing counts (neither saved for backward nor a layer's input).
+        self._returned: dict[tuple[Any, int], tuple[Any, int]] = {}
+        self._loose: list[int] = []
+        self._inputs_seen: set[tuple[Any, int]] = set()
         #: The most bytes the backward of the head and loss makes alive at once (the logits' gradient), set by
         #: :meth:`measure_head`; 0 when not measured.
         self.head_peak_bytes = 0
@@ -373,6 +447,10 @@ class LayerCostRecorder:
             hook = self._hook(name, layer)
             self._handles.append(layer.register_forward_pre_hook(self._enter_layer, with_kwargs=True))
             self._handles.append(layer.register_forward_hook(hook, with_kwargs=True, always_call=False))
+        names = [name for name, _ in self.layers]
+        for name, sub in self.module.named_modules():
+            if name and not any(name == n or is_inside(name, n) for n in names):
+                self._handles.append(sub.register_forward_hook(self._returned_outside))
         self._step.__enter__()
         if self._outside is not None:
             self._outside.__enter__()
@@ -380,6 +458,9 @@ class LayerCostRecorder:
 
     def __exit__(self, *exc: Any) -> None:
         self._last_output = None
+        for ref, _ in self._returned.values():
+            torch.UntypedStorage._free_weak_ref(ref)
+        self._returned.clear()
         if self._outside is not None:
             self._outside.__exit__(*exc)
         self._step.__exit__(*exc)
@@ -392,14 +473,40 @@ class LayerCostRecorder:
             self._leave_layer()
             if module.training and torch.is_grad_enabled():
                 self._last_output = output
-                self._measure(name, layer, args, kwargs, output, self._pending.pop())
+                self._measure(name, layer, args, kwargs, output, self._pending.pop(), self._loose.pop())
         return hook
+
+    def _returned_outside(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._inside:
+            return
+        for tensor in tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and not hasattr(tensor, "to_local"):
+                key = storage_key(tensor)
+                if key not in self._returned:
+                    storage = tensor.untyped_storage()
+                    self._returned[key] = (storage._weak_ref(), storage.nbytes())
+
+    def _loose_bytes(self, inputs: Iterable[torch.Tensor]) -> int:
+        """Bytes alive now that a module outside the layers returned, neither saved for the backward nor a layer's
+        input (those are counted): a model's forward that keeps its embeddings' output in a local while its layers
+        run holds them through every layer's forward, and frees them before the backward."""
+        self._inputs_seen.update(storage_key(t) for t in inputs)
+        loose = 0
+        for key, (ref, nbytes) in list(self._returned.items()):
+            if torch.UntypedStorage._expired(ref):
+                torch.UntypedStorage._free_weak_ref(ref)
+                del self._returned[key]
+            elif key not in self._inputs_seen and key not in self._step._seen:
+                loose += nbytes
+        return loose
 
     def _enter_layer(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._inside += 1
         if self._outside is not None and self._inside == 1:
             self._outside_mark = len(self._outside.runs)
         if module.training and torch.is_grad_enabled():
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            self._loose.append(self._loose_bytes(inputs) if self.selective else 0)
             # Re-run before the layer's own forward, not after: then its output does not exist yet, and the
             # re-run's backward has alive what the step's backward of this layer will (its inputs and what the
             # layers before hold), not one output more. Dropout draws alike: the re-run forks the RNG.
@@ -426,7 +533,7 @@ class LayerCostRecorder:
         return rerun
 
     def _measure(self, name: str, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 output: Any, rerun: _Rerun) -> None:
+                 output: Any, rerun: _Rerun, loose: int = 0) -> None:
         totals = self._totals[name]
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         excluded = {storage_key(p) for p in self._resident()}
@@ -450,7 +557,8 @@ class LayerCostRecorder:
                    for t in inputs_held},
             tuple((storage_key(out_tensors[i]), nbytes) for i, nbytes in rerun.saved_outputs
                   if i < len(out_tensors) and storage_key(out_tensors[i]) not in held_keys),
-            full, rerun.backward_bytes))
+            full, rerun.backward_bytes, rerun.heavy_bytes,
+            rerun.selective_forward + loose if rerun.selective_forward else 0))
         totals.none_bytes += rerun.saved_bytes
         saved_sizes += rerun.saved_sizes
         totals.full_flops += rerun.full_flops
@@ -476,17 +584,40 @@ class LayerCostRecorder:
             del out
             backward = _backward_bytes(seed, wrt, live)
             del seed  # and with it everything the re-run saved
+            lives = self._forward_lives(layer, inputs, lambda: forward(*args, **kwargs)) if self.selective else None
         if self._outside is not None:
             del self._outside.runs[mark:]  # the re-run is not the step's
         log = cost.log[:saved.last_save]  # recompute stops after the last saved tensor (early stop)
         records = op_records(cost.runs, saved.last_save, outputs)
+        selective_forward = 0
+        if lives is not None:
+            lived = lives.records()
+            if [r.op for r in lived] == [r.op for r in records]:  # the same ops as in the plain run: the same positions
+                records = tuple(replace(r, freed=f.freed) for r, f in zip(records, lived))
+            selective_forward = forward_peak(lived, lives.heavy()) or 0
         return _Rerun(saved_bytes=saved.bytes, saved_sizes=tuple(saved.sizes),
                       full_flops=sum(flops for flops, _ in log),
                       selective_flops=sum(flops for flops, op in log if op not in COMPUTE_HEAVY_OPS),
                       heavy_bytes=sum(r.bytes for r in records if r.heavy), records=records, backward_bytes=backward,
                       reusable=not _depends_on_data(cost.log),
                       saved_inputs=tuple(i for i, t in enumerate(inputs) if storage_key(t) in saved._seen),
-                      saved_outputs=tuple((i, out_bytes[i]) for i, key in enumerate(outputs) if key in saved._seen))
+                      saved_outputs=tuple((i, out_bytes[i]) for i, key in enumerate(outputs) if key in saved._seen),
+                      selective_forward=selective_forward)
+
+    def _forward_lives(self, layer: nn.Module, inputs: list[torch.Tensor], fn: Callable[[], Any]) -> _ForwardLives:
+        """When what each op of ``layer``'s forward creates is freed, checkpointed and keeping nothing (run here, its
+        result dropped, no backward): each op's outputs alive until then, and kept ones to the end of the forward,
+        give the forward's peak for every choice of kept outputs (:func:`~lightning_ckpt.core.op_curve.forward_peak`).
+
+        That can be more than its backward has: SDPA with dropout runs op by op on the CPU, and kept scores (batch x
+        heads x length x length) are alive next to the softmax, the dropout mask and the dropped probabilities, which
+        the backward recomputes only after the scores went into the softmax."""
+        lives = _ForwardLives()
+        with _fork_rng(inputs), buffers_restored(layer), torch.enable_grad():
+            out = checkpoint(fn, use_reentrant=False, preserve_rng_state=False,
+                             context_fn=lambda: create_selective_checkpoint_contexts(lives.policy))
+            del out
+        return lives
 
     def _run(self, layer: nn.Module, inputs: list[torch.Tensor], cost: OpCostMode,
              fn: Callable[[], Any]) -> tuple[_LayerRunCounter, Any]:

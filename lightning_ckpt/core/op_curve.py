@@ -46,8 +46,8 @@ from torch.utils._pytree import tree_leaves
 from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS
 from lightning_ckpt.core.profiling import OpRecordMode, OpRun, storage_key
 
-__all__ = ["CurvePoint", "OpKind", "OpRecord", "add_records", "describe", "op_curve", "op_records", "record_ops",
-           "spread"]
+__all__ = ["CurvePoint", "OpKind", "OpRecord", "add_records", "describe", "forward_peak", "op_curve", "op_records",
+           "record_ops", "spread"]
 
 OpKind = Literal["free", "random", "recompute", "after"]
 _HEAVY = frozenset(str(op) for op in COMPUTE_HEAVY_OPS)
@@ -64,6 +64,9 @@ class OpRecord:
     flops: int  # its recompute cost (see lightning_ckpt.core.profiling.op_cost)
     io_bytes: int  # bytes it reads and writes (for a memory-bound time estimate)
     kind: OpKind = "free"
+    #: In a forward that keeps no op's outputs (checkpointed), the position of the op before which what this op
+    #: created is freed (the number of ops: alive to the end); ``None``: not recorded. See :func:`forward_peak`.
+    freed: Optional[int] = None
 
     @property
     def heavy(self) -> bool:
@@ -111,8 +114,36 @@ def add_records(a: Optional[tuple[OpRecord, ...]], b: tuple[OpRecord, ...]) -> O
     """Two calls of one layer, position by position (``None`` when their ops differ: no op-level choice then)."""
     if a is None or [(r.op, r.kind) for r in a] != [(r.op, r.kind) for r in b]:
         return None
-    return tuple(OpRecord(x.op, x.bytes + y.bytes, x.flops + y.flops, x.io_bytes + y.io_bytes, x.kind)
+    return tuple(OpRecord(x.op, x.bytes + y.bytes, x.flops + y.flops, x.io_bytes + y.io_bytes, x.kind,
+                          None if x.freed is None or y.freed is None else max(x.freed, y.freed))
                  for x, y in zip(a, b))
+
+
+def forward_peak(records: Sequence[OpRecord], keep: Iterable[int]) -> Optional[int]:
+    """The most bytes the ops of a layer's forward have alive at once, checkpointed and keeping the outputs of the
+    ops at positions ``keep`` (alive from their op to the end of the forward; every other op's outputs are freed when
+    they are in a forward that keeps nothing, ``OpRecord.freed``): beyond the layer's inputs. ``None`` where the
+    records have no ``freed``.
+
+    Example::
+
+        >>> mm, exp, mul = (OpRecord(op, 100, 1, 0, freed=f)
+        ...                 for op, f in [("aten.mm.default", 2), ("aten.exp.default", 3), ("aten.mul.Tensor", 3)])
+        >>> forward_peak([mm, exp, mul], ()), forward_peak([mm, exp, mul], [0])  # mm's output freed once exp ran
+        (200, 300)
+    """
+    if any(r.freed is None for r in records):
+        return None
+    kept = set(keep)
+    freed_before = [0] * (len(records) + 1)
+    for i, r in enumerate(records):
+        if i not in kept:
+            freed_before[min(max(r.freed or 0, i + 1), len(records))] += r.bytes
+    alive = most = 0
+    for i, r in enumerate(records):
+        alive += r.bytes - freed_before[i]
+        most = max(most, alive)
+    return most
 
 
 def record_ops(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[OpRecord, ...]:

@@ -51,7 +51,9 @@ class LayerOption:
     seconds: float = 0.0  # predicted extra step time on a device profile (0 without one)
     host_bytes: int = 0  # moved to host memory by the offload engine (0: not offloaded)
     #: What its backward has alive beyond the layer's measured backward peak: a selectively checkpointed layer's
-    #: recompute brings back a hidden state (its input's size, exact) next to the outputs it kept.
+    #: recompute brings back a hidden state (its input's size, exact) next to the outputs it kept. Also where its
+    #: forward peaks above that backward (:attr:`LayerCost.selective_forward_bytes`): the layers before it hold the
+    #: same then, and the head holds nothing yet, so the bound of its backward bounds its forward too.
     backward_extra: int = 0
 
     def cost(self, timed: bool) -> float:
@@ -67,7 +69,12 @@ def make_option(cost: LayerCost, choice: Choice, keep: Sequence[int] = (), moved
     seconds = 0.0
     if device is not None:
         seconds = extra_seconds(cost, choice, keep, device) + exposed_transfer_seconds(host, device, window)
+    # A selective layer's backward brings back a hidden state next to the outputs it kept; a layer that keeps
+    # outputs may peak higher still in its forward (LayerCost.forward_bytes), counted as much more here.
     extra = cost.exact_input_bytes if choice == "selective" else 0
+    forward = cost.forward_bytes(choice, keep)
+    if forward is not None:
+        extra = max(extra, forward - cost.backward_peak)
     return LayerOption(choice, cost.device_bytes(choice, False, keep) - host, cost.flops(choice, keep), tuple(keep),
                        seconds, host, extra)
 
