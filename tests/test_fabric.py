@@ -16,7 +16,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import Logger
-from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
+from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 
 from _fabric_helpers import (BATCH, LENGTHS, N_LAYER, VOCAB, batches, fabric_loop, loss_of, run_two_processes,
@@ -100,8 +100,18 @@ def test_every_n_layers_without_a_budget_in_either_order_of_setup(reference):
 
 def test_a_strategy_that_checkpoints_is_refused_in_either_order():
     policy = FSDPStrategy(activation_checkpointing_policy={Block})
-    with pytest.raises(ValueError, match=r"activation_checkpointing_policy=.*recomputing layers twice"):
+    with pytest.raises(ValueError, match=r"activation_checkpointing_policy=.*recomputing layers twice") as info:
         check_fabric_strategy(policy)
+    assert str(info.value) == (
+        "`FSDPStrategy(activation_checkpointing_policy=...)` and `FabricCheckpointing` would both checkpoint the model,"
+        " recomputing layers twice. Remove `activation_checkpointing_policy` from the strategy (litgpt's scripts pass"
+        " `activation_checkpointing_policy={Block}`), or do not use FabricCheckpointing.")
+    # DeepSpeed, an instance made without its __init__ (the deepspeed package is not installed here)
+    with pytest.raises(ValueError) as info:
+        check_fabric_strategy(DeepSpeedStrategy.__new__(DeepSpeedStrategy))
+    assert str(info.value) == (
+        "`FabricCheckpointing` does not support DeepSpeed: DeepSpeed checkpoints activations its own way. Use"
+        " `deepspeed.checkpointing`, or shard with FSDP2 (`ModelParallelStrategy`) and keep FabricCheckpointing.")
     with pytest.raises(ValueError, match=r"recomputing layers twice"):  # before any model is seen
         FabricCheckpointing(SimpleNamespace(strategy=policy))
     check_fabric_strategy(FSDPStrategy())  # FSDP that does not checkpoint: fine
@@ -126,6 +136,85 @@ def test_a_model_torch_already_checkpoints_is_left_to_torch_and_said(caplog):
     with ckpt.step(ids):
         ckpt.backward(loss_of(model, ids))
     assert calls[0] == 2 * N_LAYER  # torch's recompute only: once, not twice
+
+
+def test_arguments_are_refused_saying_what_to_pass():
+    with pytest.raises(TypeError) as info:
+        FabricCheckpointing(cpu_fabric(), loss_fn=3)
+    assert str(info.value) == "`loss_fn` must be a function `loss_fn(module, batch) -> loss`, got 3."
+    with pytest.raises(TypeError) as info:
+        FabricCheckpointing(cpu_fabric(), monitor="yes")
+    assert str(info.value) == "`monitor` must be True, False or a MemoryMonitor, got 'yes'."
+    assert isinstance(FabricCheckpointing(cpu_fabric(), monitor=True).monitor, MemoryMonitor)
+    assert FabricCheckpointing(cpu_fabric(), monitor=False).monitor is None
+    assert FabricCheckpointing(cpu_fabric()).monitor is None
+    ckpt = FabricCheckpointing(cpu_fabric())
+    ckpt.setup(tiny_lm())
+    with pytest.raises(RuntimeError) as info:
+        ckpt.setup(tiny_lm())
+    assert str(info.value) == "FabricCheckpointing.setup was already called; use one FabricCheckpointing per model."
+    with pytest.raises(ValueError, match=r"`memory_budget='auto'` plans for the accelerator's memory, but this run is"
+                                         r" on the CPU"):
+        FabricCheckpointing(cpu_fabric(), memory_budget="auto").setup(tiny_lm())
+
+
+def test_setup_and_backward_pass_on_what_they_are_given():
+    fabric = cpu_fabric()
+    model = tiny_lm()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    set_up = FabricCheckpointing(fabric, every_n_layers=2).setup(model, optimizer, scheduler=scheduler)
+    assert len(set_up) == 3 and set_up[2] is scheduler  # Fabric's own answer with a scheduler
+    # a model and optimizer Fabric already set up come back as they are
+    module, fabric_optimizer = fabric.setup(tiny_lm(), torch.optim.SGD(tiny_lm().parameters(), lr=0.1))
+    assert FabricCheckpointing(fabric).setup(module, fabric_optimizer) == (module, fabric_optimizer)
+    # backward's arguments reach the tensor's backward: a gradient of 2 doubles every gradient; retain_graph keeps it
+    ckpt = FabricCheckpointing(cpu_fabric(), every_n_layers=1)
+    model = ckpt.setup(tiny_lm())
+    ids = batches(0)[0]
+    with ckpt.step(ids):
+        loss = loss_of(model, ids)
+        ckpt.backward(loss, torch.tensor(2.0), retain_graph=True)
+        doubled = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        ckpt.backward(loss)  # the graph was kept
+    for p, twice in zip(model.parameters(), doubled):
+        assert torch.allclose(twice, 2 * p.grad, rtol=1e-6, atol=0)
+
+
+def test_a_measuring_step_measures_the_head_s_backward_from_the_loss_given_to_backward():
+    ckpt = FabricCheckpointing(cpu_fabric(), memory_budget=10**9)
+    model = ckpt.setup(tiny_lm())
+    ids = batches(0)[0]  # 4 rows of 8 inputs: 32 tokens, a vocabulary of 32
+    with ckpt.step(ids):
+        ckpt.backward(loss_of(model, ids))
+    # by hand: cross_entropy's backward holds the loss's gradient (4 B) with the gradients of the log-softmax and of
+    # the logits, 32 tokens x 32 x 4 B each, at once
+    assert ckpt.callback._cycle.template.head_peak_bytes == 4 + 2 * 32 * VOCAB * 4
+
+
+def test_a_state_saved_without_a_step_count_starts_at_step_0():
+    ckpt = FabricCheckpointing(cpu_fabric(), memory_budget=BUDGET)
+    ckpt.setup(tiny_lm())
+    state = ckpt.state_dict()
+    ckpt.load_state_dict({**state, "global_step": 5})
+    assert ckpt.global_step == 5
+    ckpt.load_state_dict({"checkpointing": state["checkpointing"]})
+    assert ckpt.global_step == 0
+
+
+def test_max_length_without_loss_fn_is_said_and_nothing_without_it(recwarn):
+    message = ("FabricCheckpointing: `max_length` needs `loss_fn=` to measure the longest batch before the first step;"
+               " without it the budget is checked on each batch as it comes.")
+    ids = batches(0)[0]
+    for max_length, said in ((32, [message]), (None, [])):
+        recwarn.clear()
+        ckpt = FabricCheckpointing(cpu_fabric(), memory_budget=BUDGET, max_length=max_length)
+        model = ckpt.setup(tiny_lm())
+        with ckpt.step(ids):
+            ckpt.backward(loss_of(model, ids))
+        assert [str(w.message) for w in recwarn if "loss_fn" in str(w.message)] == said
+        assert sorted(ckpt.plans) == [64]  # the first batch's own size only: nothing planned for length 32
 
 
 class RecordingLogger(Logger):
