@@ -25,7 +25,7 @@ from lightning_ckpt.commands.plan.measure import (
     static_memory,
     would_not_fit,
 )
-from lightning_ckpt.commands.plan.predictions import PlanSettings, largest_batch
+from lightning_ckpt.commands.plan.predictions import CALLBACK_MODES, PlanSettings, largest_batch
 from lightning_ckpt.commands.plan.report import plot
 from lightning_ckpt.core.planner import make_plan
 from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
@@ -246,8 +246,8 @@ def _checkpointed(modes: dict[str, str], plan_layers: bool) -> Built:
     built = build(TINY, fake=False)
     if plan_layers:
         measurement = measure(build(TINY, fake=False), 8)
-        plan = make_plan(measurement.costs, measurement.outside_bytes, 0.5, head_bytes=measurement.head_bytes,
-                         head_peak_bytes=measurement.head_peak_bytes)
+        plan = make_plan(measurement.costs, measurement.outside_bytes, 0.5, modes=CALLBACK_MODES,
+                         head_bytes=measurement.head_bytes, head_peak_bytes=measurement.head_peak_bytes)
         assert plan.layers == modes
         plan.apply(built.module)
     for name, mode in modes.items():
@@ -572,7 +572,8 @@ def test_lengths_plan_each_length_as_a_separate_measurement_does(lengths_dir):
     built = build(TINY, fake=True)
     for i, length in enumerate(LENGTHS):
         m = measure(built, 8, length)
-        plan = make_plan(m.costs, m.outside_bytes, 0.5, head_bytes=m.head_bytes, head_peak_bytes=m.head_peak_bytes)
+        plan = make_plan(m.costs, m.outside_bytes, 0.5, modes=CALLBACK_MODES, head_bytes=m.head_bytes,
+                         head_peak_bytes=m.head_peak_bytes)
         assert num(rows[i][4]) == pytest.approx(plan.peak_bytes, rel=0.05), length
         assert num(rows[i][6]) == pytest.approx(plan.recompute_flops, rel=0.05), length
         assert rows[i][3].startswith(f"{sum(v != 'none' for v in plan.layers.values())} of 4")
@@ -742,7 +743,8 @@ def test_lengths_peaks_are_exactly_those_predicted_from_a_measurement_at_each_le
         m = measure(built, 8, entry["length"])
         known = {name: predict_peak(m.costs, m.outside_bytes, layers, False, head_bytes=m.head_bytes,
                                     head_peak_bytes=m.head_peak_bytes) for name, layers in modes.items()}
-        plan = make_plan(m.costs, m.outside_bytes, 0.5, head_bytes=m.head_bytes, head_peak_bytes=m.head_peak_bytes)
+        plan = make_plan(m.costs, m.outside_bytes, 0.5, modes=CALLBACK_MODES, head_bytes=m.head_bytes,
+                         head_peak_bytes=m.head_peak_bytes)
         assert {s["name"]: s["peak_bytes"] for s in entry["settings"]} == {**known, "plan": plan.peak_bytes}
 
 

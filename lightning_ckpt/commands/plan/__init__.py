@@ -187,6 +187,7 @@ from lightning_ckpt.commands.plan.measure import (
 # Aliased: bound here as `measure`, the function would hide the submodule `lightning_ckpt.commands.plan.measure`.
 from lightning_ckpt.commands.plan.measure import measure as measure_at
 from lightning_ckpt.commands.plan.predictions import (
+    CALLBACK_MODES,
     PlanSettings,
     SettingRow,
     fit_peak,
@@ -423,7 +424,8 @@ def plan_settings(built: Built, profile: Optional[DeviceProfile], host: Optional
     the chunked LM head and loss, and the host memory offloaded activations may take, :attr:`HostMemory.for_offload`;
     ``None``: the planner's default, half of this machine's available memory)."""
     return PlanSettings(offload=built.offload, device=profile, compress=built.compress, chunk_loss=built.chunk_loss,
-                        host_memory=None if host is None else host.for_offload, tile_mlp=built.tile_mlp)
+                        host_memory=None if host is None else host.for_offload, tile_mlp=built.tile_mlp,
+                        modes=("full",) if built.reentrant else CALLBACK_MODES)
 
 
 def host_memory_of(given: Optional[int], static: StaticMemory) -> HostMemory:
@@ -457,7 +459,7 @@ def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profil
     rows = _rows(main_m, plan, built.offload, profile, other, room)
     front = planner_front(main_m, built.offload, min(r.peak_bytes for r in rows),
                           include=[plan.budget_bytes] if plan is not None else [], device=profile,
-                          host_memory=settings.host_memory)
+                          host_memory=settings.host_memory, modes=settings.modes)
     batch_sizes = sorted([main_m.batch_size] + ([other.batch_size] if other else []))
     result = PlanResult(args.config.name, built, main_m, plan, plan_error, budget, rows, static, args.device_memory,
                         batch_sizes, front, profile, host_memory=host)

@@ -297,6 +297,8 @@ class Built:
     chunk_loss: Optional[bool] = None
     #: How the configured strategy shards static memory (the trainer itself is built for one device).
     sharding: Sharding = field(default_factory=Sharding)
+    #: The config's callback checkpoints with ``use_reentrant``: its plans are full or none, and so are the command's.
+    reentrant: bool = False
     #: The layers' MLPs over tiles of tokens (the config's callback's ``tile_mlp=True``, or --tile-mlp), with its
     #: ``tile_tokens`` and ``tile_cls``.
     tile_mlp: bool = False
@@ -455,7 +457,9 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
     return Built(module, data.train_dataloader(), device, settings.get("layer_cls"), settings.get("offload") or False,
                  settings.get("memory_budget"), fake_mode, precision, planned_for, compress=settings.get("compress"),
                  chunk_loss=settings.get("chunk_loss"), sharding=sharding, tile_mlp=settings.get("tile_mlp") is True,
-                 tile_tokens=settings.get("tile_tokens"), tile_cls=settings.get("tile_cls"))
+                 tile_tokens=settings.get("tile_tokens"), tile_cls=settings.get("tile_cls"),
+                 reentrant=bool((settings.get("checkpoint_kwargs") or {}).get("use_reentrant",
+                                                                              settings.get("use_reentrant", False))))
 
 
 def _auto_devices(cli: Any, planned_for: Optional[str]) -> int:

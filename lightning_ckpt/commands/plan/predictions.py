@@ -18,7 +18,6 @@ from lightning_ckpt.core.cost_fit import fit_peak  # noqa: F401 (plan --lengths 
 from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
 from lightning_ckpt.core.planner import (
-    PLAN_MODES,
     CheckpointPlan,
     ChunkedHead,
     LayerCost,
@@ -46,6 +45,10 @@ SETTINGS = {
 }
 #: The settings whose LM head and loss run in chunks (the measurement's ``chunked``), besides a chunked plan.
 CHUNKED_SETTINGS = ("every_layer_chunked",)
+#: The modes the callback's plans choose from (with ``use_reentrant``: ``("full",)``), and so the command's: its plans
+#: are what ``GradientCheckpointing(memory_budget=...)`` applies. Op-level choices (``"ops"``) are
+#: ``plan_checkpointing``'s only: the callback combines its costs over ranks without the op records.
+CALLBACK_MODES = ("full", "selective")
 
 
 def setting_choices(names: Sequence[str], plan: Optional[CheckpointPlan], chunked: bool = False,
@@ -138,13 +141,16 @@ class PlanSettings:
     host_memory: Optional[int] = None
     #: The steps were measured with the layers' MLPs over tiles of tokens (``--tile-mlp``): every plan is tiled.
     tile_mlp: bool = False
+    #: What a layer may get besides ``"none"``: the callback's (:data:`CALLBACK_MODES`), so that every plan of the
+    #: command is one the callback applies.
+    modes: tuple[str, ...] = CALLBACK_MODES
 
     def plan(self, measured: Measurement, budget: object) -> tuple[Optional[CheckpointPlan], Optional[str]]:
         """``(plan, None)``: the planner's plan for ``budget`` on ``measured``; ``(None, why)`` when it cannot be
         met."""
         try:
-            plan = make_plan(measured.costs, measured.outside_bytes, budget, offload=self.offload, device=self.device,
-                             outside_ops=measured.outside_ops, head_bytes=measured.head_bytes,
+            plan = make_plan(measured.costs, measured.outside_bytes, budget, modes=self.modes, offload=self.offload,
+                             device=self.device, outside_ops=measured.outside_ops, head_bytes=measured.head_bytes,
                              head_peak_bytes=measured.head_peak_bytes, compress=self.compress,
                              chunked=measured.chunked, chunk_loss=self.chunk_loss, host_memory=self.host_memory)
             return (replace(plan, tile_mlp=True) if self.tile_mlp else plan), None
@@ -157,12 +163,12 @@ class PlanSettings:
         ``measured.chunked`` and ``chunk_loss`` not ``False``, the chunked head's bytes outside the layers (the least of
         both ways under ``None``)."""
         costs = [c.compressed(self.compress) for c in as_planned(measured.costs, self.device)]
-        plain = _least_peak(costs, measured.outside_bytes, PLAN_MODES, self.offload, DEFAULT_MIN_BYTES,
+        plain = _least_peak(costs, measured.outside_bytes, self.modes, self.offload, DEFAULT_MIN_BYTES,
                             measured.head_bytes, measured.head_peak_bytes)
         head = measured.chunked
         if head is None or self.chunk_loss is False:
             return plain
-        chunked = _least_peak(costs, head.outside_bytes, PLAN_MODES, self.offload, DEFAULT_MIN_BYTES, head.head_bytes,
+        chunked = _least_peak(costs, head.outside_bytes, self.modes, self.offload, DEFAULT_MIN_BYTES, head.head_bytes,
                               head.head_peak_bytes)
         return chunked if self.chunk_loss else min(plain, chunked)
 
@@ -321,11 +327,12 @@ def setting_rows(main: Measurement, choices: Mapping[str, Mapping[str, str]], of
 
 def planner_front(main: Measurement, offload: Offload, lowest: int, points: int = 16,
                   include: Sequence[int] = (), device: Optional[DeviceProfile] = None,
-                  host_memory: Optional[int] = None) -> list[dict[str, Any]]:
+                  host_memory: Optional[int] = None, modes: Sequence[str] = CALLBACK_MODES) -> list[dict[str, Any]]:
     """The planner's plans for ``points`` budgets from ``lowest`` bytes up to the activation peak without
     checkpointing, and for the budgets in ``include`` (the run's own), each ``{budget_bytes, activation_bytes,
     peak_bytes, host_bytes, recompute_flops, predicted_step_seconds}``, planned with ``offload`` (and at most
-    ``host_memory`` bytes offloaded) as the run's plan is; budgets it cannot meet are left out, equal plans kept once.
+    ``host_memory`` bytes offloaded) and ``modes`` as the run's plan is; budgets it cannot meet are left out, equal
+    plans kept once.
 
     Example::
 
@@ -343,7 +350,7 @@ def planner_front(main: Measurement, offload: Offload, lowest: int, points: int 
     budgets = {round(lowest + (baseline - lowest) * i / max(1, points - 1)) for i in range(points)} | set(include)
     for budget in sorted(budgets):
         try:
-            plan = make_plan(main.costs, main.outside_bytes, max(1, budget), offload=offload, device=device,
+            plan = make_plan(main.costs, main.outside_bytes, max(1, budget), modes=modes, offload=offload, device=device,
                              outside_ops=main.outside_ops, head_bytes=main.head_bytes,
                              head_peak_bytes=main.head_peak_bytes, host_memory=host_memory)
         except ValueError:
