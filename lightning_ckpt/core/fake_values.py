@@ -55,6 +55,16 @@ def _exact(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex())
 
 
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes into (``add_``'s self, an ``out=``)."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            written += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return written
+
+
 class BatchValues(TorchDispatchMode):
     """Keep real twins of the integer tensors computed from ``twins`` (fake tensor -> its real value) and from
     factory ops, and answer value reads (``.item()``, ``bool()``, ``torch.equal``) from them. Enter it inside the
@@ -80,8 +90,8 @@ class BatchValues(TorchDispatchMode):
         if known and all(_exact(t) and t.numel() <= self._max_numel for t in tree_flatten(out)[0]
                          if isinstance(t, torch.Tensor)):
             self._pair(out, self._on_twins(func, args, kwargs))
-        else:  # an in-place op on a twinned tensor with an unknown input: its twin no longer holds
-            for t in tensors:
+        else:  # an op that writes into a twinned tensor from what has no twin: that twin no longer holds
+            for t in _written(func, args, kwargs):
                 self._twins.pop(t, None)
         return out
 
