@@ -56,8 +56,10 @@ from lightning_ckpt.core.planner import (
 from lightning_ckpt.core.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
 from lightning_ckpt.core.chunked_loss import (
     DEFAULT_CHUNK_TOKENS,
+    LossNotChunkable,
     chunk_causal_lm_loss,
     chunked_models,
+    losses_kept_whole,
     unchunk_causal_lm_loss,
 )
 from lightning_ckpt.core.compress import Compress
@@ -154,7 +156,8 @@ class GradientCheckpointing(Callback):
             ``None``: so too without a budget; with a byte or fraction budget (not under FSDP2) each plan chooses:
             the measuring step runs the head in chunks of 1024 tokens, the plain head and loss and chunks of 512 and
             256 are priced apart on fake tensors, the largest chunk that fits is taken (as ``plan_checkpointing``
-            does), and ``plan.chunk_tokens`` says what was chosen. Other models keep their loss, said once.
+            does), and ``plan.chunk_tokens`` says what was chosen. Other models keep their loss, said once, as does
+            a model that changes its logits before the loss (Gemma 2's ``final_logit_softcapping``).
         tile_mlp: ``True``: each decoder layer's MLP (and the norms next to it) runs over tiles of tokens, each tile
             under checkpoint, so that only one tile's intermediates are alive at a time (ALST's TiledMLP;
             :mod:`~lightning_ckpt.core.tiling`), in every layer, checkpointed or not: Transformers' Llama, Mistral,
@@ -263,6 +266,9 @@ class GradientCheckpointing(Callback):
         self._device: Optional[tuple[DeviceProfile, int]] = None  # profile and host memory, for "auto"
         self._longest_checked = False  # the longest batch planned for (or found unknown) before the first step
         self._fake_failed = False  # fake tensors could not run the step (said once)
+        # chunk_loss=None: a model whose loss cannot be chunked (found on a fake step) keeps it whole; said once
+        self._loss_whole: Optional[str] = None
+        self._said_whole = False
         self._tiles_chosen = False  # tile_mlp=None: the longest batch is held only with tiles, so the run tiles
         # chunk_loss=None with a budget: the measuring step runs the head chunked; the unchunked head and loss are
         # measured apart on fake tensors, and the plan chooses between them
@@ -544,6 +550,7 @@ class GradientCheckpointing(Callback):
         chooses = self._chooses_chunks(pl_module)
         remove_checkpointing(pl_module)
         tiles = self._tiles()
+        again = False
         try:
             if tiles:  # measured as the run computes it
                 apply_tiling(pl_module, tiles["tile_cls"], tiles["tile_tokens"])
@@ -558,6 +565,13 @@ class GradientCheckpointing(Callback):
                 found = measure_fake_step(pl_module, step, resized, self._settings["layer_cls"], modes)
             return (RankMeasurement(found.costs, found.outside_bytes, found.head_bytes, found.head_peak_bytes,
                                     self._settings["compress"]), count if chooses else None)
+        except LossNotChunkable as err:
+            if not chooses:  # chunk_loss=True: the first step would stop on it; said before anything is trained
+                raise
+            # chunk_loss=None: this model's loss stays whole (said once), and the step is measured again so
+            self._loss_whole = (f"{err.model}'s loss stays whole: its forward changes the logits between the LM head"
+                                " and the loss, which a head run in chunks cannot reproduce")
+            again = True
         except Exception as err:  # noqa: BLE001 - whatever fake tensors cannot run: carry on as without a length
             if not self._fake_failed:
                 self._fake_failed = True
@@ -567,6 +581,7 @@ class GradientCheckpointing(Callback):
             return None
         finally:
             self.apply(pl_module)
+        return self._fake_measured(trainer, pl_module, batch, longest) if again else None
 
     def _holds(self, trainer: pl.Trainer, measured: RankMeasurement, count: Optional[HeadCount]) -> bool:
         """Whether some plan holds ``measured`` (combined over ranks, so every rank answers alike) within the
@@ -622,8 +637,14 @@ class GradientCheckpointing(Callback):
         """Whether the plans choose between the LM head and loss chunked and unchunked: ``chunk_loss=None`` with a
         byte or fraction budget, a model whose loss can be chunked, not sharded by FSDP2 (whose layers cannot run
         on fake tensors)."""
-        return (self._settings["chunk_loss"] is None and self._settings["memory_budget"] not in (None, "auto")
-                and bool(chunked_models(pl_module)) and not _sharded(pl_module))
+        if (self._settings["chunk_loss"] is not None or self._settings["memory_budget"] in (None, "auto")
+                or _sharded(pl_module)):
+            return False
+        whole = [*losses_kept_whole(pl_module), *([self._loss_whole] if self._loss_whole else [])]
+        if whole and not self._said_whole:  # a model whose loss cannot be chunked: None means whole, said once
+            self._said_whole = True
+            rank_zero_info(f"GradientCheckpointing: chunk_loss=None: {'; '.join(whole)}.")
+        return self._loss_whole is None and bool(chunked_models(pl_module))
 
     def _first_auto(self) -> bool:
         return self._settings["memory_budget"] == "auto" and self._auto is None

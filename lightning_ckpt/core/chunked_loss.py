@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "chunk_causal_lm_loss", "chunk_loss_of", "chunk_size", "chunked_models", "head_of",
-           "in_lm_loss", "lm_loss", "unchunk_causal_lm_loss"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "LossNotChunkable", "chunk_causal_lm_loss", "chunk_loss_of", "chunk_size",
+           "chunked_models", "head_of", "in_lm_loss", "lm_loss", "logits_changed_by", "losses_kept_whole",
+           "unchunk_causal_lm_loss"]
 
 DEFAULT_CHUNK_TOKENS = 1024
 
@@ -144,6 +145,47 @@ def chunk_loss_of(model: nn.Module) -> Optional[int]:
     return model.__dict__.get(_CHUNK_ATTR)
 
 
+class LossNotChunkable(RuntimeError):
+    """A chunked loss found that the model changes its logits between the head and the loss (see
+    :func:`logits_changed_by` for the ones known before running); ``model`` is its class name."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"lightning_ckpt: chunk_loss cannot chunk {model}'s loss: its forward changes the logits"
+                         " between the head and the loss (soft-capping or scaling). Pass chunk_loss=False for this"
+                         " model: its loss then stays whole.")
+        self.model = model
+
+
+#: Config fields by which a model changes its logits between the LM head and the loss (Transformers' Gemma 2/3
+#: ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's
+#: ``lm_head_multiplier``; litgpt's ``final_logit_softcapping``), each with the value that changes nothing.
+_LOGIT_CHANGES = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
+                  "lm_head_multiplier": 1.0}
+
+
+def logits_changed_by(model: nn.Module) -> Optional[str]:
+    """What in ``model``'s config changes its logits between the LM head and the loss (``"final_logit_softcapping=
+    30.0"``), or ``None``: such a loss cannot be chunked (chunks take the head's output as the logits).
+
+    Example::
+
+        >>> class Config:
+        ...     final_logit_softcapping = 30.0
+        >>> model = torch.nn.Linear(2, 2)
+        >>> model.config = Config()
+        >>> logits_changed_by(model), logits_changed_by(torch.nn.Linear(2, 2))
+        ('final_logit_softcapping=30.0', None)
+    """
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", None)
+    for cfg in filter(None, [config, text() if callable(text) else None]):
+        for name, same in _LOGIT_CHANGES.items():
+            value = getattr(cfg, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (same, 0):
+                return f"{name}={value!r}"
+    return None
+
+
 class _HeadSwap:
     """Makes ``head`` return its input (the hidden states) until :meth:`restore`: the model's own forward then
     hands the hidden states to where its logits would go, and nothing of ``tokens x vocab`` is made."""
@@ -163,9 +205,7 @@ class _HeadSwap:
         """The hidden states, checked to be exactly what the head returned: a model that changes its logits
         between head and loss (soft-capping, scaling) cannot be chunked this way."""
         if self.returned is None or value is not self.returned:
-            raise RuntimeError(f"lightning_ckpt: chunk_loss cannot chunk {type(model).__name__}'s loss: its forward"
-                               " changes the logits between the head and the loss (soft-capping or scaling). Pass"
-                               " chunk_loss=False for this model: its loss then stays whole.")
+            raise LossNotChunkable(type(model).__name__)
         return value
 
     def restore(self) -> None:
@@ -277,14 +317,29 @@ def head_of(model: nn.Module) -> nn.Module:
 
 
 def chunked_models(module: nn.Module) -> list[str]:
-    """The qualified names of the models inside ``module`` whose loss :func:`chunk_causal_lm_loss` can chunk.
+    """The qualified names of the models inside ``module`` whose loss :func:`chunk_causal_lm_loss` can chunk: of a
+    kind it knows, their logits not changed between the head and the loss by their config (:func:`logits_changed_by`).
 
     Example::
 
         >>> chunked_models(torch.nn.Linear(2, 2))
         []
     """
-    return [name for name, sub in module.named_modules() if _kind(sub) is not None]
+    return [name for name, sub in module.named_modules() if _kind(sub) is not None and logits_changed_by(sub) is None]
+
+
+def losses_kept_whole(module: nn.Module) -> list[str]:
+    """Why each model inside ``module`` of a kind :func:`chunk_causal_lm_loss` knows keeps its loss whole where
+    chunks are chosen (``chunk_loss=None``): its config changes the logits before the loss (:func:`logits_changed_by`).
+
+    Example::
+
+        >>> losses_kept_whole(torch.nn.Linear(2, 2))
+        []
+    """
+    found = [(sub, logits_changed_by(sub)) for _, sub in module.named_modules() if _kind(sub) is not None]
+    return [f"{type(sub).__name__}'s loss stays whole: its {why} changes the logits between the LM head and the loss,"
+            " which a head run in chunks cannot reproduce" for sub, why in found if why is not None]
 
 
 def chunk_causal_lm_loss(module: nn.Module, chunk_tokens: Optional[int] = None) -> list[str]:

@@ -89,6 +89,7 @@ from lightning_ckpt.core.chunked_loss import (
     head_of,
     in_lm_loss,
     lm_loss,
+    losses_kept_whole,
     unchunk_causal_lm_loss,
 )
 from lightning_ckpt.core.compress import COMPRESS, Compress, validate_compress
@@ -530,6 +531,8 @@ def _plan_whole(module: nn.Module, step: Callable[[], Any], memory_budget: objec
         raise TypeError(f"`chunk_loss` is True, False or None, got {chunk_loss!r}. Pass True (the LM head and loss in"
                         " chunks), False (whole) or None (the plan chooses).")
     chunk = _chunk_of(module) if chunk_loss is not False else None
+    for reason in losses_kept_whole(module) if chunk_loss is not False else []:
+        say_once(log, f"lightning_ckpt: chunk_loss={chunk_loss!r}: {reason}.")
     if chunk_loss is True and chunk is None:
         say_once(log, f"lightning_ckpt: chunk_loss=True found no loss it can chunk in {type(module).__name__}; the plan"
                       " counts its head and loss as measured, outside the layers.")
