@@ -87,3 +87,20 @@ def test_untraced_fakes_turns_transformers_tracing_check_off_for_fake_tensors_an
     with untraced_fakes():
         assert import_utils.is_tracing(fake) is False
     assert import_utils.is_fake_tensor is original and import_utils.is_tracing(fake) is True
+
+
+def test_an_out_argument_written_from_an_unknown_input_drops_its_twin_and_an_unknown_tensor_written_is_no_error():
+    mode = FakeTensorMode()
+    ids = torch.arange(4)
+    (fake_ids,) = fakes_of(mode, ids)
+    with mode, BatchValues({fake_ids: ids}):
+        target, values, indices = fake_ids.clone(), fake_ids[:2].clone(), fake_ids[:2].clone()
+        assert int(target.sum()) == 6 and int(values.sum()) == int(indices.sum()) == 1
+        unknown = fake_ids.float().long()
+        torch.add(fake_ids, unknown, out=target)  # out= written from an unknown input
+        torch.max(unknown.view(2, 2), 0, out=(values, indices))  # two written arguments: both dropped
+        for dropped in (target, values, indices):
+            with pytest.raises(DataDependentOutputException):
+                int(dropped.sum())
+        unknown.add_(unknown)  # written, but never twinned: nothing to drop, no error
+        assert int(fake_ids.sum()) == 6

@@ -267,3 +267,22 @@ def test_layers_whose_forward_reads_their_index_are_each_rerun(layer, monkeypatc
     assert runs == 4
     assert costs == alone
     assert figures(costs[0]) != figures(costs[1])  # the case has teeth: reused, layer 1 would get layer 0's
+
+
+@pytest.mark.parametrize("tile_tokens", [(4, 4), (4, 8)], ids=["alike", "differently"])
+def test_tiled_blocks_are_rerun_once_when_tiled_alike(tile_tokens, monkeypatch):
+    """Six demo GPT blocks whose MLPs run over tiles of tokens: tiled alike, one re-run measures all, as each on its
+    own; one block tiled differently (8 tokens a tile, not 4) gets a re-run of its own."""
+    from lightning_ckpt.core.tiling import apply_tiling
+    from lightning_ckpt.demos import Block, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(32, 16, n_layer=6, n_embd=WIDTH, n_head=4, dropout=0.0)
+    apply_tiling(model, tile_tokens=tile_tokens[0])
+    apply_tiling(model.blocks[5], tile_tokens=tile_tokens[1])
+    idx = torch.randint(0, 32, (BATCH, LENGTH), generator=torch.Generator().manual_seed(0))
+    step = lambda: model(idx).logsumexp(-1).mean()  # noqa: E731
+    costs, runs = measured(model, Block, reuse=True, monkeypatch=monkeypatch, step=step)
+    alone, runs_alone = measured(model, Block, reuse=False, monkeypatch=monkeypatch, step=step)
+    assert (runs, runs_alone) == (1 if tile_tokens[0] == tile_tokens[1] else 2, 6)
+    assert costs == alone

@@ -49,7 +49,7 @@ from lightning_ckpt.core.profiling import (
     tensor_bytes,
 )
 from lightning_ckpt.core.selection import LayerClassArg, is_inside, layer_classes, select_layers
-from lightning_ckpt.core.tiling import restore_tiles, tiles_of
+from lightning_ckpt.core.tiling import TiledForward, is_tiled, restore_tiles, tiles_of
 from lightning_ckpt.core.wrapping import (
     apply_checkpointing,
     check_no_nesting,
@@ -737,6 +737,9 @@ def _rerun_key(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         config = {k: v for k, v in sub.__dict__.items()
                   if k not in _MODULE_INTERNALS and (sub is not layer or k != "forward")
                   and not (type(v) is int and k not in read)}
+        if is_tiled(sub):  # tiled alike in every block: the same tiles, whatever module they belong to
+            tiled = config["forward"]
+            config["forward"] = (TiledForward, tiled.tile_tokens, tiled.original)
         values = _values_key((config, sub._parameters, sub._buffers), seen, resident, by_identity=True)
         if values is None:
             return None
