@@ -139,7 +139,8 @@ def test_the_plan_summary_names_the_choice_bytes_recompute_and_the_auto_figures(
     plan = make_plan(costs, outside_bytes=100, memory_budget=0.5)
     # l3's backward has its 100 B alive while the 100 B outside and l0-l2 are held: only "full" (10 B each) fits there
     assert plan_summary(plan, "250B") == (
-        "memory_budget='250B': checkpointing 3 of 4 layers; activation peak 230 B predicted against a budget of 250 B"
+        "memory_budget='250B': checkpointing 3 of 4 layers (3 full); activation peak 230 B predicted against a budget"
+        " of 250 B"
         " (230 B held at the end of the forward, 46% of 500 B without checkpointing); 150 FLOP recomputed per step")
     auto = AutoBudget(device_bytes=1000, static_bytes=400, other_peak_bytes=50)
     assert plan_summary(plan, "auto", auto).endswith(f"recomputed per step ({auto})")

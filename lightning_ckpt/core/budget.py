@@ -25,8 +25,8 @@ from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, held_peak, la
 from lightning_ckpt.core.profiling import format_bytes, format_flops, optimizer_state_bytes, tensor_bytes
 
 __all__ = ["AUTO_MEMORY_FRACTION", "AutoBudget", "Measurement", "RankMeasurement", "auto_memory_budget",
-           "combine_costs", "host_memory_share", "offload_min_bytes", "pack_costs", "plan_summary", "plan_table",
-           "static_bytes"]
+           "combine_costs", "host_memory_share", "offload_min_bytes", "pack_costs", "plan_layout", "plan_summary",
+           "plan_table", "static_bytes"]
 
 AUTO_MEMORY_FRACTION = 0.9
 """``memory_budget="auto"`` plans for this fraction of the accelerator's memory; the rest is headroom
@@ -294,20 +294,56 @@ def plan_summary(plan: CheckpointPlan, memory_budget: object, auto: Optional[Aut
         ...                    full_flops=50, selective_flops=5) for i in range(4)]
         >>> line = plan_summary(make_plan(costs, outside_bytes=100, memory_budget=0.5), memory_budget=0.5)
         >>> print(line.replace("; ", ";\n"))
-        memory_budget=0.5: checkpointing 3 of 4 layers;
+        memory_budget=0.5: checkpointing 3 of 4 layers (3 full);
         activation peak 230 B predicted against a budget of 250 B (230 B held at the end of the forward, 46% of 500 B without checkpointing);
         150 FLOP recomputed per step
     """
-    n = sum(mode != "none" for mode in plan.layers.values())
     pct = 100 * plan.planned_bytes / plan.baseline_bytes if plan.baseline_bytes else 0.0
     return (
-        f"memory_budget={memory_budget!r}: checkpointing {n} of {len(plan.layers)} layers;"
+        f"memory_budget={memory_budget!r}: {plan_layout(plan)};"
         f" activation peak {format_bytes(plan.peak_bytes)} predicted against a budget of {format_bytes(plan.budget_bytes)}"
         f" ({format_bytes(plan.planned_bytes)} held at the end of the forward, {pct:.0f}% of"
         f" {format_bytes(plan.baseline_bytes)} without checkpointing); {format_flops(plan.recompute_flops)}"
         " recomputed per step" + (f"; {plan.step_time_text()}" if plan.predicted_step_seconds is not None else "")
         + (f" ({auto})" if auto is not None else "")
     )
+
+
+#: How :func:`plan_layout` names each mode.
+_MODE_WORDS = {"full": "full", "selective": "selective", "ops": "op-level"}
+
+
+def plan_layout(plan: CheckpointPlan) -> str:
+    r"""What ``plan`` does to the module, in words: the layers it checkpoints and how (each mode, the layers
+    offloaded), how their inputs are held, the LM head and loss in chunks, the MLPs in tiles.
+
+    Example::
+
+        >>> from dataclasses import replace
+        >>> from lightning_ckpt.core.planner import make_plan
+        >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+        ...                    full_flops=50, selective_flops=5) for i in range(5)]
+        >>> plan = replace(make_plan(costs, outside_bytes=100, memory_budget=1.0), offloaded=["l0", "l1"],
+        ...                layers={"l0": "full", "l1": "full", "l2": "full", "l3": "selective", "l4": "none"},
+        ...                compress="fp8", chunk_tokens=1024)
+        >>> print(plan_layout(plan).replace("; the", ";\nthe"))
+        checkpointing 4 of 5 layers (3 full, 1 selective; 2 offloaded);
+        their inputs held as fp8;
+        the LM head and loss in chunks of 1,024 tokens
+    """
+    modes = [mode for mode in plan.layers.values() if mode != "none"]
+    how = [", ".join(f"{modes.count(mode)} {word}" for mode, word in _MODE_WORDS.items() if mode in modes)]
+    if plan.offloaded:
+        how.append(f"{len(plan.offloaded)} offloaded")
+    how = [part for part in how if part]
+    text = f"checkpointing {len(modes)} of {len(plan.layers)} layers" + (f" ({'; '.join(how)})" if how else "")
+    if plan.compress is not None and modes:
+        text += f"; their inputs held as {plan.compress}"
+    if plan.chunk_tokens is not None:
+        text += f"; the LM head and loss in chunks of {plan.chunk_tokens:,} tokens"
+    if plan.tile_mlp:
+        text += "; the MLPs over tiles of " + (f"{plan.tile_tokens:,} tokens" if plan.tile_tokens else "tokens")
+    return text
 
 
 def plan_table(plan: CheckpointPlan, auto: Optional[AutoBudget] = None) -> str:

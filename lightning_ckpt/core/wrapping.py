@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -428,10 +429,28 @@ def turn_off_caches(module: nn.Module, names: Sequence[str]) -> list[nn.Module]:
             owner.__dict__[_CACHE_FLAG] = True
             config.use_cache = False
             changed.append(owner)
-            say_once(log, f"lightning_ckpt: turned off `config.use_cache` of {type(owner).__name__} while its layers"
-                          " are checkpointed (the recompute must not see a cache that forward filled); removing"
-                          " checkpointing turns it back on.")
+            if _first_time(config):  # one line per config: its layers share it, and are not the model it names
+                log.info(f"lightning_ckpt: turned off `config.use_cache` of {type(owner).__name__} while its layers"
+                         " are checkpointed (the recompute must not see a cache that forward filled); removing"
+                         " checkpointing turns it back on.")
     return changed
+
+
+_configs_said: dict[int, Any] = {}  # id -> a weak reference to the config said for (the config, if it takes none)
+
+
+def _first_time(config: Any) -> bool:
+    """Whether ``config``'s cache is turned off for the first time (a Transformers model's layers hold the model's
+    config: checkpointing one alone, as measuring does, must not say it again naming the layer). By identity:
+    Transformers' configs compare equal by value and hash by nothing."""
+    held = _configs_said.get(id(config))
+    if held is not None and (held() if isinstance(held, weakref.ref) else held) is config:
+        return False
+    try:
+        _configs_said[id(config)] = weakref.ref(config)
+    except TypeError:
+        _configs_said[id(config)] = config
+    return True
 
 
 def restore_caches(owners: Sequence[nn.Module]) -> None:
