@@ -209,7 +209,7 @@ def test_max_length_above_the_models_limit_is_refused_naming_both():
     assert longest_length(CountingGPT(), 64) == (64, "max_length")
 
 
-@pytest.mark.parametrize("bad", [0, -3, "64", True, 1.5])
+@pytest.mark.parametrize("bad", [-1, -3, "64", True, 1.5])  # 0 turns the longest batch off (test_longest_off.py)
 def test_max_length_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match=rf"`max_length` is the longest sequence .* got {bad!r}"):
         GradientCheckpointing(memory_budget=0.5, max_length=bad)

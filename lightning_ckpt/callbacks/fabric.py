@@ -260,7 +260,7 @@ class _FabricCheckpointingCallback(GradientCheckpointing):
 
     def _plan_longest(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         if self._loss_fn is None:
-            if self._settings["max_length"] is not None:
+            if self._settings["max_length"]:  # given, and not 0 (which turns the longest batch off)
                 rank_zero_warn("FabricCheckpointing: `max_length` needs `loss_fn=` to measure the longest batch before"
                                " the first step; without it the budget is checked on each batch as it comes.")
             return

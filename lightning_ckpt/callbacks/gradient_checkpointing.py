@@ -148,7 +148,10 @@ class GradientCheckpointing(Callback):
             at this length (its batch size kept) is measured on fake tensors (no memory) and planned for: a budget
             that cannot hold a ``max_length`` you gave is refused before anything is trained, and that plan is kept
             for batches it covers. The model's own limit is only a hint: a budget that cannot hold it is not
-            refused; the longest length it holds is said once, and a batch that comes longer stops the run.
+            refused; the longest length it holds is said once, and a batch that comes longer stops the run. That
+            planning runs your ``training_step`` on fake tensors (its ``self.log`` muted; what it keeps elsewhere, a
+            list of losses, gets a fake tensor); ``max_length=0`` turns it off: nothing runs before the first step,
+            and each batch is planned as it comes.
         chunk_loss: ``True``: the LM head and the cross-entropy run in chunks of tokens, so nothing of ``tokens x
             vocab`` is kept for backward (:func:`lightning_ckpt.lm_loss`), for Transformers ``*ForCausalLM`` called
             with ``labels`` (PEFT-wrapped too), litgpt's ``GPT`` called with ``targets=`` and the demo GPT; with
@@ -215,7 +218,7 @@ class GradientCheckpointing(Callback):
         "``None``, ``'bf16'`` or ``'fp8'``: how checkpointed layers hold their inputs until the recompute.")
     max_length: _SettingAttribute[Optional[int]] = _SettingAttribute(
         "With ``memory_budget``: the longest sequence the run will see, planned for before the first step; ``None``:"
-        " the model's ``block_size`` / ``max_position_embeddings``.")
+        " the model's ``block_size`` / ``max_position_embeddings``; ``0``: no planning before the first step.")
     chunk_loss: _SettingAttribute[Optional[bool]] = _SettingAttribute(
         "``True``: the LM head and loss in chunks of tokens; ``False`` / ``None``: as the model computes them.")
     tile_mlp: _SettingAttribute[Optional[bool]] = _SettingAttribute(
@@ -473,8 +476,8 @@ class GradientCheckpointing(Callback):
     def _plan_longest(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """Before the first step: plan for ``batch`` at the longest length (:mod:`~lightning_ckpt.core.longest`),
         measured on fake tensors; an impossible budget raises here, before anything is trained."""
-        if self._first_auto() or self._cycle.plans:
-            return  # "auto" needs a real step's static memory first; a resumed run has its plans
+        if self._first_auto() or self._cycle.plans or self._settings["max_length"] == 0:
+            return  # "auto" needs a real step's static memory first; a resumed run has its plans; 0 turns it off
         longest = longest_length(pl_module, self._settings["max_length"])
         if longest is None:
             return
@@ -892,9 +895,10 @@ def _validate(settings: Mapping[str, Any]) -> None:
                         " head and loss in chunks), False (whole) or None (a budget's plan chooses).")
     _validate_tiles(settings)
     max_length = settings["max_length"]
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 0):
         raise ValueError(f"`max_length` is the longest sequence the run will see, in tokens: pass an int >= 1 (or"
-                         f" None: the model's block_size / max_position_embeddings), got {max_length!r}.")
+                         f" None: the model's block_size / max_position_embeddings; or 0: plan no longest batch before"
+                         f" the first step), got {max_length!r}.")
     if auto_offload and budget is None:
         raise ValueError("`offload='auto'` lets the memory-budget plan choose which layers offload, but"
                          " `memory_budget=None` asks for no plan. Pass a memory_budget (0.5, '2GiB' or 'auto'), or"
