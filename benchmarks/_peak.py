@@ -68,3 +68,14 @@ class LiveStorages(TorchDispatchMode):
 def grad_storages(module: nn.Module) -> set[int]:
     """The data pointers of ``module``'s parameter gradients."""
     return {p.grad.untyped_storage().data_ptr() for p in module.parameters() if p.grad is not None}
+
+
+def counted_peak(model: nn.Module, loss_fn: Any) -> int:
+    """The activation peak of one forward and backward of ``loss_fn()``: storages made during the step and alive after
+    each op, the parameters' gradients left out (they start from None and are cleared after)."""
+    model.zero_grad(set_to_none=True)
+    with LiveStorages() as live:
+        loss_fn().backward()
+    peak = live.peak(exclude=grad_storages(model))
+    model.zero_grad(set_to_none=True)
+    return peak

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import transformers
 
-from _peak import LiveStorages, grad_storages
+from _peak import counted_peak
 from _results import machine, write_section
 from lightning_ckpt import remove_checkpointing
 from lightning_ckpt.core.planner import plan_checkpointing
@@ -55,15 +55,6 @@ def least_plan(model, step, tile_mlp: bool):
     except ValueError as err:
         least = int(re.search(r"pass a budget of at least (\d+) bytes", str(err)).group(1))
     return plan_checkpointing(model, step, least, modes=("full",), tile_mlp=tile_mlp)
-
-
-def counted_peak(model, step) -> int:
-    model.zero_grad(set_to_none=True)
-    with LiveStorages() as live:
-        step().backward()
-    peak = live.peak(exclude=grad_storages(model))
-    model.zero_grad(set_to_none=True)
-    return peak
 
 
 def main(argv: Optional[list[str]] = None) -> int:

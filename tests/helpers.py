@@ -18,7 +18,7 @@ from lightning_ckpt.core.profiling import SavedTensorCounter
 from lightning_ckpt.demos import Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from _peak import LiveStorages, grad_storages  # noqa: E402  (the benchmarks' count, which uses no package counter)
+from _peak import LiveStorages, counted_peak, grad_storages  # noqa: E402  (the benchmarks' count, which uses no package counter)
 
 VOCAB, SEQ, BATCH, WIDTH = 32, 16, 4, 32
 
@@ -46,17 +46,6 @@ def saved_bytes(model: nn.Module, idx: torch.Tensor) -> int:
     with SavedTensorCounter(exclude=model.parameters()) as saved:
         model(idx)
     return saved.bytes
-
-
-def counted_peak(model: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> int:
-    """The activation peak of one forward and backward, counted by ``benchmarks/_peak.py``: storages made during the
-    step and alive after each op, the parameters' gradients left out (they start from None and are cleared after)."""
-    model.zero_grad(set_to_none=True)
-    with LiveStorages() as live:
-        loss_fn().backward()
-    peak = live.peak(exclude=grad_storages(model))
-    model.zero_grad(set_to_none=True)
-    return peak
 
 
 def two_ranks() -> tuple[RankMeasurement, list[int]]:
