@@ -14,7 +14,13 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.core.longest import batch_of_length, longest_length, measure_fake_step
+from lightning_ckpt.core.longest import (
+    batch_of_length,
+    length_limit,
+    longest_length,
+    measure_fake_step,
+    sequence_length_of,
+)
 from lightning_ckpt.core.measure import measure_step
 from lightning_ckpt.core.planner import make_plan
 from lightning_ckpt.core.wrapping import checkpointed_names
@@ -179,6 +185,61 @@ def test_a_resumed_run_has_its_plans_and_plans_the_longest_batch_no_more():
     assert trainer.global_step == 2 and model.calls == 2  # two real steps, no fake one before them
     assert resumed._cycle.measured_steps == 0  # both run the plan saved for their size
     assert {b: p.state_dict() for b, p in resumed.plans.items()} == {b: p.state_dict() for b, p in first.plans.items()}
+
+
+def test_the_length_limit_is_read_from_hparams_or_a_config_and_only_from_positive_ints():
+    import argparse
+
+    transformers, litgpt = pytest.importorskip("transformers"), pytest.importorskip("litgpt")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=48))
+    assert length_limit(llama) == ("max_position_embeddings", 48)  # a plain nn.Module: no hparams, its config's
+    gpt = litgpt.GPT(litgpt.Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, padded_vocab_size=32, block_size=24))
+    assert length_limit(gpt) == ("block_size", 24)
+    assert length_limit(torch.nn.Linear(2, 2)) is None
+
+    class Limited(torch.nn.Module):
+        def __init__(self, hparams) -> None:
+            super().__init__()
+            self.hparams = hparams
+
+    # 0 says nothing (the next name is read), 1 is a length; an hparams that is not a mapping is not read
+    assert length_limit(Limited({"block_size": 0, "max_position_embeddings": 1})) == ("max_position_embeddings", 1)
+    assert length_limit(Limited(argparse.Namespace(block_size=8))) is None
+
+
+def test_token_ids_are_the_first_2_d_integer_tensor_and_other_leaves_are_left_as_they_are():
+    ids = torch.arange(6).view(2, 3)
+    # a 2-D float tensor (a mask) and a 1-D integer one (a label per sample) before the ids are not the ids
+    batch = {"a_mask": torch.ones(2, 5), "b_label": torch.tensor([1, 0]), "c_ids": ids, "d_weights": torch.ones(2, 5),
+             "e_name": "shard-0"}
+    assert sequence_length_of(batch) == 3
+    longer = batch_of_length(batch, 4)
+    assert longer["c_ids"].tolist() == [[0, 1, 2, 0], [3, 4, 5, 3]]
+    for key in ("a_mask", "b_label", "d_weights", "e_name"):  # not of the ids' length, or not a tensor: as they were
+        assert longer[key] is batch[key]
+    no_ids = (torch.randn(2, 3), torch.tensor([1, 2]))
+    assert sequence_length_of(no_ids) is None and batch_of_length(no_ids, 8) is None
+
+
+def test_a_fake_step_measures_the_layers_and_modes_asked_on_a_batch_with_values_and_metadata():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def step(batch):  # reads a value of its batch, as a real step may (a check, a length, a mask from the ids)
+        if batch["ids"].max().item() >= 10:
+            raise ValueError("a token id past the vocabulary")
+        return model(batch["ids"]).sum()
+
+    batch = {"ids": torch.randint(0, 10, (4, 6)), "name": "shard-0", "rows": 4}
+    full = measure_fake_step(model, step, batch, layer_cls=torch.nn.Tanh, modes=("full",))
+    both = measure_fake_step(model, step, batch, layer_cls=torch.nn.Tanh, modes=("full", "selective"))
+    assert [(c.name, c.cls) for c in full.costs] == [("1", "Tanh")]
+    # by hand: the Tanh's input, 4 x 6 x 8 float32, is what it holds fully checkpointed; selective recomputes the
+    # tanh (a cheap op) from the same input; with only "full" asked, selective is not measured (0)
+    assert full.costs[0].full_bytes == both.costs[0].full_bytes == 4 * 6 * 8 * 4
+    assert both.costs[0].selective_bytes == 4 * 6 * 8 * 4 and full.costs[0].selective_bytes == 0
 
 
 def test_fake_measurement_equals_the_real_one_and_leaves_the_module_as_it_was():
