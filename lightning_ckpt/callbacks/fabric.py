@@ -113,8 +113,15 @@ class FabricCheckpointing:
 
     @property
     def plans(self) -> dict[int, CheckpointPlan]:
-        """With ``memory_budget``: each batch-size bucket and its plan (see :attr:`GradientCheckpointing.plans`)."""
+        """With ``memory_budget``: each batch-size bucket (its tokens rounded up to a power of two: a batch of 4 x 100
+        tokens is in bucket 512) and its plan (see :attr:`GradientCheckpointing.plans`)."""
         return self.callback.plans
+
+    @property
+    def measured_steps(self) -> int:
+        """With ``memory_budget``: the steps that ran fully checkpointed to measure a size no plan covered
+        (:attr:`GradientCheckpointing.measured_steps`)."""
+        return self.callback.measured_steps
 
     @property
     def global_step(self) -> int:
@@ -197,7 +204,8 @@ class FabricCheckpointing:
         """``fabric.backward(loss, ...)``, after what the callbacks do before a backward: a measuring step's plan is
         solved here (an impossible budget raises before any gradient), and the monitor counts the bytes held."""
         if self._module is not None:
-            self.callback.on_before_backward(self._view, self._module, loss)  # type: ignore[arg-type]
+            with _as_in_fabric_backward():  # a measuring step's own backward of the head: not the loop's
+                self.callback.on_before_backward(self._view, self._module, loss)  # type: ignore[arg-type]
             if self.monitor is not None:
                 self.monitor.on_before_backward(self._view, self._module, loss)  # type: ignore[arg-type]
         self.fabric.backward(loss, *args, **kwargs)
@@ -227,6 +235,22 @@ class FabricCheckpointing:
 
     def _track(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
         self._view.optimizers.extend(o.optimizer if isinstance(o, _FabricOptimizer) else o for o in optimizers)
+
+
+@contextlib.contextmanager
+def _as_in_fabric_backward() -> Iterator[None]:
+    """Inside, Fabric's hook on the model's outputs takes a backward for one run by ``fabric.backward``: a precision or
+    strategy with a backward of its own (``bf16-mixed``, ``16-mixed``, FSDP) refuses any other. The measuring step
+    computes the head's backward peak with ``torch.autograd.grad`` from the loss (no ``.grad`` touched, no scaling
+    needed: it counts bytes) before the loop's ``fabric.backward``; that is not the loop calling ``loss.backward()``."""
+    import lightning.fabric.wrappers as wrappers
+
+    before = wrappers._in_fabric_backward
+    wrappers._in_fabric_backward = True
+    try:
+        yield
+    finally:
+        wrappers._in_fabric_backward = before
 
 
 def check_fabric_strategy(strategy: Strategy) -> None:

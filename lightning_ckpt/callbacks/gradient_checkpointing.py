@@ -277,6 +277,7 @@ class GradientCheckpointing(Callback):
         # measured apart on fake tensors, and the plan chooses between them
         self._head_count: Optional[HeadCount] = None
         self._chunked: Optional[_HeadRun] = None  # this rank's step measured, its LM head counted: until the plan
+        self._measured_steps = 0  # training steps run as measuring steps (measured_steps)
 
     @property
     def plan(self) -> Optional[CheckpointPlan]:
@@ -285,9 +286,15 @@ class GradientCheckpointing(Callback):
 
     @property
     def plans(self) -> dict[int, CheckpointPlan]:
-        """With ``memory_budget``: each batch-size bucket (tokens, or samples, rounded up to a power of two) and its
-        plan; see :mod:`~lightning_ckpt.core.budget_cycle`."""
+        """With ``memory_budget``: each batch-size bucket (tokens, or samples, rounded up to a power of two: a batch
+        of 4 x 100 tokens is in bucket 512) and its plan; see :mod:`~lightning_ckpt.core.budget_cycle`."""
         return dict(self._cycle.plans)
+
+    @property
+    def measured_steps(self) -> int:
+        """With ``memory_budget``: the training steps of this fit that ran fully checkpointed to measure a size no
+        plan covered (the longest batch's fake step before the first step is not one: it trains nothing)."""
+        return self._measured_steps
 
     @property
     def settings(self) -> Mapping[str, Any]:
@@ -393,6 +400,7 @@ class GradientCheckpointing(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start_step = trainer.global_step
+        self._measured_steps = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._settings["memory_budget"] is None or self._measured is not None:
@@ -426,6 +434,7 @@ class GradientCheckpointing(Callback):
             self._check.__enter__()
         if step.measure:
             # Every matched layer is fully checkpointed; measure it during this ordinary step.
+            self._measured_steps += 1
             self._chunked = None
             if self._chooses_chunks(pl_module):
                 self._head_count = HeadCount(pl_module).__enter__()
