@@ -387,6 +387,27 @@ def test_transformers_model_keeps_its_own_forward_loss_function_and_head_forward
     assert model.__dict__["forward"] is own_forward
 
 
+def test_logits_changed_by_reads_the_config_and_its_text_config_and_takes_0_for_off():
+    from types import SimpleNamespace
+
+    from lightning_ckpt.core.chunked_loss import logits_changed_by
+
+    def model(config=None) -> nn.Module:
+        module = nn.Linear(2, 2)
+        if config is not None:
+            module.config = config
+        return module
+
+    assert logits_changed_by(model()) is None  # no config at all (the demo GPT, a plain module)
+    assert logits_changed_by(model(SimpleNamespace(final_logit_softcapping=30.0))) == "final_logit_softcapping=30.0"
+    assert logits_changed_by(model(SimpleNamespace(final_logit_softcapping=0, logit_scale=1.0))) is None  # off, same
+    assert logits_changed_by(model(SimpleNamespace(logit_scale=0.5))) == "logit_scale=0.5"
+    # a multimodal config: the field is on its text config (Transformers' get_text_config)
+    text = SimpleNamespace(final_logit_softcapping=30.0)
+    composite = SimpleNamespace(get_text_config=lambda: text)
+    assert logits_changed_by(model(composite)) == "final_logit_softcapping=30.0"
+
+
 def test_a_model_with_an_lm_head_that_is_neither_transformers_nor_litgpt_is_left_as_it_is():
     class Custom(nn.Module):
         def __init__(self) -> None:
