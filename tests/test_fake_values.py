@@ -104,3 +104,23 @@ def test_an_out_argument_written_from_an_unknown_input_drops_its_twin_and_an_unk
                 int(dropped.sum())
         unknown.add_(unknown)  # written, but never twinned: nothing to drop, no error
         assert int(fake_ids.sum()) == 6
+
+
+def test_twins_are_made_on_the_cpu_with_the_ops_keyword_arguments():
+    """A factory op asked for another device (a meta tensor here, a CUDA one when planning for a GPU) gets its twin
+    on the CPU, where it can be read; its keyword arguments (the dtype) reach the twin: 2**40 + 1 is no float32."""
+    mode = FakeTensorMode()
+    with mode, BatchValues({}):
+        assert int(torch.arange(4, device="meta").sum()) == 6
+        assert int(torch.full((1,), 2**40 + 1, dtype=torch.long).sum()) == 2**40 + 1
+
+
+def test_a_keepdim_given_by_position_before_the_out_arguments():
+    mode = FakeTensorMode()
+    ids = torch.arange(4)
+    (fake_ids,) = fakes_of(mode, ids)
+    with mode, BatchValues({fake_ids: ids}):
+        values, indices = fake_ids[:2].clone(), fake_ids[:2].clone()
+        torch.max(fake_ids.float().long().view(2, 2), 0, False, out=(values, indices))
+        with pytest.raises(DataDependentOutputException):
+            int(values.sum())
