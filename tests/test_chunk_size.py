@@ -61,7 +61,7 @@ def planned(budget, chunk_loss=None, chunk=512, calls=None):
 
         planner.measure_chunked_head = counting
     try:
-        plan = plan_checkpointing(model, step(model), budget, chunk_loss=chunk_loss)
+        plan = plan_checkpointing(model, step(model), budget, chunk_loss=chunk_loss, tile_mlp=False)  # chunks alone
     finally:
         if calls is not None:
             planner.measure_chunked_head = original

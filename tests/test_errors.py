@@ -512,6 +512,10 @@ CASES: dict[str, Case] = {
         "core.planner.plan_checkpointing",
         lambda: (lambda m: plan_checkpointing(m, step_of(m), 0.5, chunk_loss="yes"))(blocks()), TypeError,
         "got 'yes'", "None (the plan chooses)", "`chunk_loss` is True, False or None"),
+    "tile_mlp type (plan)": Case(
+        "core.planner.plan_checkpointing",
+        lambda: (lambda m: plan_checkpointing(m, step_of(m), 0.5, tile_mlp="yes"))(blocks()), TypeError,
+        "got 'yes'", "False (whole) or None (the plan chooses)", "`tile_mlp` is True, False or None, got"),
     "chunk_loss type (callback)": Case(
         "callbacks.gradient_checkpointing._validate", lambda: GradientCheckpointing(chunk_loss="yes"), TypeError,
         "got 'yes'", "None (a budget's plan chooses)", "`chunk_loss` is True, False or None"),
@@ -586,8 +590,8 @@ CASES: dict[str, Case] = {
         lambda: DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e12, host_bandwidth=1e10, op_overhead=-1),
         ValueError, "got -1", "Pass e.g. 5e-6, or None", "must be seconds per op (0 or more)"),
     "device preset": Case(
-        "core.device_profile.DeviceProfile.preset", lambda: DeviceProfile.preset("h200"), ValueError,
-        "Unknown device preset 'h200'", "Known: h100-sxm", "Unknown device preset"),
+        "core.device_profile.DeviceProfile.preset", lambda: DeviceProfile.preset("h300"), ValueError,
+        "Unknown device preset 'h300'", "Known: h100-sxm", "Unknown device preset"),
     "device type": Case(
         "core.device_profile.resolve_device",
         lambda: plan_checkpointing(blocks(), lambda: None, 0.5, device=3), TypeError,
@@ -598,7 +602,7 @@ CASES: dict[str, Case] = {
         "has sharded (DTensor) parameters but is not an FSDP unit"),
     "plan.apply options": Case(
         "core.plan.CheckpointPlan.apply", lambda: a_plan().apply(blocks(), mode="full"), TypeError,
-        "got ['mode']", "`apply` takes use_reentrant, preserve_rng_state and checkpoint_kwargs",
+        "got ['mode']", "`apply` takes use_reentrant, preserve_rng_state, checkpoint_kwargs and tile_cls",
         "`apply` takes use_reentrant"),
     "plan.apply elsewhere": Case(
         "core.plan.CheckpointPlan.apply", lambda: a_plan().apply(nn.Linear(2, 2)), ValueError,
@@ -811,8 +815,8 @@ USAGE_ERRORS: dict[str, Usage] = {
         "pass a fraction in (0, 1] of the activations without checkpointing, such as 0.3, or bytes, such as 2GiB",
         ": pass a fraction in (0, 1]"),
     "plan, device": Usage(
-        ["plan", "--config", str(TINY), "--device", "h200"], "commands.arguments.check_device_argument",
-        "--device h200",
+        ["plan", "--config", str(TINY), "--device", "h300"], "commands.arguments.check_device_argument",
+        "--device h300",
         "pass a preset (h100-sxm", ": pass a preset ("),
     "plan, device memory": Usage(
         ["plan", "--config", str(TINY), "--device-memory", "0.5"], "commands.plan._parse", "--device-memory 0.5",

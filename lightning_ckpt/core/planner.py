@@ -68,6 +68,7 @@ plus the 7.0 KiB the last one's backward has alive at once.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -208,7 +209,7 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
     if chunked is None or chunk_loss is False:
         chosen = _solve_plan(problem)
         if chosen is None:
-            raise ValueError(_out_of_reach_message(problem))
+            raise OutOfReach(_out_of_reach_message(problem))
         return _build_plan(problem, chosen, outside_ops)
     # The chunked head's problem: the same layers under the same bytes (a fraction of the unchunked peak)
     chunked_problem = _plan_problem(costs, chunked.outside_bytes, memory_budget, problem.budget_bytes, modes, offload,
@@ -225,7 +226,7 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
     if with_chunks is not None:
         found.append((sum(o.cost(timed) for o in with_chunks) + head_cost, 1, chunked_problem, with_chunks))
     if not found:
-        raise ValueError(_out_of_reach_message(chunked_problem) + " (with the LM head and loss chunked, "
+        raise OutOfReach(_out_of_reach_message(chunked_problem) + " (with the LM head and loss chunked, "
                          f"{chunked.chunk_tokens} tokens a chunk)")
     _, is_chunked, best, chosen = min(found, key=lambda f: f[:2])  # equal costs: unchunked
     plan = _build_plan(best, chosen, outside_ops)
@@ -414,6 +415,10 @@ def _build_plan(problem: _PlanProblem, chosen: Sequence[LayerOption],
     )
 
 
+class OutOfReach(ValueError):
+    """No plan reaches the budget (the message gives the least reachable and what else would help)."""
+
+
 def _out_of_reach_message(problem: _PlanProblem) -> str:
     """Why no plan fits ``problem.budget_bytes`` and what would (:func:`_impossible_message`), with the compression
     that would reach it (:func:`_compress_hint`)."""
@@ -496,6 +501,14 @@ def plan_checkpointing(
     minimum and what else would help.
     """
     check_module_and_step(module, step)
+    validate_modes(modes)
+    validate_offload(offload)
+    validate_compress(compress)
+    if parse_memory_budget(memory_budget, min_bytes=1) is None:  # plain PyTorch: any bytes (a toy model may hold 896)
+        raise ValueError("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as '2GiB'.")
+    if chunk_loss is not None and not isinstance(chunk_loss, bool):
+        raise TypeError(f"`chunk_loss` is True, False or None, got {chunk_loss!r}. Pass True (the LM head and loss in"
+                        " chunks), False (whole) or None (the plan chooses).")
     if tile_mlp is not None and not isinstance(tile_mlp, bool):
         raise TypeError(f"`tile_mlp` is True, False or None, got {tile_mlp!r}. Pass True (the MLPs over tiles of"
                         " tokens), False (whole) or None (the plan chooses).")
@@ -503,33 +516,37 @@ def plan_checkpointing(
     if tile_mlp is True:
         check_tiling(module, tile_cls, tile_tokens)  # refuses a model with nothing to tile, before anything runs
     options = (memory_budget, layer_cls, modes, offload, device, host_memory, compress, chunk_loss)
+    untiled: Optional[ValueError] = None
     if tile_mlp is not True:
         try:
             return _plan_whole(module, step, *options)
-        except ValueError:
+        except OutOfReach as err:
             if not tileable or tiled_names(module):
                 raise
+            untiled = err
     with _tiled(module, tile_cls, tile_tokens) as flops:
-        plan = _plan_whole(module, step, *options)
+        try:
+            plan = _plan_whole(module, step, *options)
+        except OutOfReach as err:
+            if untiled is None:
+                raise
+            # The untiled error says what else would help; tiles are said to miss too, with their least.
+            least = re.search(r"the least reachable is ([^(]+?) \(", str(err))
+            untiled.args = (f"{untiled}\n  - (tile_mlp=True, each layer's MLP over tiles of tokens, would not reach it"
+                            f" either{': least reachable ' + least.group(1) if least else ''}.)",)
+            raise untiled from None
     return _with_tiles(plan, tile_tokens, flops.flops, resolve_device(device))
 
 
 def _plan_whole(module: nn.Module, step: Callable[[], Any], memory_budget: object, layer_cls: LayerClassArg,
                 modes: Sequence[str], offload: Offload, device: Union[None, str, DeviceProfile],
                 host_memory: Optional[int], compress: Optional[Compress], chunk_loss: Optional[bool]) -> CheckpointPlan:
-    """:func:`plan_checkpointing` of ``module`` as it is (tiled or not)."""
+    """:func:`plan_checkpointing` of ``module`` as it is (tiled or not); its settings already checked."""
     modes = validate_modes(modes)
-    validate_offload(offload)
-    validate_compress(compress)
-    if parse_memory_budget(memory_budget, min_bytes=1) is None:  # plain PyTorch: any bytes (a toy model may hold 896)
-        raise ValueError("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as '2GiB'.")
     profile = resolve_device(device)
     cuda = cuda_devices(module)
     if offload == "auto" and profile is None and cuda:
         profile = DeviceProfile.measure(torch.device("cuda", cuda[0]))
-    if chunk_loss is not None and not isinstance(chunk_loss, bool):
-        raise TypeError(f"`chunk_loss` is True, False or None, got {chunk_loss!r}. Pass True (the LM head and loss in"
-                        " chunks), False (whole) or None (the plan chooses).")
     chunk = _chunk_of(module) if chunk_loss is not False else None
     for reason in losses_kept_whole(module) if chunk_loss is not False else []:
         say_once(log, f"lightning_ckpt: chunk_loss={chunk_loss!r}: {reason}.")
