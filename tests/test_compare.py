@@ -470,8 +470,8 @@ def test_bad_arguments_exit_with_usage_errors(tmp_path, capsys):
         cli_main(["compare", "--config", str(TINY), "--variants", "planned"])  # tiny.yaml has no memory_budget
     assert exit_info.value.code == 2 and "needs a memory_budget" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["compare", "--config", str(TINY), "--device", "h200"])  # not a preset
-    assert exit_info.value.code == 2 and "--device h200: pass a preset (h100-sxm" in capsys.readouterr().err
+        cli_main(["compare", "--config", str(TINY), "--device", "h300"])  # not a preset
+    assert exit_info.value.code == 2 and "--device h300: pass a preset (h100-sxm" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["compare", "--config", str(TINY), "--rounds", "0"])
     assert exit_info.value.code == 2 and "--rounds must be >= 1" in capsys.readouterr().err
