@@ -311,7 +311,7 @@ def check_tiling(module: nn.Module, tile_cls: LayerClassArg = None, tile_tokens:
                             " input, the hidden states, along the sequence. Pass tile_cls= a class called with the"
                             " hidden states alone (the MLP), or tile_mlp=False.")
     for name in names:
-        for other in {*names, *tiled_names(module)} - {name}:
+        for other in sorted({*names, *tiled_names(module)} - {name}):  # sorted: the same message every run
             inner, outer = (name, other) if is_inside(name, other) else (other, name)
             if is_inside(inner, outer):
                 raise ValueError(f"`{inner}` would be tiled inside `{outer}`, which is tiled too: each tile would run"
