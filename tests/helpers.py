@@ -96,3 +96,15 @@ def least_reachable_bytes(message: str) -> int:
     found = re.search(r"pass a budget of at least (?:\d+\.\d+ \(or )?(\d+) bytes", message)
     assert found is not None, message
     return int(found.group(1))
+
+
+def token_batches(lengths: list[int], rows: int = 4, vocab: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(tokens, targets)`` batches of the demo GPT, one per length: counting sequences, targets shifted by one."""
+    from lightning_ckpt.demos import counting_sequences
+
+    out = []
+    for i, length in enumerate(lengths):
+        seqs = counting_sequences(rows, length + 1, vocab, i)
+        out.append((seqs[:, :-1], seqs[:, 1:]))
+    return out
+

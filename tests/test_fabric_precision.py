@@ -11,24 +11,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from helpers import token_batches
 from lightning.fabric import Fabric
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.callbacks.fabric import FabricCheckpointing
-from lightning_ckpt.demos import GPT, counting_sequences
+from lightning_ckpt.demos import GPT
 
 # Buckets (tokens rounded up to a power of two, 4 rows): 32, 64, 32, 128, 64: three sizes measured, then covered.
 LENGTHS = [8, 16, 8, 32, 16]
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    out = []
-    for i, length in enumerate(LENGTHS):
-        seqs = counting_sequences(4, length + 1, 32, i)
-        out.append((seqs[:, :-1], seqs[:, 1:]))
-    return out
+    return token_batches(LENGTHS)
 
 
 def gpt() -> GPT:

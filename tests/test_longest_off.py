@@ -12,6 +12,8 @@ import logging
 
 import pytest
 import torch
+
+from helpers import token_batches
 from lightning.fabric import Fabric
 from lightning.pytorch import Trainer
 from torch._subclasses import FakeTensor
@@ -19,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.callbacks.fabric import FabricCheckpointing
-from lightning_ckpt.demos import GPT, counting_sequences
+from lightning_ckpt.demos import GPT
 
 BLOCK = 32  # the model's limit: the longest batch is planned at 32 unless turned off
 LENGTHS = [8, 16, 8]
@@ -39,11 +41,7 @@ class LossKeepingGPT(GPT):
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    out = []
-    for i, length in enumerate(LENGTHS):
-        seqs = counting_sequences(4, length + 1, 32, i)
-        out.append((seqs[:, :-1], seqs[:, 1:]))
-    return out
+    return token_batches(LENGTHS)
 
 
 def fit(callback: GradientCheckpointing) -> LossKeepingGPT:
