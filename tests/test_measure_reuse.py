@@ -286,3 +286,24 @@ def test_tiled_blocks_are_rerun_once_when_tiled_alike(tile_tokens, monkeypatch):
     alone, runs_alone = measured(model, Block, reuse=False, monkeypatch=monkeypatch, step=step)
     assert (runs, runs_alone) == (1 if tile_tokens[0] == tile_tokens[1] else 2, 6)
     assert costs == alone
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3", "Gemma2"])
+def test_transformers_decoder_layers_are_rerun_once_per_kind(family, monkeypatch):
+    """Transformers' attention reads its `layer_idx` in forward only to index the KV cache: without a cache, decoder
+    layers differing only in it share one re-run (an 8B's 32 layers were re-run 32 times in each measuring step, most
+    of `plan`'s time on a LoRA 8B). Gemma2 alternates sliding and global attention: two kinds, two re-runs."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=32, hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, max_position_embeddings=LENGTH, sliding_window=4, use_cache=False,
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).train()
+    layer_cls = type(model.model.layers[0])
+    idx = torch.randint(0, 32, (BATCH, LENGTH), generator=torch.Generator().manual_seed(0))
+    step = lambda: model(input_ids=idx, labels=idx).loss  # noqa: E731
+    costs, runs = measured(model, layer_cls, reuse=True, monkeypatch=monkeypatch, step=step)
+    alone, runs_alone = measured(model, layer_cls, reuse=False, monkeypatch=monkeypatch, step=step)
+    assert (runs, runs_alone) == (2 if family == "Gemma2" else 1, 4)
+    assert costs == alone

@@ -48,7 +48,7 @@ from lightning_ckpt.core.profiling import (
     storage_key,
     tensor_bytes,
 )
-from lightning_ckpt.core.selection import LayerClassArg, is_inside, layer_classes, select_layers
+from lightning_ckpt.core.selection import LayerClassArg, class_path, is_inside, layer_classes, select_layers
 from lightning_ckpt.core.tiling import TiledForward, is_tiled, restore_tiles, tiles_of
 from lightning_ckpt.core.wrapping import (
     apply_checkpointing,
@@ -701,6 +701,13 @@ def _backward_bytes(seed: Optional[torch.Tensor], wrt: Sequence[torch.Tensor], l
 #: What every module keeps in its ``__dict__`` (parameters, buffers, submodules, hooks, the training flag): the rest
 #: of a module's ``__dict__`` is its own configuration.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+#: Transformers' attention classes that read their ``layer_idx`` in forward only to index the KV cache
+#: (``cache.update(key, value, self.layer_idx)``, read in transformers 4.57 and 5.25): with no cache in the call it
+#: cannot change what the forward does, so decoder layers differing only in it share one re-run. (A call with a cache
+#: gets no key at all: a cache is an argument that is neither a tensor nor a plain value.)
+_CACHE_INDEX = frozenset(f"transformers.models.{m}.modeling_{m}.{c}Attention" for m, c in [
+    ("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("phi3", "Phi3"),
+    ("gemma", "Gemma"), ("gemma2", "Gemma2"), ("gemma3", "Gemma3")])
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
@@ -734,9 +741,10 @@ def _rerun_key(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             return None
         # An int no code of the layer's modules reads outside __init__ (litgpt's `block_idx`) cannot change what
         # the forward does: left out, so that blocks differing only in their index share one re-run.
+        reads = read - {"layer_idx"} if class_path(type(sub)) in _CACHE_INDEX else read
         config = {k: v for k, v in sub.__dict__.items()
                   if k not in _MODULE_INTERNALS and (sub is not layer or k != "forward")
-                  and not (type(v) is int and k not in read)}
+                  and not (type(v) is int and k not in reads)}
         if is_tiled(sub):  # tiled alike in every block: the same tiles, whatever module they belong to
             tiled = config["forward"]
             config["forward"] = (TiledForward, tiled.tile_tokens, tiled.original)
@@ -823,12 +831,25 @@ def _values_key(values: Any, seen: dict[tuple[Any, int], int], resident: set[tup
             key = _tensor_key(leaf, seen, resident)
         elif isinstance(leaf, _PLAIN):
             key = type(leaf), leaf
+        elif _stateless_module(leaf):
+            key = type(leaf), leaf.training
+        elif type(leaf) is functools.partial:  # one per instance (Transformers' GELUTanh): by what it calls
+            key = _values_key((leaf.func, leaf.args, leaf.keywords), seen, resident, by_identity)
         else:
             key = _Same(leaf) if by_identity else None
         if key is None:
             return None
         keys.append(key)
     return spec, tuple(keys)
+
+
+def _stateless_module(obj: object) -> bool:
+    """Whether ``obj`` is a module with no state of its own: no parameters, buffers, submodules or attributes beyond a
+    fresh module's. Such a module held as a plain attribute (the ``Func`` that kernels' ``use_kernelized_func`` puts
+    on each of Transformers 5's attentions, wrapping its rotary function) computes what its class does; it is keyed
+    by its class, so that layers holding one each still share a re-run."""
+    return (isinstance(obj, nn.Module) and not (obj._parameters or obj._buffers or obj._modules)
+            and obj.__dict__.keys() <= _MODULE_INTERNALS)
 
 
 class _Same:
