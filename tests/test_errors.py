@@ -552,12 +552,12 @@ CASES: dict[str, Case] = {
         TypeError, "`a` (torch.nn.modules.activation.MultiheadAttention)", "Pass tile_cls= a class called with the"
         " hidden states alone", "takes more than one tensor argument"),
     "tiles nested": Case(
-        "core.tiling.check_tiling", _tiles_nested, ValueError, "`blocks.0.ln2` would be tiled inside `blocks.0`",
+        "core.tiling.check_tiling", _tiles_nested, ValueError, "`blocks.0.ln1` would be tiled inside `blocks.0`",
         "Pass a tile_cls that matches one of them", "which is tiled too"),
     "checkpointed as the tiled module": Case(
         "core.wrapping._check_tiles_inside",
         lambda: apply_checkpointing(Transformer(16, 8, 1, 8, 2, 0.0), layer_cls=nn.LayerNorm, tile_mlp=True),
-        ValueError, "`blocks.0.ln2` would be checkpointed as the tiled `blocks.0.ln2`",
+        ValueError, "`blocks.0.ln1` would be checkpointed as the tiled `blocks.0.ln1`",
         "Pass a layer_cls around the MLP", "whose tiles already run under checkpoint"),
     "tiled module called with two tensors": Case(
         "core.tiling.TiledForward.__call__", _tiled_called_with_two_tensors, TypeError,

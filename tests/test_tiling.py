@@ -1,4 +1,4 @@
-"""Tiles of tokens (``tile_mlp``, :mod:`lightning_ckpt.core.tiling`): each decoder layer's MLP and the norms next to it
+"""Tiles of tokens (``tile_mlp``, :mod:`lightning_ckpt.core.tiling`): each decoder layer's MLP and norms, and the final norm,
 run over tiles of the sequence, each under checkpoint, and train as untiled.
 
 - fp32, no dropout: the loss equal, every gradient within 1e-6 relative of untiled, on Transformers' Llama, Qwen2,
@@ -172,8 +172,11 @@ def test_tiled_mlps_train_as_untiled_in_a_checkpointed_layer_and_in_a_plain_one(
     layers = apply_checkpointing(model, every_n_layers=2, tile_mlp=True, tile_tokens=TILE)
     assert len(layers) == 1 and len(layers_of(model)) == 2
     tiled = tiled_names(model)
-    assert {name.rpartition(".")[0] for name in tiled} == {n for n, m in model.named_modules() if m in layers_of(model)}
-    assert any(name.endswith(".mlp") for name in tiled) and len(tiled) >= 4  # the MLP and a norm, in each layer
+    in_layers = {n for n, m in model.named_modules() if m in layers_of(model)}
+    assert {name.rpartition(".")[0] for name in tiled if name.rpartition(".")[0] in in_layers} == in_layers
+    outside = [name for name in tiled if name.rpartition(".")[0] not in in_layers]
+    assert len(outside) == 1 and outside[0].endswith(("model.norm", "transformer.ln_f", "ln_f"))  # the final norm
+    assert any(name.endswith(".mlp") for name in tiled) and len(tiled) >= 7  # the MLP and two norms, in each layer
     assert list(model.state_dict()) == keys and [type(m) for m in model.modules()] == classes
     seen = RowsSeen(model, linear)
     loss, grads = loss_and_grads(model, loss_fn, seen=seen)
@@ -196,18 +199,32 @@ def test_tiled_mlps_train_as_untiled_in_a_checkpointed_layer_and_in_a_plain_one(
 
 
 def test_what_each_model_tiles():
-    assert tiled_names_of(hf_model("llama")) == ["mlp", "post_attention_layernorm"]
-    assert tiled_names_of(hf_model("phi3")) == ["mlp", "post_attention_layernorm"]
-    assert tiled_names_of(hf_model("gemma2")) == ["mlp", "pre_feedforward_layernorm", "post_feedforward_layernorm"]
-    assert tiled_names_of(litgpt_model("llama")) == ["norm_2", "mlp"]
-    assert tiled_names_of(litgpt_model("neox")) == ["norm_2", "mlp"]  # its post_mlp_norm is an Identity: left
-    assert tiled_names_of(demo_model()) == ["ln2", "mlp"]
+    """In each layer, every child but the attention; in the model, the final norm (before the head)."""
+    assert tiled_names_of(hf_model("llama")) == (["mlp", "input_layernorm", "post_attention_layernorm"], "model.norm")
+    assert tiled_names_of(hf_model("phi3")) == (["mlp", "input_layernorm", "post_attention_layernorm"], "model.norm")
+    assert tiled_names_of(hf_model("gemma2")) == (["mlp", "input_layernorm", "post_attention_layernorm",
+                                                   "pre_feedforward_layernorm", "post_feedforward_layernorm"],
+                                                  "model.norm")
+    assert tiled_names_of(litgpt_model("llama")) == (["norm_1", "norm_2", "mlp"], "transformer.ln_f")
+    # its post_attention_norm and post_mlp_norm are Identity: left
+    assert tiled_names_of(litgpt_model("neox")) == (["norm_1", "norm_2", "mlp"], "transformer.ln_f")
+    assert tiled_names_of(demo_model()) == (["ln1", "ln2", "mlp"], "ln_f")
+    assert tiled_names_of(hf_lora())[1] == "base_model.model.model.norm"
 
 
-def tiled_names_of(model: nn.Module) -> list[str]:
-    """The tiled submodules of the first layer, relative to it."""
+def tiled_names_of(model: nn.Module) -> tuple[list[str], str]:
+    """The tiled submodules of the first layer, relative to it, and the one tiled outside the layers."""
     first = layers_of(model)[0]
-    return tiled_names(first) if apply_tiling(model) else []
+    names = apply_tiling(model)
+    outside = [name for name in names if not any(m is first or m in layers_of(model)
+                                                   for m in _parents(model, name))]
+    assert len(outside) == 1, outside
+    return tiled_names(first), outside[0]
+
+
+def _parents(model: nn.Module, name: str) -> list[nn.Module]:
+    parts = name.split(".")
+    return [model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
 
 
 # ------------------------------------------------------------------------------------------------ the peak
@@ -455,7 +472,8 @@ def test_applying_again_changes_the_tile_size_and_remove_restores_an_own_forward
     apply_tiling(model, tile_tokens=20)
     forward = model.blocks[0].mlp.forward
     assert isinstance(forward, TiledForward) and forward.tile_tokens == 20 and forward.original is own
-    assert remove_tiling(model) == ["blocks.0.ln2", "blocks.0.mlp", "blocks.1.ln2", "blocks.1.mlp"]
+    assert remove_tiling(model) == ["blocks.0.ln1", "blocks.0.ln2", "blocks.0.mlp", "blocks.1.ln1", "blocks.1.ln2", "blocks.1.mlp",
+                                    "ln_f"]
     assert model.blocks[0].mlp.forward is own and not is_tiled(model.blocks[1].mlp)
 
 
@@ -489,8 +507,7 @@ def test_the_callback_tiles_with_tile_mlp_true_only_and_says_so_in_its_settings(
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(model, CountingDataModule(vocab_size=32, block_size=16, batch_size=2, num_samples=2))
         assert record.rows == rows
-        assert record.tiled == ([] if tile_mlp is None else ["model.blocks.0.ln2", "model.blocks.0.mlp",
-                                                             "model.blocks.1.ln2", "model.blocks.1.mlp"])
+        assert record.tiled == ([] if tile_mlp is None else [*(f"model.blocks.{i}.{c}" for i in (0, 1) for c in ("ln1", "ln2", "mlp")), "model.ln_f"])
         assert tiled_names(model) == []  # undone at the end of fit
 
 
@@ -503,8 +520,8 @@ def test_fabric_checkpointing_takes_tile_mlp():
     ckpt = FabricCheckpointing(Fabric(accelerator="cpu", devices=1), every_n_layers=2, tile_mlp=True, tile_tokens=4)
     model = ckpt.setup(GPT(vocab_size=32, block_size=16, n_layer=2, n_embd=16, n_head=2, dropout=0.0))
     assert ckpt.callback.tile_mlp is True and ckpt.checkpointed_layers == ["model.blocks.0"]
-    assert tiled_names(model.module) == ["model.blocks.0.ln2", "model.blocks.0.mlp", "model.blocks.1.ln2",
-                                         "model.blocks.1.mlp"]
+    assert tiled_names(model.module) == [*(f"model.blocks.{i}.{c}" for i in (0, 1) for c in ("ln1", "ln2", "mlp")),
+                                         "model.ln_f"]
     ckpt.teardown()
     assert tiled_names(model.module) == []
 
@@ -559,4 +576,4 @@ def test_with_a_budget_every_step_runs_tiled_the_planned_ones_too():
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, CountingDataModule(vocab_size=32, block_size=32, batch_size=4, num_samples=64))
     assert callback.plan is not None and "none" in callback.plan.layers.values()
-    assert record.tiled == [8, 8, 8]  # each block's ln2 and mlp, on the measuring step and under the plan
+    assert record.tiled == [13, 13, 13]  # each block's ln1, ln2 and mlp, and ln_f, on the measuring step and under the plan

@@ -45,7 +45,7 @@ def test_a_budget_only_tiles_reach_is_planned_with_tiles_and_the_applied_step_ho
     assert plan.tile_mlp is True and plan.tile_tokens is None and plan.peak_bytes <= budget
     assert tiled_names(model) == []  # planning leaves the module as it was
     plan.apply(model)
-    assert tiled_names(model) == [f"blocks.{i}.{m}" for i in range(LAYERS) for m in ("ln2", "mlp")]
+    assert tiled_names(model) == [f"blocks.{i}.{m}" for i in range(LAYERS) for m in ("ln1", "ln2", "mlp")] + ["ln_f"]
     measured = counted_peak(model, step)
     assert measured <= budget, (measured, budget)
     remove_checkpointing(model)
@@ -143,7 +143,8 @@ def test_the_callback_tiles_where_only_tiles_hold_the_longest_batch_and_every_st
     with caplog.at_level("INFO"):
         model, peaks = _fit(callback, 3, seen)
     assert "only with each layer's MLP over tiles of tokens" in caplog.text
-    assert seen.names == [[f"model.blocks.{i}.{m}" for i in range(LAYERS) for m in ("ln2", "mlp")]] * 3
+    assert seen.names == [[f"model.blocks.{i}.{m}" for i in range(LAYERS) for m in ("ln1", "ln2", "mlp")]
+                          + ["model.ln_f"]] * 3
     assert tiled_names(model) == []  # undone with the rest at the end of fit
     assert len(peaks) == 3 and max(peaks) <= budget, (peaks, budget)
     assert callback.state_dict()["tiles_chosen"] is True

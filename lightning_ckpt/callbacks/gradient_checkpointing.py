@@ -161,7 +161,7 @@ class GradientCheckpointing(Callback):
             256 are priced apart on fake tensors, the largest chunk that fits is taken (as ``plan_checkpointing``
             does), and ``plan.chunk_tokens`` says what was chosen. Other models keep their loss, said once, as does
             a model that changes its logits before the loss (Gemma 2's ``final_logit_softcapping``).
-        tile_mlp: ``True``: each decoder layer's MLP (and the norms next to it) runs over tiles of tokens, each tile
+        tile_mlp: ``True``: each decoder layer's MLP and norms (and the final norm) run over tiles of tokens, each tile
             under checkpoint, so that only one tile's intermediates are alive at a time (ALST's TiledMLP;
             :mod:`~lightning_ckpt.core.tiling`), in every layer, checkpointed or not: Transformers' Llama, Mistral,
             Qwen2/3, Phi3, Gemma/2/3 decoder layers, litgpt's ``Block``, the demo GPT; ``tile_cls`` names the class for

@@ -1,4 +1,4 @@
-"""Tiles of tokens: a layer's token-wise submodules (its MLP, the norm before it) run over tiles of the sequence.
+"""Tiles of tokens: a layer's token-wise submodules (its MLP, its norms) run over tiles of the sequence.
 
 ALST's TiledMLP (Arctic Long Sequence Training). A token-wise submodule computes each token from that token alone, so
 it can run over tiles of tokens along the sequence dimension (``dim=-2`` of a ``[batch, seq, hidden]`` input), each
@@ -13,9 +13,10 @@ As :mod:`~lightning_ckpt.core.wrapping` does for checkpointed layers, a tiled mo
 the tiles. Tiles run only in training with grad enabled; in eval or under ``no_grad`` the module runs whole.
 
 Only submodules known to be token-wise are tiled (a module that mixes tokens, such as attention, would compute
-something else over tiles): the MLP of the decoder layers of Transformers' Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma,
-Gemma2 and Gemma3, of litgpt's ``Block`` and of the demo GPT's ``Block``, and the norms next to it; any other
-class only when the user names it (``tile_cls``).
+something else over tiles): the MLP and the norms of the decoder layers of Transformers' Llama, Mistral, Qwen2, Qwen3,
+Phi3, Gemma, Gemma2 and Gemma3, of litgpt's ``Block`` and of the demo GPT's ``Block``, and those models' final norm
+(:data:`KNOWN_LAYERS`); any other class only when the user names it (``tile_cls``). The norms matter as much as the
+MLP at long lengths: an RMSNorm under bf16 keeps float32 copies of the whole sequence for its backward.
 
 **Dropout** inside a tiled module: each tile draws its own mask from the same RNG stream, one tile after another, and
 each tile's recompute replays its own RNG state (``preserve_rng_state=True``), so the recompute is exact and a tiled
@@ -58,32 +59,33 @@ __all__ = ["KNOWN_LAYERS", "TiledForward", "apply_tiling", "check_tiling", "is_t
 
 log = logging.getLogger(__name__)
 
-_NORMS_MLP = ("post_attention_layernorm", "mlp")  # Llama's layout: attention, norm, MLP
-_NORMS_MLP_NORM = ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm")  # Gemma2's: a norm on each side
+_NORMS_MLP = ("input_layernorm", "post_attention_layernorm", "mlp")  # Llama's layout: norm, attention, norm, MLP
+# Gemma2's: a norm on each side of the attention and of the MLP
+_NORMS_MLP_NORM = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp",
+                   "post_feedforward_layernorm")
+_HF = "transformers.models"
+_HF_FAMILIES = [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("phi3", "Phi3"),
+                ("gemma", "Gemma"), ("gemma2", "Gemma2"), ("gemma3", "Gemma3")]
 
-#: The decoder layers whose token-wise children are known, by class path: the attributes of those children (the
-#: MLP and the norms next to it). A child is tiled only when it is also of a known token-wise class (a litgpt
-#: ``Block`` whose ``mlp`` is a mixture of experts, or whose ``norm_2`` is ``Identity``, keeps it whole).
+#: The modules whose token-wise children are known, by class path: the attributes (dotted paths) of those children.
+#: In a decoder layer, the MLP and the norms on both sides of the attention and of the MLP (every part of the layer
+#: but the attention, its projections and the residual adds); in a model, its final norm before the LM head. A child
+#: is tiled only when it is also of a known token-wise class (a litgpt ``Block`` whose ``mlp`` is a mixture of
+#: experts, or whose ``norm_2`` is ``Identity``, keeps it whole).
 KNOWN_LAYERS: dict[str, tuple[str, ...]] = {
-    "transformers.models.llama.modeling_llama.LlamaDecoderLayer": _NORMS_MLP,
-    "transformers.models.mistral.modeling_mistral.MistralDecoderLayer": _NORMS_MLP,
-    "transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer": _NORMS_MLP,
-    "transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer": _NORMS_MLP,
-    "transformers.models.phi3.modeling_phi3.Phi3DecoderLayer": _NORMS_MLP,
-    "transformers.models.gemma.modeling_gemma.GemmaDecoderLayer": _NORMS_MLP,
-    "transformers.models.gemma2.modeling_gemma2.Gemma2DecoderLayer": _NORMS_MLP_NORM,
-    "transformers.models.gemma3.modeling_gemma3.Gemma3DecoderLayer": _NORMS_MLP_NORM,
-    "litgpt.model.Block": ("norm_2", "mlp", "post_mlp_norm"),
-    "lightning_ckpt.demos.Block": ("ln2", "mlp"),
+    **{f"{_HF}.{m}.modeling_{m}.{c}DecoderLayer": _NORMS_MLP_NORM if m in ("gemma2", "gemma3") else _NORMS_MLP
+       for m, c in _HF_FAMILIES},
+    **{f"{_HF}.{m}.modeling_{m}.{c}{'TextModel' if m == 'gemma3' else 'Model'}": ("norm",) for m, c in _HF_FAMILIES},
+    "litgpt.model.Block": ("norm_1", "post_attention_norm", "norm_2", "mlp", "post_mlp_norm"),
+    "litgpt.model.GPT": ("transformer.ln_f",),
+    "lightning_ckpt.demos.Block": ("ln1", "ln2", "mlp"),
+    "lightning_ckpt.demos.Transformer": ("ln_f",),
 }
 
 _HF = "transformers.models"
 #: Classes that compute each token from that token alone (over the last dimension).
 _TOKEN_WISE = {
-    *(f"{_HF}.{m}.modeling_{m}.{c}{k}" for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"),
-                                                     ("qwen3", "Qwen3"), ("phi3", "Phi3"), ("gemma", "Gemma"),
-                                                     ("gemma2", "Gemma2"), ("gemma3", "Gemma3")]
-      for k in ("MLP", "RMSNorm")),
+    *(f"{_HF}.{m}.modeling_{m}.{c}{k}" for m, c in _HF_FAMILIES for k in ("MLP", "RMSNorm")),
     "litgpt.model.GptNeoxMLP", "litgpt.model.LLaMAMLP", "litgpt.model.GemmaMLP", "litgpt.model.RMSNorm",
 }
 #: Leaf modules that act on each token alone; an ``nn.Sequential`` of them (the demo GPT's MLP) is token-wise.
@@ -104,6 +106,14 @@ def _is_token_wise(module: nn.Module) -> bool:
     if type(module) is nn.Sequential:
         return len(module) > 0 and all(isinstance(m, _TOKEN_WISE_LEAVES) or _is_token_wise(m) for m in module)
     return False
+
+
+def _child(module: nn.Module, path: str) -> Optional[nn.Module]:
+    """The submodule at the dotted ``path`` of ``module``, or ``None`` where there is none."""
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _known_children(layer: nn.Module) -> Optional[tuple[str, ...]]:
@@ -228,14 +238,14 @@ def token_wise_modules(module: nn.Module, tile_cls: LayerClassArg = None) -> lis
     """The qualified names of the submodules of ``module`` that :func:`apply_tiling` tiles, in registration order.
 
     With ``tile_cls`` (a class, a dotted import path, or a list of either): every instance of those classes. Without:
-    in each decoder layer it knows (:data:`KNOWN_LAYERS`), the MLP and the norms next to it, those of a known
+    in each decoder layer and model it knows (:data:`KNOWN_LAYERS`), the MLP and the norms, those of a known
     token-wise class.
 
     Example::
 
         >>> from lightning_ckpt.demos import Transformer
         >>> token_wise_modules(Transformer(16, 8, 2, 8, 2, 0.0))
-        ['blocks.0.ln2', 'blocks.0.mlp', 'blocks.1.ln2', 'blocks.1.mlp']
+        ['blocks.0.ln1', 'blocks.0.ln2', 'blocks.0.mlp', 'blocks.1.ln1', 'blocks.1.ln2', 'blocks.1.mlp', 'ln_f']
     """
     classes = tile_classes(tile_cls)
     if classes is not None:
@@ -244,7 +254,7 @@ def token_wise_modules(module: nn.Module, tile_cls: LayerClassArg = None) -> lis
     for name, layer in module.named_modules():
         children = _known_children(layer)
         for attr in children or ():
-            child = getattr(layer, attr, None)
+            child = _child(layer, attr)
             if isinstance(child, nn.Module) and _is_token_wise(child):
                 names.append(f"{name}.{attr}" if name else attr)
             elif isinstance(child, nn.Module) and attr == "mlp":
@@ -275,9 +285,9 @@ def apply_tiling(module: nn.Module, tile_cls: LayerClassArg = None, tile_tokens:
         >>> from lightning_ckpt.demos import Transformer
         >>> model = Transformer(16, 8, 1, 8, 2, 0.0)
         >>> apply_tiling(model, tile_tokens=4)
-        ['blocks.0.ln2', 'blocks.0.mlp']
+        ['blocks.0.ln1', 'blocks.0.ln2', 'blocks.0.mlp', 'ln_f']
         >>> remove_tiling(model)
-        ['blocks.0.ln2', 'blocks.0.mlp']
+        ['blocks.0.ln1', 'blocks.0.ln2', 'blocks.0.mlp', 'ln_f']
     """
     names = check_tiling(module, tile_cls, tile_tokens)
     for name in names:

@@ -290,7 +290,7 @@ def apply_checkpointing(
             ``tokens x vocab`` kept) for the models :func:`~lightning_ckpt.core.chunked_loss.chunk_causal_lm_loss`
             knows (Transformers ``*ForCausalLM`` with ``labels``, litgpt ``GPT`` with ``targets=``, the demo GPT);
             ``False`` leaves a chunking applied before as it is. Other models keep their loss, said once.
-        tile_mlp: also run each decoder layer's MLP (and the norms next to it) over tiles of tokens, each tile under
+        tile_mlp: also run each decoder layer's MLP and norms (and the final norm) over tiles of tokens, each tile under
             checkpoint, so that only one tile's intermediates are alive at a time (ALST's TiledMLP, see
             :mod:`~lightning_ckpt.core.tiling`): in every layer it knows, checkpointed or not (in a checkpointed
             layer the tiles run inside its recompute). ``False`` leaves a tiling applied before as it is.

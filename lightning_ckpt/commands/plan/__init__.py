@@ -79,7 +79,7 @@ layer what lives in host memory, shown in the per-layer table (``+offload``) and
 ``--compress bf16|fp8|none`` (default: the config's ``GradientCheckpointing`` compress) counts every setting's
 checkpointed layers with their inputs held compressed (:meth:`~lightning_ckpt.core.costs.LayerCost.compressed`).
 ``--tile-mlp true|false`` (default: the config's ``GradientCheckpointing`` tile_mlp) measures every step with each
-layer's MLP and the norms next to it over tiles of tokens (:func:`~lightning_ckpt.core.tiling.apply_tiling`), so
+layer's MLP and norms (and the final norm) over tiles of tokens (:func:`~lightning_ckpt.core.tiling.apply_tiling`), so
 every setting and the plan's longest length are with tiles; ``plan.json``'s ``tile_mlp`` says so. The tiles' second
 forward is not in the settings' recompute FLOPs.
 ``--chunk-loss auto|true|false`` (default: the config's ``GradientCheckpointing`` chunk_loss, else ``auto``): for a
@@ -263,7 +263,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                              " the budget with them); default: the config's GradientCheckpointing chunk_loss, else"
                              " 'auto'")
     parser.add_argument("--tile-mlp", choices=("true", "false"), default=None,
-                        help="measure with each layer's MLP (and the norms next to it) over tiles of tokens, so one"
+                        help="measure with each layer's MLP and norms (and the final norm) over tiles of tokens, so one"
                              " layer's backward holds one tile's MLP intermediates (see the guide 'Long sequences');"
                              " default: the config's GradientCheckpointing tile_mlp")
     parser.add_argument("--lengths", type=_lengths, default=(),
