@@ -739,12 +739,13 @@ def _rerun_key(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     for name, sub in layer.named_modules(remove_duplicate=False):
         if sub is not layer and any(getattr(sub, hooks) for hooks in _HOOKS):
             return None
-        # An int no code of the layer's modules reads outside __init__ (litgpt's `block_idx`) cannot change what
-        # the forward does: left out, so that blocks differing only in their index share one re-run.
+        # Plain data no code of the layer's modules reads outside __init__ (litgpt's `block_idx`, the qualified name
+        # PEFT keeps in each adapter's `kwargs`) cannot change what the forward does: left out, so that blocks
+        # differing only in it share one re-run.
         reads = read - {"layer_idx"} if class_path(type(sub)) in _CACHE_INDEX else read
         config = {k: v for k, v in sub.__dict__.items()
                   if k not in _MODULE_INTERNALS and (sub is not layer or k != "forward")
-                  and not (type(v) is int and k not in reads)}
+                  and not (k not in reads and _plain_data(v))}
         if is_tiled(sub):  # tiled alike in every block: the same tiles, whatever module they belong to
             tiled = config["forward"]
             config["forward"] = (TiledForward, tiled.tile_tokens, tiled.original)
@@ -813,11 +814,24 @@ def _cell_filled(cell: Any) -> bool:
 
 
 def _code_names(code: Any) -> set[str]:
+    """The names ``code`` reads as attributes or globals, and the identifiers it holds as strings (``getattr(self,
+    "name")``), its nested functions' included."""
     names = set(code.co_names)
     for const in code.co_consts:
         if hasattr(const, "co_names"):
             names |= _code_names(const)
+        elif isinstance(const, str) and const.isidentifier():
+            names.add(const)
     return names
+
+
+def _plain_data(value: Any) -> bool:
+    """Whether ``value`` is a plain value, or a dict, list or tuple of them (no object its code could call)."""
+    if isinstance(value, dict):
+        return all(_plain_data(k) and _plain_data(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_plain_data(v) for v in value)
+    return isinstance(value, _PLAIN)
 
 
 def _values_key(values: Any, seen: dict[tuple[Any, int], int], resident: set[tuple[Any, int]],
