@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -872,7 +873,10 @@ def frames(tb: Any) -> list[str]:
     while tb is not None:
         path = Path(tb.tb_frame.f_code.co_filename)
         module = module_name(path) if path.is_relative_to(PACKAGE) else path.stem
-        names.append(f"{module}.{tb.tb_frame.f_code.co_name}")
+        name = tb.tb_frame.f_code.co_name
+        # tests/mutate.sh: mutmut renames each function it mutates (x_name__mutmut_orig, xǁClassǁname__mutmut_3)
+        renamed = re.fullmatch(r"x(?:_|ǁ\w+ǁ)(\w+?)__mutmut_(?:orig|\d+)", name)
+        names.append(f"{module}.{renamed.group(1) if renamed else name}")
         tb = tb.tb_next
     return names
 

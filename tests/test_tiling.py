@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing, remove_checkpointing
-from lightning_ckpt.core.tiling import TiledForward, apply_tiling, is_tiled, remove_tiling, tile_size, tiled_names
+from lightning_ckpt.core.tiling import (TiledForward, apply_tiling, is_tiled, remove_tiling, restore_tiles, tile_size,
+                                         tiled_names, tiles_of, validate_tile_tokens)
 from lightning_ckpt.core.wrapping import checkpointed_names
 from lightning_ckpt.demos import Transformer
 
@@ -350,6 +351,63 @@ def test_the_tile_size_follows_alsts_rule_by_default():
     assert seen.forward == [[20, 20], [20, 20]] and seen.rows == [[20, 20], [20, 20]]
 
 
+def test_tile_sizes_at_the_edges_and_the_tile_tokens_accepted():
+    # no tokens, one feature: one token a tile (no division by zero, no tile of 0 or 2)
+    assert [tile_size(0, 32), tile_size(-3, 32), tile_size(10, 1), tile_size(10, 0)] == [1, 1, 1, 1]
+    assert validate_tile_tokens(1) == 1 and tile_size(7, 32, tile_tokens=1) == 1
+    for bad in (0, True, 2.0, "8"):
+        with pytest.raises(ValueError, match="pass an int >= 1"):
+            validate_tile_tokens(bad)
+
+
+class Scaled(nn.Module):
+    """Token-wise, with a plain keyword argument and an extra positional one (neither a tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, shift: float = 0.0, scale: float = 1.0) -> torch.Tensor:
+        return self.fc(x) * scale + shift
+
+
+@pytest.mark.parametrize("shape", [(2, 9, 4), (9, 4), (4,), (2, 0, 4)], ids=["batch", "no batch", "1-d", "empty"])
+def test_the_tiled_call_passes_every_argument_and_tiles_only_along_a_sequence(shape):
+    """Arguments beyond the hidden states reach every tile and the whole call (eval, 1-d, empty); a [T, H] input is
+    tiled too; an empty sequence runs whole."""
+    torch.manual_seed(0)
+    module = Scaled()
+    x = torch.randn(*shape, requires_grad=True)
+    expected = module(x, 0.5, scale=3.0)
+    calls: list[int] = []
+    module.fc.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[-2] if args[0].dim() > 1 else -1))
+    apply_tiling(nn.ModuleDict({"m": module}), tile_cls=Scaled, tile_tokens=4)
+    for training in (True, False):
+        module.train(training)
+        calls.clear()
+        out = module(x, 0.5, scale=3.0)
+        assert torch.equal(out, expected)
+        tiled = training and len(shape) >= 2 and shape[-2] > 0
+        assert calls == ([4, 4, 1] if tiled else [calls[0]] if calls else []) and len(calls) == (3 if tiled else 1)
+
+
+def test_an_own_forward_set_before_tiling_is_what_each_tile_runs_and_restore_keeps_it():
+    torch.manual_seed(0)
+    module = Scaled()
+    module.forward = lambda x: Scaled.forward(module, x, scale=2.0)  # an instance forward: doubles
+    holder = nn.ModuleDict({"m": module})
+    apply_tiling(holder, tile_cls=Scaled, tile_tokens=4)
+    x = torch.randn(1, 9, 4)
+    assert torch.equal(module(x), Scaled.forward(module, x, scale=2.0))
+    tiles = tiles_of(holder)
+    own = module.forward.original
+    del module.forward  # as a re-wrap leaves it: the class's forward
+    module.forward = own
+    restore_tiles(holder, tiles)
+    assert is_tiled(module) and module.forward.tile_tokens == 4 and module.forward.original is own
+    assert torch.equal(module(x), Scaled.forward(module, x, scale=2.0))
+
+
 def test_eval_and_no_grad_run_the_module_whole():
     model = demo_model()
     apply_tiling(model, tile_tokens=TILE)
@@ -472,8 +530,8 @@ def test_applying_again_changes_the_tile_size_and_remove_restores_an_own_forward
     apply_tiling(model, tile_tokens=20)
     forward = model.blocks[0].mlp.forward
     assert isinstance(forward, TiledForward) and forward.tile_tokens == 20 and forward.original is own
-    assert remove_tiling(model) == ["blocks.0.ln1", "blocks.0.ln2", "blocks.0.mlp", "blocks.1.ln1", "blocks.1.ln2", "blocks.1.mlp",
-                                    "ln_f"]
+    assert remove_tiling(model) == ["blocks.0.ln1", "blocks.0.ln2", "blocks.0.mlp", "blocks.1.ln1", "blocks.1.ln2",
+                                    "blocks.1.mlp", "ln_f"]
     assert model.blocks[0].mlp.forward is own and not is_tiled(model.blocks[1].mlp)
 
 
