@@ -2,8 +2,9 @@
 
 A Transformers ``LlamaForCausalLM`` from a small config whose SwiGLU MLP dominates a layer (hidden 64, intermediate
 512, 4 heads, 2 layers, vocab 256), fp32, one sequence of 2,048 tokens. Two plans, each with every layer fully
-checkpointed (``modes=("full",)`` at the least budget it reaches): without tiles, and with each layer's MLP and the
-norm before it over tiles of tokens (``tile_mlp=True``: ALST's rule, ``ceil(2048 / 64)`` = 32 tiles of 64). For each:
+checkpointed (``modes=("full",)`` at the least budget it reaches): without tiles, and with each layer's MLP and its
+norms, and the final norm, over tiles of tokens (``tile_mlp=True``: ALST's rule, ``ceil(2048 / 64)`` = 32 tiles of
+64). For each:
 
 - the plan's predicted activation peak (``plan.peak_bytes``), and the peak of one real step under the applied plan,
   counted by ``benchmarks/_peak.py`` (storages alive after each op, forward and backward, the parameters' gradients
