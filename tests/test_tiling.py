@@ -635,3 +635,132 @@ def test_with_a_budget_every_step_runs_tiled_the_planned_ones_too():
     trainer.fit(model, CountingDataModule(vocab_size=32, block_size=32, batch_size=4, num_samples=64))
     assert callback.plan is not None and "none" in callback.plan.layers.values()
     assert record.tiled == [13, 13, 13]  # each block's ln1, ln2 and mlp, and ln_f, on the measuring step and under the plan
+
+
+# ------------------------------------------------------------------------------------------------ what is token-wise
+
+
+def test_only_modules_that_compute_each_token_alone_are_token_wise():
+    from lightning_ckpt.core.tiling import _is_token_wise
+
+    assert _is_token_wise(litgpt.model.RMSNorm(8)) and not _is_token_wise(litgpt.model.RMSNorm(8, dim=-2))
+    assert _is_token_wise(nn.Sequential(nn.Linear(4, 4))) and not _is_token_wise(nn.Sequential())
+    assert _is_token_wise(nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.GELU()), nn.Linear(4, 4)))
+    assert not _is_token_wise(nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2)))
+
+
+def test_apply_tiling_returns_names_in_registration_order_and_says_once_of_an_mlp_it_does_not_know(caplog):
+    model = hf_model("llama")
+    names = apply_tiling(model)
+    assert names == [n for n, m in model.named_modules() if is_tiled(m)]
+    assert names[:3] == ["model.layers.0.mlp", "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm"]
+    demo = demo_model()
+    demo.blocks[0].mlp = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.MultiheadAttention(HIDDEN, 2))
+    demo.blocks[1].ln1 = nn.BatchNorm1d(HIDDEN)  # not token-wise either, but not an MLP: nothing said
+    with caplog.at_level("INFO", logger="lightning_ckpt.core.tiling"):
+        assert apply_tiling(demo) == ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln2", "blocks.1.mlp", "ln_f"]
+    said = [r.getMessage() for r in caplog.records if r.name == "lightning_ckpt.core.tiling"]
+    assert said == ["lightning_ckpt: the `mlp` of Block is a Sequential, not a class known to be token-wise: it is not"
+                    " tiled (pass tile_cls= its class to tile it)."]
+
+
+class _OwnMLP(nn.Module):
+    """A model's own MLP, which takes a second (optional) tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fc(x) if scale is None else self.fc(x) * scale
+
+
+class _Pair(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+
+class _Tuple(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+class _Unsigned(nn.Module):
+    """A forward whose signature cannot be read: taken as called with the hidden states alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+    forward.__signature__ = "unreadable"  # type: ignore[attr-defined]  (inspect.signature raises TypeError)
+
+
+def test_refusals_before_anything_changes_with_their_whole_messages():
+    holder = nn.ModuleDict({"pair": _Pair()})
+    with pytest.raises(TypeError) as info:
+        apply_tiling(holder, tile_cls=_Pair)
+    assert str(info.value) == (
+        f"`pair` ({_Pair.__module__}._Pair) takes more than one tensor argument: tiling splits one input, the hidden"
+        " states, along the sequence. Pass tile_cls= a class called with the hidden states alone (the MLP), or"
+        " tile_mlp=False.")
+    with pytest.raises(ValueError) as info:
+        apply_tiling(demo_model(), tile_tokens=0)
+    assert "pass an int >= 1 (e.g. 4096), or None for ALST's rule" in str(info.value)
+    with pytest.raises(ValueError) as info:
+        apply_tiling(nn.ModuleDict({"a": nn.Linear(2, 2)}), tile_cls=nn.Conv1d)
+    assert str(info.value) == ("`tile_cls=<class 'torch.nn.modules.conv.Conv1d'>` matches no submodule of ModuleDict:"
+                               " pass the class of its MLP.")
+    with pytest.raises(ValueError) as info:
+        apply_tiling(nn.ModuleDict({"a": nn.Linear(2, 2)}))
+    assert str(info.value) == (
+        "tile_mlp=True found no MLP it knows to be token-wise in ModuleDict (it knows the decoder layers of"
+        " Transformers' Llama, Mistral, Qwen2/3, Phi3, Gemma/2/3, litgpt's Block and the demo GPT's Block). Pass"
+        " tile_cls= the class of your layers' MLP (a class or its dotted import path), whose forward computes each"
+        " token alone; or tile_mlp=False.")
+    # a block tiled whole first, then its parts: refused as the other order is (test_errors), nothing changed
+    model = demo_model()
+    apply_tiling(model, tile_cls=type(model.blocks[0]))
+    with pytest.raises(ValueError) as info:
+        apply_tiling(model)
+    assert str(info.value) == ("`blocks.0.ln1` would be tiled inside `blocks.0`, which is tiled too: each tile would run"
+                               " the inner tiles again. Pass a tile_cls that matches one of them, or call"
+                               " `remove_tiling` first.")
+    assert tiled_names(model) == ["blocks.0", "blocks.1"]
+    unsigned = nn.ModuleDict({"u": _Unsigned()})
+    assert apply_tiling(unsigned, tile_cls=_Unsigned, tile_tokens=2) == ["u"]
+    x = torch.randn(1, 5, 3, requires_grad=True)
+    assert torch.equal(unsigned["u"](x), torch.relu(x))
+
+
+def test_what_a_tiled_call_refuses_and_what_it_runs_whole():
+    pair = nn.ModuleDict({"m": _OwnMLP()})
+    apply_tiling(pair, tile_cls=_OwnMLP, tile_tokens=2)
+    x = torch.randn(1, 4, 8, requires_grad=True)
+    with pytest.raises(TypeError) as info:
+        pair["m"](x, torch.ones(8))
+    assert str(info.value) == (
+        "lightning_ckpt: the tiled _OwnMLP was called with more than one tensor (2); tiling splits only its first"
+        " argument along the sequence. Tile a module that takes the hidden states alone (pass tile_cls= its class),"
+        " or tile_mlp=False.")
+    assert torch.equal(pair["m"](x=x), _OwnMLP.forward(pair["m"], x))  # no positional argument: whole
+    tupled = nn.ModuleDict({"t": _Tuple()})
+    apply_tiling(tupled, tile_cls=_Tuple, tile_tokens=2)
+    with pytest.raises(TypeError) as info:
+        tupled["t"](x)
+    assert str(info.value) == (
+        "lightning_ckpt: the tiled _Tuple returned tuple for a tile of (1, 2, 8): a tiled module must return one tensor"
+        " with a row per token (dim -2). Pass tile_mlp=False, or tile_cls= a token-wise class.")
+
+
+def test_even_a_single_token_runs_as_a_tile_under_checkpoint():
+    """Autograd saves only each tile's input (for its checkpoint), whatever the length: nothing the module computes."""
+    module = nn.ModuleDict({"m": _OwnMLP()})
+    apply_tiling(module, tile_cls=_OwnMLP, tile_tokens=2)
+    for length, tiles in ((1, [1]), (2, [2]), (5, [2, 2, 1])):
+        saved: list[torch.Size] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+            module["m"](torch.randn(1, length, 8, requires_grad=True)).sum().backward()
+        assert saved == [torch.Size([1, t, 8]) for t in tiles], (length, saved)
+    whole: list[torch.Size] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: whole.append(t.shape) or t, lambda t: t):
+        _OwnMLP.forward(module["m"], torch.randn(1, 1, 8, requires_grad=True)).sum().backward()
+    assert whole  # the case has teeth: untiled, the layer's own saved tensors are seen
