@@ -649,7 +649,8 @@ def test_only_modules_that_compute_each_token_alone_are_token_wise():
     assert not _is_token_wise(nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2)))
 
 
-def test_apply_tiling_returns_names_in_registration_order_and_says_once_of_an_mlp_it_does_not_know(caplog):
+def test_apply_tiling_returns_names_in_registration_order_and_says_once_of_an_mlp_it_does_not_know(caplog, monkeypatch):
+    monkeypatch.setattr("lightning_ckpt.core.say_once._said", set())  # said once per process: whatever ran before
     model = hf_model("llama")
     names = apply_tiling(model)
     assert names == [n for n, m in model.named_modules() if is_tiled(m)]
