@@ -759,8 +759,11 @@ def test_even_a_single_token_runs_as_a_tile_under_checkpoint():
     for length, tiles in ((1, [1]), (2, [2]), (5, [2, 2, 1])):
         saved: list[torch.Size] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-            module["m"](torch.randn(1, length, 8, requires_grad=True)).sum().backward()
+            out = module["m"](torch.randn(1, length, 8, requires_grad=True))
+            out.sum().backward()
         assert saved == [torch.Size([1, t, 8]) for t in tiles], (length, saved)
+        # one tile is the output itself, not a copy joined from one piece
+        assert (type(out.grad_fn).__name__ == "CatBackward0") == (len(tiles) > 1)
     whole: list[torch.Size] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: whole.append(t.shape) or t, lambda t: t):
         _OwnMLP.forward(module["m"], torch.randn(1, 1, 8, requires_grad=True)).sum().backward()
