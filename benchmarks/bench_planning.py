@@ -18,6 +18,8 @@ Rows:
 - with each layer's MLP and norms, and the final norm, over tiles of tokens (``--tile-mlp true``), the same at 80
   and 141 GiB (issue 38's targets: 500,000 and 1,200,000 tokens) and the one-device LoRA run (issue 39's target:
   500,000 tokens), in bf16-mixed and in bf16-true;
+- the plan's predicted step time per token at its longest length, and at the longest length measured the plan's
+  predicted step time against every layer fully checkpointed's (the same tiles and head) on the row's profile;
 - the wall time of each ``plan`` run on this machine (the LoRA one is the issue's "under 2 minutes" target).
 
     python benchmarks/bench_planning.py          # writes RESULTS.md ("planning big models")
@@ -113,6 +115,23 @@ def plan_longest(folder: Path, name: str, model: str, strategy: str, devices: in
     return int((report.get("largest_length") or {}).get("plan") or 0), seconds, report
 
 
+def per_token(report: dict) -> str:
+    """The plan's predicted step time per token at its longest length (h100-sxm or h200 profile), in µs."""
+    seconds = (report.get("longest_plan") or {}).get("predicted_seconds_per_token")
+    return "-" if seconds is None else f"{seconds * 1e6:.1f} us"
+
+
+def against_full(report: dict) -> str:
+    """At the longest length measured: the plan's predicted step time over every layer fully checkpointed's (same
+    tiles, same head), both at that length."""
+    at = max(report.get("lengths") or [], key=lambda a: a["length"], default=None)
+    full = next((r for r in (at or {}).get("settings", []) if r["name"] == "every_layer"), None)
+    plan = (at or {}).get("plan") or {}
+    if full is None or not full.get("predicted_step_seconds") or not plan.get("predicted_step_seconds"):
+        return "-"
+    return f"{plan['predicted_step_seconds'] / full['predicted_step_seconds']:.2f}x at {at['length']:,}"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md as it is")
@@ -135,8 +154,9 @@ def main(argv: Optional[list[str]] = None) -> int:
              "fsdp_ckpt_cpu_offload", 1, True, True, H100_TILED)]
     if args.rows:
         rows = [row for row in rows if row[1] in args.rows.split(",")]
-    lines = ["| run | the plan's longest length | static on the device | static in host memory | plan's wall time |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| run | the plan's longest length | static on the device | static in host memory | predicted time per"
+             " token there | plan / every layer full, per token, at the longest length measured | plan's wall time |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
         for label, name, model, strategy, devices, lora, real, options in rows:
@@ -144,7 +164,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             static = report.get("static", {})
             found[name] = (longest, seconds)
             lines.append(f"| {label} | {longest:,} | {report['static_bytes_per_device'] / 2**30:.1f} GiB"
-                         f" | {(static.get('host_bytes') or 0) / 2**30:.1f} GiB | {seconds:.0f} s |")
+                         f" | {(static.get('host_bytes') or 0) / 2**30:.1f} GiB | {per_token(report)}"
+                         f" | {against_full(report)} | {seconds:.0f} s |")
             print(lines[-1], flush=True)
     checks = []
     if "fsdp8" in found and "fsdp8_mask" in found:
