@@ -123,6 +123,7 @@ def measured(model: nn.Module, layer_cls: type[nn.Module], reuse: bool, monkeypa
         runs += 1
         return backward_bytes(*args, **kwargs)
 
+    measure._names_read.cache_clear()  # what a class's code reads, cached per process: read anew for each case
     with monkeypatch.context() as patch:
         patch.setattr(measure, "_backward_bytes", counting)
         if not reuse:
@@ -330,3 +331,105 @@ def test_transformers_decoder_layers_are_rerun_once_per_kind(family, monkeypatch
     alone, runs_alone = measured(model, layer_cls, reuse=False, monkeypatch=monkeypatch, step=step)
     assert (runs, runs_alone) == (2 if family == "Gemma2" or lora else 1, 4)
     assert costs == alone
+
+
+
+# ------------------------------------------------------------------------------------------------ the key's parts
+
+
+def key(layer: nn.Module, *args: object, **kwargs: object) -> object:
+    measure._names_read.cache_clear()
+    return measure._rerun_key(layer, args, kwargs, set())
+
+
+X = torch.ones(2, WIDTH)
+
+
+class Activation(nn.Module):
+    """Two activations of a class given at construction (``nn.Tanh`` or ``nn.Sigmoid``: no attributes of their own)."""
+
+    def __init__(self, kind: type[nn.Module], shared: bool = False) -> None:
+        super().__init__()
+        self.a = kind()
+        self.b = self.a if shared else kind()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class LayerIndexed(Layer):
+    """Not a Transformers attention: its `layer_idx` is read in forward and changes what it computes."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return super().forward(x, mask) * (self.layer_idx + 1)
+
+
+def test_the_key_tells_apart_what_changes_the_forward_and_nothing_else():
+    assert key(Activation(nn.Tanh), X) == key(Activation(nn.Tanh), X)
+    assert key(Activation(nn.Tanh), X) != key(Activation(nn.Sigmoid), X)  # submodules' classes
+    assert key(Activation(nn.Tanh, shared=True), X) == key(Activation(nn.Tanh), X)  # one module twice computes alike
+    assert key(LayerIndexed(0), X) != key(LayerIndexed(1), X)  # a layer_idx read outside Transformers' attentions
+    # an own forward: by its function; a plain function set on the instance, by identity
+    bound, other = Activation(nn.Tanh), Activation(nn.Tanh)
+    bound.forward = Activation.forward.__get__(bound)
+    assert key(bound, X) == key(Activation(nn.Tanh), X)
+    plain, plain2 = Activation(nn.Tanh), Activation(nn.Tanh)
+    plain.forward = lambda x: torch.tanh(torch.tanh(x))
+    plain2.forward = lambda x: torch.tanh(torch.tanh(x))
+    assert key(plain, X) is not None and key(plain, X) != key(plain2, X) != key(other, X)
+    # what cannot be compared gets no key: another object among the arguments, global hooks
+    assert key(Activation(nn.Tanh), X, note=object()) is None
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        assert key(Activation(nn.Tanh), X) is None
+    finally:
+        handle.remove()
+
+
+def test_values_in_a_key():
+    def values(*leaves: object, by_identity: bool = True) -> object:
+        return measure._values_key(leaves, {}, set(), by_identity)
+
+    class Plain(nn.Module):
+        pass
+
+    class Other(nn.Module):
+        pass
+
+    assert values(1) != values(True) != values(1.0)  # equal in Python, not to a forward
+    assert values(Plain()) == values(Plain()) != values(Other())  # stateless: by class
+    one, two = object(), object()
+    assert values(one) == values(one) != values(two)  # other objects: by identity in a module's configuration
+    assert values(one, by_identity=False) is None  # and not comparable at all among the arguments
+    import functools
+
+    t = torch.ones(3)
+    assert values(functools.partial(torch.add, t, alpha=2)) == values(functools.partial(torch.add, t, alpha=2))
+    assert values(functools.partial(torch.add, t, alpha=2)) != values(functools.partial(torch.add, t, alpha=3))
+
+
+def test_plain_data_and_stateless_modules():
+    assert measure._plain_data({1: "a", "b": (2.0, None, [True])})
+    assert not measure._plain_data({object(): 1}) and not measure._plain_data({1: object()})
+    assert not measure._plain_data([1, object()]) and not measure._plain_data((nn.ReLU(),))
+    assert measure._stateless_module(nn.Tanh())
+    with_buffer, with_child, with_param, with_attr = nn.Module(), nn.Module(), nn.Module(), nn.Module()
+    with_buffer.register_buffer("b", torch.ones(1))
+    with_child.c = nn.Tanh()
+    with_param.p = nn.Parameter(torch.ones(1))
+    with_attr.scale = 2
+    assert not any(map(measure._stateless_module, (with_buffer, with_child, with_param, with_attr, object())))
+
+
+def test_the_names_code_reads():
+    def outer(self: object) -> object:
+        def inner() -> object:
+            return self.hidden  # type: ignore[attr-defined]
+        return getattr(self, "by_literal"), inner(), "not an identifier!"
+
+    names = measure._code_names(outer.__code__)
+    assert {"hidden", "by_literal"} <= names and "not an identifier!" not in names and "getattr" in names
