@@ -7,6 +7,9 @@
 # Examples:
 #   tests/mutate.sh lightning_ckpt/core/budget_cycle.py tests/test_cost_fit.py tests/test_budget_cycle.py \
 #       --deselect tests/test_budget_cycle.py::test_a_transformers_llama_on_batches_padded_per_batch_holds_a_byte_budget_on_every_step
+#   MUTATE_ONLY='*x_plan_checkpointing__mutmut_* *xǁ_TileFlopsǁ*' tests/mutate.sh ...
+#                                        # only the mutants of these functions (mutmut's names, fnmatch globs): an
+#                                        # audit of new code in a long module
 #   MUTATE_REUSE=1 tests/mutate.sh ...   # keep the last run's results: run again only the mutants of changed functions
 #                                        # and those the last run did not kill (after adding tests for them). mutmut maps
 #                                        # new test functions to what they call, not a test edited in place: add new
@@ -25,7 +28,7 @@
 # else killed or survived as it ended.
 #
 # Environment: PYTHON (default .venv/bin/python, else python), MUTATE_CHILDREN (parallel mutants, default 2),
-# MUTATE_TIMEOUT, MUTATE_REUSE.
+# MUTATE_TIMEOUT, MUTATE_REUSE, MUTATE_ONLY.
 set -euo pipefail
 
 usage() { sed -n '2,8p' "$0" >&2; exit 2; }
@@ -74,9 +77,14 @@ children=${MUTATE_CHILDREN:-2}
 again=""
 if [ -n "${MUTATE_REUSE:-}" ] && [ -d mutants ]; then
     # mutmut keeps a result until its function changes: the mutants that were not killed are run again explicitly
-    again=$("$python" -m mutmut results 2>/dev/null | awk -F': ' '$2 != "killed" && NF == 2 {gsub(/ /, "", $1); print $1}')
+    # (those mutmut ran: under MUTATE_ONLY the others are "not checked" and stay so)
+    again=$("$python" -m mutmut results 2>/dev/null \
+        | awk -F': ' '($2 == "survived" || $2 == "timeout" || $2 == "suspicious") && NF == 2 {gsub(/ /, "", $1); print $1}')
 fi
-"$python" -m mutmut run --max-children "$children" > run.log 2>&1 || { tail -40 run.log; echo "mutate.sh: mutmut failed (run.log above)"; exit 1; }
+set -f  # MUTATE_ONLY's globs go to mutmut as they are, not matched against files here
+# shellcheck disable=SC2086
+"$python" -m mutmut run --max-children "$children" ${MUTATE_ONLY:-} > run.log 2>&1 || { tail -40 run.log; echo "mutate.sh: mutmut failed (run.log above)"; exit 1; }
+set +f
 if [ -n "$again" ]; then
     # shellcheck disable=SC2086
     "$python" -m mutmut run --max-children "$children" $again >> run.log 2>&1 || { tail -40 run.log; echo "mutate.sh: mutmut failed (run.log above)"; exit 1; }
@@ -102,14 +110,15 @@ done
 rm "$module.orig"
 
 # --- the report
-"$python" - "$module" "$ran" "$((SECONDS - started))" "$*" <<'EOF' | tee report.txt
-import subprocess, sys
-module, ran, total, tests = sys.argv[1:]
+"$python" - "$module" "$ran" "$((SECONDS - started))" "$*" "${MUTATE_ONLY:-}" <<'EOF' | tee report.txt
+import fnmatch, subprocess, sys
+module, ran, total, tests, only = sys.argv[1:]
 status = {}
 for line in open("results.txt"):
     if ": " in line:
         key, value = line.strip().rsplit(": ", 1)
-        status[key] = value
+        if not only or any(fnmatch.fnmatch(key, pattern) for pattern in only.split()):
+            status[key] = value
 rechecked = dict(line.strip().rsplit(": ", 1) for line in open("timeouts.txt") if ": " in line)
 counts = {}
 for value in status.values():
@@ -120,7 +129,7 @@ real = [k for k, v in rechecked.items() if v == "timeout, real"]
 killed = counts.get("killed", 0) + late_killed
 survived = [k for k, v in status.items() if v == "survived"] + late_survived
 other = {k: v for k, v in status.items() if v not in ("killed", "survived", "timeout")}
-print(f"module: {module}\ntests: {tests}")
+print(f"module: {module}{' (only ' + only + ')' if only else ''}\ntests: {tests}")
 print(f"mutants: {len(status)}; killed: {killed} ({counts.get('killed', 0)} by mutmut, {late_killed} of its"
       f" {counts.get('timeout', 0)} timeouts when run again without its limit); real timeouts (endless): {len(real)};"
       f" survived: {len(survived)}; other: {len(other)} {sorted(set(other.values()))}")
