@@ -159,3 +159,74 @@ def test_the_callback_does_not_tile_where_the_budget_holds_without_tiles():
     callback, seen = GradientCheckpointing(memory_budget=least_reachable_bytes(str(info.value)), max_length=T), TilesSeen()
     _fit(callback, 3, seen)
     assert seen.names == [[]] * 3 and "tiles_chosen" not in callback.state_dict()
+
+
+def test_the_tiles_second_forward_is_priced_in_seconds_on_a_profile():
+    """``_with_tiles``: the tiles' FLOPs at the profile's matmul rate on top of the plan's predicted step time."""
+    from dataclasses import replace
+
+    from lightning_ckpt.core.device_profile import DeviceProfile
+    from lightning_ckpt.core.planner import _with_tiles
+
+    plan = CheckpointPlan(layers={"a": "none"}, baseline_bytes=10, planned_bytes=10, budget_bytes=10,
+                          recompute_flops=5, outside_bytes=0, predicted_step_seconds=1.0)
+    profile = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e12, host_bandwidth=1e9)
+    tiled = _with_tiles(plan, 64, 2 * 10**12, profile)
+    assert (tiled.tile_mlp, tiled.tile_tokens, tiled.recompute_flops, tiled.predicted_step_seconds) == (
+        True, 64, 5 + 2 * 10**12, 3.0)
+    assert _with_tiles(plan, None, 10**12, None).predicted_step_seconds == 1.0  # no profile: no time added
+    assert _with_tiles(replace(plan, predicted_step_seconds=None), 64, 10**12, profile).predicted_step_seconds is None
+
+
+def test_the_tiles_flops_count_the_rows_of_the_first_call():
+    from torch import nn
+
+    from lightning_ckpt.core.planner import _TileFlops
+
+    holder = nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))})
+    counter = _TileFlops(holder, ["mlp"])
+    holder["mlp"](input=torch.ones(5, 4))  # no positional tensor: nothing to count rows from
+    assert counter.rows == {} and counter.flops == 0
+    holder["mlp"](torch.ones(6, 4))  # a [tokens, hidden] input: 6 rows
+    holder["mlp"](torch.ones(2, 9, 4))  # the first call's rows stay
+    assert counter.rows == {"mlp": 6} and type(counter.rows["mlp"]) is int
+    assert counter.flops == 2 * 6 * (4 * 8 + 8 * 4)
+    counter.close()
+    holder["mlp"](torch.ones(1, 4))
+    assert counter.rows == {"mlp": 6}  # closed: no longer counting
+
+
+def _never() -> None:
+    raise AssertionError("the step ran: the settings should have been refused first")
+
+
+def test_plan_checkpointing_refuses_bad_settings_before_running_the_step_with_their_whole_messages():
+    model, _ = model_and_step()
+    with pytest.raises(ValueError, match="compress"):
+        plan_checkpointing(model, _never, 0.5, compress="fp7")
+    with pytest.raises(ValueError) as info:
+        plan_checkpointing(model, _never, None)
+    assert str(info.value) == ("`memory_budget=None` asks for no plan. Pass a fraction such as 0.5 or bytes such as"
+                               " '2GiB'.")
+    with pytest.raises(TypeError) as info:
+        plan_checkpointing(model, _never, 0.5, chunk_loss="yes")
+    assert str(info.value) == ("`chunk_loss` is True, False or None, got 'yes'. Pass True (the LM head and loss in"
+                               " chunks), False (whole) or None (the plan chooses).")
+    with pytest.raises(TypeError) as info:
+        plan_checkpointing(model, _never, 0.5, tile_mlp="yes")
+    assert str(info.value) == ("`tile_mlp` is True, False or None, got 'yes'. Pass True (the MLPs over tiles of"
+                               " tokens), False (whole) or None (the plan chooses).")
+
+
+def test_a_budget_of_one_byte_is_a_budget_and_a_model_without_tiles_is_refused_as_untiled():
+    """Plain PyTorch takes any bytes, even 1; out of reach, a model with nothing to tile gets the untiled refusal
+    (``tile_mlp=None`` tries tiles only where there are some)."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)) for _ in range(2)))
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError) as info:
+        plan_checkpointing(model, lambda: model(x).square().sum(), 1, layer_cls=nn.Sequential)
+    assert "asks for an activation peak of at most 1 B" in str(info.value)
+    assert "least reachable" in str(info.value) and "tile" not in str(info.value)
