@@ -108,3 +108,15 @@ def token_batches(lengths: list[int], rows: int = 4, vocab: int = 32) -> list[tu
         out.append((seqs[:, :-1], seqs[:, 1:]))
     return out
 
+
+
+class OwnMLP(nn.Module):
+    """A model's own MLP, which takes a second (optional) tensor: tiled (``tile_cls=OwnMLP``), called with both, it is
+    refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fc(x) if scale is None else self.fc(x) * scale

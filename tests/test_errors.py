@@ -46,6 +46,8 @@ from lightning_ckpt.demos import GPT, Block, CountingDataModule, Transformer
 from lightning_ckpt.strategies.ddp import check_ddp_settings
 from lightning_ckpt.strategies.fsdp import CheckpointingFSDPStrategy, mixed_precision_policy, shard_for_checkpointing
 
+from helpers import OwnMLP
+
 ROOT = Path(__file__).parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 PACKAGE = Path(lightning_ckpt.__file__).parent
@@ -116,20 +118,9 @@ def _plan_chunked_out_of_reach() -> None:
     plan_checkpointing(model, lambda: model(idx[:, :-1], idx[:, 1:]), 1024, chunk_loss=True)
 
 
-class _OwnMLP(nn.Module):
-    """A model's own MLP, which takes a second (optional) tensor: tiled, called with both."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        return self.fc(x) if scale is None else self.fc(x) * scale
-
-
 def _tiled_called_with_two_tensors() -> None:
-    holder = nn.ModuleDict({"mlp": _OwnMLP()})
-    apply_tiling(holder, tile_cls=_OwnMLP, tile_tokens=2)
+    holder = nn.ModuleDict({"mlp": OwnMLP()})
+    apply_tiling(holder, tile_cls=OwnMLP, tile_tokens=2)
     holder["mlp"](torch.randn(1, 4, 8, requires_grad=True), torch.ones(8))
 
 

@@ -27,7 +27,7 @@ from lightning_ckpt.core.tiling import (TiledForward, apply_tiling, is_tiled, re
 from lightning_ckpt.core.wrapping import checkpointed_names
 from lightning_ckpt.demos import Transformer
 
-from helpers import LiveStorages, grad_storages  # noqa: F401  (helpers puts benchmarks/ on the path for _peak)
+from helpers import LiveStorages, OwnMLP, grad_storages  # noqa: F401  (helpers puts benchmarks/ on the path for _peak)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -665,17 +665,6 @@ def test_apply_tiling_returns_names_in_registration_order_and_says_once_of_an_ml
                     " tiled (pass tile_cls= its class to tile it)."]
 
 
-class _OwnMLP(nn.Module):
-    """A model's own MLP, which takes a second (optional) tensor."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        return self.fc(x) if scale is None else self.fc(x) * scale
-
-
 class _Pair(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x + y
@@ -733,16 +722,16 @@ def test_refusals_before_anything_changes_with_their_whole_messages():
 
 
 def test_what_a_tiled_call_refuses_and_what_it_runs_whole():
-    pair = nn.ModuleDict({"m": _OwnMLP()})
-    apply_tiling(pair, tile_cls=_OwnMLP, tile_tokens=2)
+    pair = nn.ModuleDict({"m": OwnMLP()})
+    apply_tiling(pair, tile_cls=OwnMLP, tile_tokens=2)
     x = torch.randn(1, 4, 8, requires_grad=True)
     with pytest.raises(TypeError) as info:
         pair["m"](x, torch.ones(8))
     assert str(info.value) == (
-        "lightning_ckpt: the tiled _OwnMLP was called with more than one tensor (2); tiling splits only its first"
+        "lightning_ckpt: the tiled OwnMLP was called with more than one tensor (2); tiling splits only its first"
         " argument along the sequence. Tile a module that takes the hidden states alone (pass tile_cls= its class),"
         " or tile_mlp=False.")
-    assert torch.equal(pair["m"](x=x), _OwnMLP.forward(pair["m"], x))  # no positional argument: whole
+    assert torch.equal(pair["m"](x=x), OwnMLP.forward(pair["m"], x))  # no positional argument: whole
     tupled = nn.ModuleDict({"t": _Tuple()})
     apply_tiling(tupled, tile_cls=_Tuple, tile_tokens=2)
     with pytest.raises(TypeError) as info:
@@ -754,8 +743,8 @@ def test_what_a_tiled_call_refuses_and_what_it_runs_whole():
 
 def test_even_a_single_token_runs_as_a_tile_under_checkpoint():
     """Autograd saves only each tile's input (for its checkpoint), whatever the length: nothing the module computes."""
-    module = nn.ModuleDict({"m": _OwnMLP()})
-    apply_tiling(module, tile_cls=_OwnMLP, tile_tokens=2)
+    module = nn.ModuleDict({"m": OwnMLP()})
+    apply_tiling(module, tile_cls=OwnMLP, tile_tokens=2)
     for length, tiles in ((1, [1]), (2, [2]), (5, [2, 2, 1])):
         saved: list[torch.Size] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
@@ -766,5 +755,5 @@ def test_even_a_single_token_runs_as_a_tile_under_checkpoint():
         assert (type(out.grad_fn).__name__ == "CatBackward0") == (len(tiles) > 1)
     whole: list[torch.Size] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: whole.append(t.shape) or t, lambda t: t):
-        _OwnMLP.forward(module["m"], torch.randn(1, 1, 8, requires_grad=True)).sum().backward()
+        OwnMLP.forward(module["m"], torch.randn(1, 1, 8, requires_grad=True)).sum().backward()
     assert whole  # the case has teeth: untiled, the layer's own saved tensors are seen
