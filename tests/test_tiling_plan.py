@@ -230,3 +230,60 @@ def test_a_budget_of_one_byte_is_a_budget_and_a_model_without_tiles_is_refused_a
         plan_checkpointing(model, lambda: model(x).square().sum(), 1, layer_cls=nn.Sequential)
     assert "asks for an activation peak of at most 1 B" in str(info.value)
     assert "least reachable" in str(info.value) and "tile" not in str(info.value)
+
+
+class WideMLP(torch.nn.Module):
+    """An MLP of a class the package does not know, with [tokens, 64] intermediates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class OwnBlock(torch.nn.Module):
+    """A block of a model of one's own: attention-free, its MLP a ``WideMLP``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = WideMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x).tanh()
+
+
+def own_model_and_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(OwnBlock() for _ in range(2))).train()
+    x = torch.randn(2, 64, 8)
+    return model, lambda: model(x).square().sum()
+
+
+def test_a_model_of_ones_own_is_planned_with_tiles_of_its_named_class_and_tile_tokens():
+    model, step = own_model_and_step()
+    with pytest.raises(ValueError) as untiled:
+        plan_checkpointing(model, step, 1, layer_cls=OwnBlock, tile_mlp=False)
+    floors = {}
+    for tokens in (64, 8):  # one tile of the whole sequence holds what untiled does; tiles of 8 hold less
+        with pytest.raises(ValueError) as tiled:
+            plan_checkpointing(model, step, 1, layer_cls=OwnBlock, tile_mlp=True, tile_cls=WideMLP, tile_tokens=tokens)
+        floors[tokens] = least_reachable(tiled.value)
+    assert floors[8] < floors[64]
+    budget = (floors[8] + least_reachable(untiled.value)) // 2
+    plan = plan_checkpointing(model, step, budget, layer_cls=OwnBlock, tile_cls=WideMLP, tile_tokens=8)  # None
+    assert plan.tile_mlp is True and plan.tile_tokens == 8 and plan.peak_bytes <= budget
+    assert tiled_names(model) == []
+    # tile_mlp=False: nothing about tiles is checked (this model has nothing the package knows to tile)
+    assert plan_checkpointing(model, step, 0.99, layer_cls=OwnBlock, tile_mlp=False).tile_mlp is False
+
+
+def test_a_budget_out_of_reach_with_tiles_too_says_so_in_the_untiled_refusal():
+    model, step = model_and_step()
+    with pytest.raises(ValueError) as info:
+        plan_checkpointing(model, step, 1)  # tile_mlp=None: tried without tiles, then with them
+    message = str(info.value)
+    assert "asks for an activation peak of at most 1 B" in message
+    assert re.search(r"\(tile_mlp=True, each layer's MLP over tiles of tokens, would not reach it either: least"
+                     r" reachable [^)]+\.\)$", message), message
