@@ -287,3 +287,14 @@ def test_a_budget_out_of_reach_with_tiles_too_says_so_in_the_untiled_refusal():
     assert "asks for an activation peak of at most 1 B" in message
     assert re.search(r"\(tile_mlp=True, each layer's MLP over tiles of tokens, would not reach it either: least"
                      r" reachable [^)]+\.\)$", message), message
+
+
+def test_on_a_device_profile_the_tiles_second_forward_is_the_only_extra_time_of_a_plan_that_checkpoints_nothing():
+    from lightning_ckpt.core.device_profile import DeviceProfile
+
+    model, step = model_and_step()
+    profile = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e10, host_bandwidth=1e9)
+    plan = plan_checkpointing(model, step, 1.0, tile_mlp=True, tile_tokens=32, device=profile)
+    assert all(mode == "none" for mode in plan.layers.values()) and plan.tile_tokens == 32
+    assert plan.recompute_flops == LAYERS * 2 * (B * T) * (2 * WIDTH * 4 * WIDTH)  # the tiles' matmuls, by hand
+    assert plan.predicted_step_seconds - plan.baseline_step_seconds == pytest.approx(plan.recompute_flops / 1e9)
