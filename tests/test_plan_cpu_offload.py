@@ -248,3 +248,26 @@ def test_when_no_plan_fits_the_host_memory_the_report_names_it_not_an_overshoot(
     assert ("No plan at 1 x 2048: `memory_budget=0.5` (35.0 MiB of activations) needs more than `host_memory=4194304`"
             in report)
     assert "(host memory for offloaded activations: 4.0 MiB, given by --host-memory)" in report
+
+
+class NetWithoutOptimizer(Net):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        raise RuntimeError("needs the Trainer")
+
+
+def test_with_an_optimizer_that_cannot_be_built_the_offloaded_shares_are_still_counted_and_the_state_is_unknown():
+    sharding = Sharding("fsdp_ckpt_cpu_offload", 1, 1, 1, cpu_offload=True)
+    built = Built(NetWithoutOptimizer(), [], torch.device("cpu"), Mlp, False, None, None, sharding=sharding)
+    static = static_memory(built)
+    assert static.optimizer_state is None and "configure_optimizers or its step failed (needs the Trainer)" in (
+        static.optimizer)
+    # as with an optimizer (above), less its state: every parameter and gradient in host memory, the device holding
+    # the buffer, the gathered roots and two blocks, and the gradients of the roots and one block
+    assert (static.host_weights, static.host_gradients) == (259 * 4, 254 * 4)
+    assert (static.weights, static.gradients) == (28 + (85 + 2 * 58) * 4, (80 + 58) * 4)
+
+
+def test_only_a_cpu_offload_that_is_understood_and_on_counts_as_asked():
+    from lightning_ckpt.commands.plan.measure import _cpu_offload_asked
+
+    assert [_cpu_offload_asked(v) for v in (True, False, None, "nonsense", 3)] == [True, False, False, False, False]
