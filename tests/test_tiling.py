@@ -757,3 +757,21 @@ def test_even_a_single_token_runs_as_a_tile_under_checkpoint():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: whole.append(t.shape) or t, lambda t: t):
         OwnMLP.forward(module["m"], torch.randn(1, 1, 8, requires_grad=True)).sum().backward()
     assert whole  # the case has teeth: untiled, the layer's own saved tensors are seen
+
+
+def test_apply_checkpointing_refuses_tile_options_it_cannot_honour_with_their_whole_messages():
+    model = demo_model()
+    with pytest.raises(TypeError) as info:
+        apply_checkpointing(model, tile_mlp="yes")
+    assert str(info.value) == ("`tile_mlp` is True or False, got 'yes'. Pass True to run each layer's MLP over tiles"
+                               " of tokens, or False.")
+    with pytest.raises(ValueError) as info:
+        apply_checkpointing(model, tile_tokens=8)
+    assert str(info.value) == ("`tile_tokens=8` and `tile_cls=None` say how `tile_mlp=True` tiles, but tile_mlp is"
+                               " False. Pass tile_mlp=True with them, or leave both None.")
+    with pytest.raises(ValueError) as info:  # a layer inside a tiled module: the MLP's first Linear
+        apply_checkpointing(model, layer_cls=nn.Linear, tile_mlp=True)
+    assert str(info.value) == ("`blocks.0.mlp.0` would be checkpointed inside the tiled `blocks.0.mlp`, whose tiles"
+                               " already run under checkpoint: it would be recomputed twice. Pass a layer_cls around"
+                               " the MLP (the decoder layer), or tile_mlp=False.")
+    assert checkpointed_names(model) == [] and tiled_names(model) == []
