@@ -433,3 +433,34 @@ def test_the_names_code_reads():
 
     names = measure._code_names(outer.__code__)
     assert {"hidden", "by_literal"} <= names and "not an identifier!" not in names and "getattr" in names
+
+
+class _Sharded(nn.Parameter):
+    """A parameter that looks like a DTensor shard (``to_local``): its gradient is FSDP's to reduce, not ours."""
+
+    def to_local(self) -> torch.Tensor:
+        return self
+
+
+def test_what_a_re_runs_backward_starts_from_and_goes_to():
+    from lightning_ckpt.core.tiling import apply_tiling
+    from lightning_ckpt.demos import Block
+
+    torch.manual_seed(0)
+    block = Block(WIDTH, 4, 0.0)
+    x = torch.randn(2, 16, WIDTH, requires_grad=True)
+    out = block(x)
+    seed, wrt = measure._backward_seed(block, [x], out)
+    assert seed is not None and wrt == [x]  # an input that needs a gradient: to it alone
+    apply_tiling(nn.ModuleDict({"b": block}), tile_tokens=4)  # its norms and MLP over tiles: their weights too
+    tiled = [p for name in ("ln1", "ln2", "mlp") for p in block.get_submodule(name).parameters()]
+    assert measure._backward_seed(block, [x], block(x))[1] == [x, *tiled]
+    frozen = x.detach()  # a frozen input (PEFT): to the layer's trainable weights, less a sharded or frozen one
+    block.attn.qkv.weight = _Sharded(block.attn.qkv.weight.detach())
+    block.ln1.weight.requires_grad_(False)
+    seed, wrt = measure._backward_seed(block, [frozen], block(frozen))
+    expected = [p for p in block.parameters() if p.requires_grad and not isinstance(p, _Sharded)]
+    assert seed is not None and [id(p) for p in wrt] == [id(p) for p in expected]
+    assert measure._backward_seed(block, [x], block(x).detach()) == (None, [x, *[p for p in tiled if p.requires_grad]])
+    with torch.no_grad():  # nothing needs a gradient at all
+        assert measure._backward_seed(nn.Linear(2, 2).requires_grad_(False), [frozen], torch.ones(2))[0] is None
