@@ -148,3 +148,24 @@ def test_cpu_offload_with_a_model_that_shards_itself_without_it_is_refused():
     with pytest.raises(Exception, match=r"`cpu_offload` was asked, but `configure_model` sharded .*without it\."
                                         r" Pass `offload_policy=CPUOffloadPolicy\(\)`"):
         trainer.fit(ShardsItselfGPT(build_in_configure_model=True, **GPT_ARGS), CountingDataModule(**DATA))
+
+
+def test_the_strategy_keeps_every_option_it_is_given_and_refuses_an_unknown_start_method():
+    from datetime import timedelta
+
+    from lightning_ckpt.strategies.fsdp import CheckpointingFSDPStrategy
+
+    default = CheckpointingFSDPStrategy()
+    assert (default._reshard_after_forward, default._save_distributed_checkpoint, default._start_method,
+            default.sharded_units, default.cpu_offload) == (True, False, "popen", [], None)
+    for method in ("popen", "spawn", "fork", "forkserver"):
+        assert CheckpointingFSDPStrategy(start_method=method)._start_method == method
+    given = CheckpointingFSDPStrategy(reshard_after_forward=False, save_distributed_checkpoint=True,
+                                      data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo",
+                                      timeout=timedelta(seconds=42))
+    assert (given._reshard_after_forward, given._save_distributed_checkpoint, given._data_parallel_size,
+            given._tensor_parallel_size, given._process_group_backend, given._timeout) == (
+        False, True, 2, 1, "gloo", timedelta(seconds=42))
+    with pytest.raises(ValueError) as info:
+        CheckpointingFSDPStrategy(start_method="thread")
+    assert str(info.value) == "`start_method='thread'` is not understood. Pass 'popen', 'spawn', 'fork' or 'forkserver'."
