@@ -49,7 +49,7 @@ from lightning_ckpt.core.profiling import (
     tensor_bytes,
 )
 from lightning_ckpt.core.selection import LayerClassArg, class_path, is_inside, layer_classes, select_layers
-from lightning_ckpt.core.tiling import TiledForward, is_tiled, restore_tiles, tiles_of
+from lightning_ckpt.core.tiling import TRANSFORMERS_FAMILIES, TiledForward, is_tiled, restore_tiles, tiles_of
 from lightning_ckpt.core.wrapping import (
     apply_checkpointing,
     check_no_nesting,
@@ -705,9 +705,8 @@ _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 #: (``cache.update(key, value, self.layer_idx)``, read in transformers 4.57 and 5.25): with no cache in the call it
 #: cannot change what the forward does, so decoder layers differing only in it share one re-run. (A call with a cache
 #: gets no key at all: a cache is an argument that is neither a tensor nor a plain value.)
-_CACHE_INDEX = frozenset(f"transformers.models.{m}.modeling_{m}.{c}Attention" for m, c in [
-    ("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("phi3", "Phi3"),
-    ("gemma", "Gemma"), ("gemma2", "Gemma2"), ("gemma3", "Gemma3")])
+_CACHE_INDEX = frozenset(f"transformers.models.{m}.modeling_{m}.{c}Attention"
+                         for m, c in TRANSFORMERS_FAMILIES)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")

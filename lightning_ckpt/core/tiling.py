@@ -64,8 +64,10 @@ _NORMS_MLP = ("input_layernorm", "post_attention_layernorm", "mlp")  # Llama's l
 _NORMS_MLP_NORM = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp",
                    "post_feedforward_layernorm")
 _HF = "transformers.models"
-_HF_FAMILIES = [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("phi3", "Phi3"),
-                ("gemma", "Gemma"), ("gemma2", "Gemma2"), ("gemma3", "Gemma3")]
+#: Transformers' decoder families whose layers the package knows, as (module, class prefix): ``modeling_llama`` and
+#: ``LlamaDecoderLayer``, ``LlamaMLP``, ``LlamaRMSNorm``, ``LlamaAttention``, ...
+TRANSFORMERS_FAMILIES = [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"),
+                         ("phi3", "Phi3"), ("gemma", "Gemma"), ("gemma2", "Gemma2"), ("gemma3", "Gemma3")]
 
 #: The modules whose token-wise children are known, by class path: the attributes (dotted paths) of those children.
 #: In a decoder layer, the MLP and the norms on both sides of the attention and of the MLP (every part of the layer
@@ -74,18 +76,18 @@ _HF_FAMILIES = [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), 
 #: experts, or whose ``norm_2`` is ``Identity``, keeps it whole).
 KNOWN_LAYERS: dict[str, tuple[str, ...]] = {
     **{f"{_HF}.{m}.modeling_{m}.{c}DecoderLayer": _NORMS_MLP_NORM if m in ("gemma2", "gemma3") else _NORMS_MLP
-       for m, c in _HF_FAMILIES},
-    **{f"{_HF}.{m}.modeling_{m}.{c}{'TextModel' if m == 'gemma3' else 'Model'}": ("norm",) for m, c in _HF_FAMILIES},
+       for m, c in TRANSFORMERS_FAMILIES},
+    **{f"{_HF}.{m}.modeling_{m}.{c}{'TextModel' if m == 'gemma3' else 'Model'}": ("norm",)
+       for m, c in TRANSFORMERS_FAMILIES},
     "litgpt.model.Block": ("norm_1", "post_attention_norm", "norm_2", "mlp", "post_mlp_norm"),
     "litgpt.model.GPT": ("transformer.ln_f",),
     "lightning_ckpt.demos.Block": ("ln1", "ln2", "mlp"),
     "lightning_ckpt.demos.Transformer": ("ln_f",),
 }
 
-_HF = "transformers.models"
 #: Classes that compute each token from that token alone (over the last dimension).
 _TOKEN_WISE = {
-    *(f"{_HF}.{m}.modeling_{m}.{c}{k}" for m, c in _HF_FAMILIES for k in ("MLP", "RMSNorm")),
+    *(f"{_HF}.{m}.modeling_{m}.{c}{k}" for m, c in TRANSFORMERS_FAMILIES for k in ("MLP", "RMSNorm")),
     "litgpt.model.GptNeoxMLP", "litgpt.model.LLaMAMLP", "litgpt.model.GemmaMLP", "litgpt.model.RMSNorm",
 }
 #: Leaf modules that act on each token alone; an ``nn.Sequential`` of them (the demo GPT's MLP) is token-wise.
