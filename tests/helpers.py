@@ -50,13 +50,15 @@ def saved_bytes(model: nn.Module, idx: torch.Tensor) -> int:
 
 def two_ranks() -> tuple[RankMeasurement, list[int]]:
     """This rank's measurement of two layers (7 B outside them), and another rank's row as ``pack_costs`` writes it:
-    per layer its 12 integers, then the bytes offload would move un-checkpointed and checkpointed; then 13 outside,
-    4 of them after the layers, 60 made by their backward; then the figures 900, 50, 9."""
+    per layer its 15 integers (the last three its times), then the bytes offload would move un-checkpointed and
+    checkpointed; then 13 outside, 4 of them after the layers, 60 made by their backward; then the figures 900, 50,
+    9."""
     mine = RankMeasurement([LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
-                                      full_flops=50, selective_flops=5),
+                                      full_flops=50, selective_flops=5, plain_ns=4000, full_ns=2500, selective_ns=1000),
                             LayerCost("b", "B", none_bytes=200, full_bytes=5, selective_bytes=30, offloadable_bytes=0,
                                       full_flops=60, selective_flops=6)], 7)
-    other_row = ([120, 8, 45, 0, 40, 9, 1, 300, 4, 2, 0, 0, 130, 0] + [150, 12, 20, 0, 70, 1, 1, 0, 6, 3, 0, 0, 180, 0]
+    other_row = ([120, 8, 45, 0, 40, 9, 1, 300, 4, 2, 0, 0, 5000, 2000, 3000, 130, 0]
+                 + [150, 12, 20, 0, 70, 1, 1, 0, 6, 3, 0, 0, 0, 0, 0, 180, 0]
                  + [13, 4, 60]
                  + [900, 50, 9])
     return mine, other_row

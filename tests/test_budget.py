@@ -66,12 +66,13 @@ def test_measurement_from_the_bytes_the_step_held():
 def test_a_rank_packs_each_layer_then_the_outside_bytes_then_the_figures():
     cost = LayerCost("a", "B", none_bytes=3000, full_bytes=1000, selective_bytes=2000, offloadable_bytes=1000,
                      full_flops=10, selective_flops=1, calls=2, input_sizes=(1000,), saved_sizes=(1000, 1500, 500),
-                     transient_bytes=4000, bf16_bytes=500, fp8_bytes=260, shared_bytes=64)
+                     transient_bytes=4000, bf16_bytes=500, fp8_bytes=260, shared_bytes=64, plain_ns=900,
+                     full_ns=300, selective_ns=700)
     measured = Measurement([cost], outside_bytes=7, head_bytes=5, head_peak_bytes=9)
     assert pack_costs(measured, [80, 30, 2], min_bytes=1000) == [3000, 1000, 2000, 1000, 10, 1, 2, 4000, 500, 260, 64,
-                                                                 0, 2500, 1000, 7, 5, 9, 80, 30, 2]
+                                                                 0, 900, 300, 700, 2500, 1000, 7, 5, 9, 80, 30, 2]
     # the engine's threshold decides what is moved: at 1200 only the 1500 B storage of what the layer saves
-    assert pack_costs(measured, min_bytes=1200)[12:] == [1500, 0, 7, 5, 9]
+    assert pack_costs(measured, min_bytes=1200)[15:] == [1500, 0, 7, 5, 9]
 
 
 def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device():
@@ -84,12 +85,14 @@ def test_ranks_are_combined_with_the_maximum_and_auto_with_the_smallest_device()
     assert [c.transient_bytes for c in measured.costs] == [300, 0] and (measured.head_bytes, measured.head_peak_bytes) == (4, 60)
     assert [c.movable_bytes("none", min_bytes=0) for c in measured.costs] == [130, 200]  # what this rank would move of b: 200
     assert measured.outside_bytes == 13 and figures == [900, 50, 11]
+    # each layer's times: the slowest rank's, so ranks price alike and no rank's step is under-priced
+    assert [(c.plain_ns, c.full_ns, c.selective_ns) for c in measured.costs] == [(5000, 2500, 3000), (0, 0, 0)]
     # the shared inputs' bytes a layer decompresses in its backward: the largest over ranks, so ranks plan alike
     other_row[10] = 8192
     gathered = torch.tensor([pack_costs(mine, [1000, 40, 11], min_bytes=DEFAULT_MIN_BYTES), other_row])
     assert [c.shared_bytes for c in combine_costs(gathered, mine)[0].costs] == [8192, 0]
     # and the other way round: this rank's larger outside bytes are kept
-    other_row[28] = 3  # the outside bytes
+    other_row[34] = 3  # the outside bytes
     gathered = torch.tensor([pack_costs(mine, [1000, 40, 11], min_bytes=DEFAULT_MIN_BYTES), other_row])
     assert combine_costs(gathered, mine)[0].outside_bytes == 7
 

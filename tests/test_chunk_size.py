@@ -55,9 +55,9 @@ def planned(budget, chunk_loss=None, chunk=512, calls=None):
     if calls is not None:
         original = planner.measure_chunked_head
 
-        def counting(module, step_, layer_cls, modes, size):
+        def counting(module, step_, layer_cls, modes, size, *rest):
             calls.append(size)
-            return original(module, step_, layer_cls, modes, size)
+            return original(module, step_, layer_cls, modes, size, *rest)
 
         planner.measure_chunked_head = counting
     try:

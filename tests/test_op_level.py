@@ -182,8 +182,10 @@ def optimum(tables: list, base_bytes: int, budget_bytes: float, before: list[int
 @pytest.mark.parametrize("budget", [0.5, 0.55, 0.6, 0.7])
 def test_tower_plan_against_every_choice_tried_with_torch(tower: dict, budget: float) -> None:
     model, x, base_bytes, holder = tower["model"], tower["x"], tower["base_bytes"], tower["holder"]
-    three = plan_checkpointing(model, lambda: model(x), budget, layer_cls=CLASSES, modes=("full", "selective"))
-    plan = plan_checkpointing(model, lambda: model(x), budget, layer_cls=CLASSES)
+    # priced by FLOPs (time_layers=False): the plan is checked against the fewest FLOPs that every choice tried reaches
+    three = plan_checkpointing(model, lambda: model(x), budget, layer_cls=CLASSES, modes=("full", "selective"),
+                               time_layers=False)
+    plan = plan_checkpointing(model, lambda: model(x), budget, layer_cls=CLASSES, time_layers=False)
     # Each choice's bytes were tried with torch; what each layer's backward has alive is the planner's measurement
     # (checked against an independent count in test_peak.py), with the head's saved tensors freed by then.
     head = measure_step(model, lambda: model(x), CLASSES).head_bytes
@@ -317,7 +319,7 @@ def test_plan_with_op_level_layers_trains_like_no_checkpointing() -> None:
     ref_grads = torch.autograd.grad(ref_loss, list(model.parameters()))
     seen = set()
     for budget in (0.35, 0.45, 0.6):
-        plan = plan_checkpointing(model, loss_of, budget, layer_cls=Block)
+        plan = plan_checkpointing(model, loss_of, budget, layer_cls=Block, time_layers=False)  # "ops" by FLOPs
         seen |= set(plan.layers.values())
         plan.apply(model)
         try:

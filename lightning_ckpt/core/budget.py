@@ -132,8 +132,8 @@ def pack_costs(measured: RankMeasurement, figures: Sequence[int] = (), min_bytes
         >>> measured = RankMeasurement([LayerCost("a", "B", none_bytes=100, full_bytes=10, selective_bytes=40,
         ...                                       offloadable_bytes=0, full_flops=50, selective_flops=5)],
         ...                            outside_bytes=7)
-        >>> pack_costs(measured, figures=[1000])  # a's 12 integers, moved 100 and 0; 7 outside, 0 after, 0; 1000
-        [100, 10, 40, 0, 50, 5, 1, 0, 0, 0, 0, 0, 100, 0, 7, 0, 0, 1000]
+        >>> pack_costs(measured, figures=[1000])  # a's 15 integers, moved 100 and 0; 7 outside, 0 after, 0; 1000
+        [100, 10, 40, 0, 50, 5, 1, 0, 0, 0, 0, 0, 0, 0, 0, 100, 0, 7, 0, 0, 1000]
     """
     row = [v for c in measured.costs
            for v in [*(getattr(c, f) for f in _COST_FIELDS), c.movable_bytes("none", min_bytes),

@@ -214,7 +214,7 @@ class BudgetCycle:
             self.predicted.discard(size.bucket)
             self.remeasure.discard(size.bucket)
             if measured is not None:
-                self.fit.add(size.tokens, size.length, _row(measured))
+                self.fit.add(size.tokens, size.length, _row(measured), _times(measured))
                 self.template = measured
         else:
             self.predicted.add(size.bucket)
@@ -270,10 +270,12 @@ class BudgetCycle:
             self.sizes[size.bucket], self.plans[size.bucket] = size, CheckpointPlan.from_state_dict(entry["plan"])
         fit = state.get("fit")  # absent from checkpoints made before the fit was saved: measured again
         if fit is not None and fit["template"] is not None:
-            for (tokens, length), row in zip(fit["sizes"], fit["rows"]):
-                self.fit.add(tokens, length, row)
             template = dict(fit["template"])
-            self.template = RankMeasurement(**{**template, "costs": [LayerCost(**c) for c in template["costs"]]})
+            template = RankMeasurement(**{**template, "costs": [LayerCost(**c) for c in template["costs"]]})
+            rows = [row for row in fit["rows"] if len(row) == len(_row(template))]  # else saved before a field was
+            for (tokens, length), row in zip(fit["sizes"], rows):
+                self.fit.add(tokens, length, row, _times(template))
+            self.template = template if rows else None
         self.predicted = set(state.get("predicted", ())) & set(self.plans)
         self.checked = set(state.get("checked", ())) & self.predicted
         self.remeasure = set(state.get("remeasure", ()))
@@ -291,6 +293,13 @@ def _row(measured: RankMeasurement) -> list[int]:
 
 
 _CALLS = _COST_FIELDS.index("calls")  # a count: predicted without the margin
+_TIMES = [_COST_FIELDS.index(name) for name in ("plain_ns", "full_ns", "selective_ns")]
+
+
+def _times(measured: RankMeasurement) -> list[int]:
+    """The positions of the layers' measured times in ``_row(measured)``: fitted, but not what the fit is trusted by."""
+    width = len(_COST_FIELDS) + 2
+    return [i * width + field for i in range(len(measured.costs)) for field in _TIMES]
 
 
 __all__ = ["BatchSize", "BucketState", "BudgetCycle", "Step", "batch_size_of"]

@@ -30,7 +30,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Optional
 
 import torch
@@ -95,12 +95,15 @@ class CostFit:
         self.rows: list[list[int]] = []
         self._coeffs: Optional[torch.Tensor] = None
         self._fits = False
+        self.loose: frozenset[int] = frozenset()
 
-    def add(self, tokens: int, length: int, row: Sequence[int]) -> None:
+    def add(self, tokens: int, length: int, row: Sequence[int], loose: Collection[int] = ()) -> None:
         """Record the costs ``row`` measured at ``tokens`` and ``length``; a row of another width (other layers)
-        starts the fit anew."""
+        starts the fit anew. The entries at the positions ``loose`` (measured times: never twice the same) are
+        fitted and predicted like the rest, but the fit is trusted whether or not it reproduces them."""
         if self.rows and len(row) != len(self.rows[0]):
             self.__init__()
+        self.loose = frozenset(loose)
         if (tokens, length) in self.sizes:  # measured again (a failed check): the new row replaces the old
             i = self.sizes.index((tokens, length))
             del self.sizes[i], self.rows[i]
@@ -118,7 +121,9 @@ class CostFit:
         measured = torch.tensor(self.rows, dtype=torch.float64)
         scale = measured.abs().amax(dim=0).clamp(min=1.0)
         self._coeffs = coeffs
-        self._fits = bool(((fitted - measured).abs() <= RESIDUAL_TOLERANCE * scale + 0.5).all())
+        close = (fitted - measured).abs() <= RESIDUAL_TOLERANCE * scale + 0.5
+        close[:, sorted(self.loose)] = True
+        self._fits = bool(close.all())
 
     def trusted(self, tokens: int, length: int) -> bool:
         """Whether the fit may predict ``(tokens, length)``: it reproduces what was measured, and the size is inside

@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import KW_ONLY, dataclass, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Literal, Optional, Union
 
 from lightning_ckpt.core.compress import Compress
@@ -74,6 +74,13 @@ class LayerCost:
     #: measured). Above :meth:`backward_peak` where a chain of cheap ops runs next to a large kept output (SDPA with
     #: dropout on the CPU: the scores, then the softmax, the mask and the dropped probabilities).
     selective_forward_bytes: int = 0
+    #: Nanoseconds its forward and backward took plainly on the device it was measured on, and what full and
+    #: selective checkpointing added to that (summed over its calls; at least 1 where timed, 0: not timed, as on fake
+    #: tensors or for a mode not measured). See :mod:`~lightning_ckpt.core.layer_timing`. Left out of comparisons:
+    #: two measurements of the same layer hold alike but never take the same time.
+    plain_ns: int = field(default=0, compare=False)
+    full_ns: int = field(default=0, compare=False)
+    selective_ns: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ops, tuple) or any(isinstance(r, Mapping) for r in self.ops):  # from a state_dict
@@ -181,6 +188,34 @@ class LayerCost:
         if heavy is None or kept is None:
             return None
         return self.selective_forward_bytes - heavy + kept
+
+    def measured_seconds(self, choice: Choice, keep: Sequence[int] = ()) -> Optional[float]:
+        """The extra step time of ``choice`` as measured on the device (``None`` where not timed).
+
+        ``"ops"`` keeping the outputs at ``keep`` lies between selective checkpointing (which keeps every
+        matmul's) and full, in proportion to the FLOPs it recomputes; without a selective time, between nothing and
+        full.
+
+        Example::
+
+            >>> cost = LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+            ...                  full_flops=110, selective_flops=10, full_ns=3000, selective_ns=1000,
+            ...                  ops=(OpRecord("aten.mm.default", 30, 100, 0), OpRecord("aten.relu.default", 10, 10, 0)))
+            >>> cost.measured_seconds("full"), cost.measured_seconds("selective"), cost.measured_seconds("ops", keep=[1])
+            (3e-06, 1e-06, 2.8e-06)
+        """
+        if choice == "none":
+            return 0.0
+        if choice == "selective":
+            return self.selective_ns / 1e9 if self.selective_ns else None
+        if not self.full_ns:
+            return None
+        if choice == "full":
+            return self.full_ns / 1e9
+        low_flops, low_ns = (self.selective_flops, self.selective_ns) if self.selective_ns else (0, 0)
+        span = self.full_flops - low_flops
+        share = (self.flops(choice, keep) - low_flops) / span if span > 0 else 1.0
+        return (low_ns + min(1.0, max(0.0, share)) * (self.full_ns - low_ns)) / 1e9
 
     def flops(self, choice: Choice, keep: Sequence[int] = ()) -> int:
         if choice == "ops":

@@ -87,6 +87,10 @@ class DeviceProfile:
     op_overhead: float = 0.0
     name: str = "custom"
     policy_overhead: Optional[float] = None  # extra per op under a selective policy; None: ``op_overhead``
+    #: This is the device the layers were measured on (:meth:`measure` sets it): a layer's choices are priced by the
+    #: times its measuring step took here (``LayerCost.full_ns``, ...), where it has them, and the rates above price
+    #: only the rest. A preset or a profile built by hand prices every layer from its FLOPs and bytes.
+    layer_times: bool = False
 
     def __post_init__(self) -> None:
         for field_name in ("matmul_flops", "memory_bandwidth", "host_bandwidth"):
@@ -143,7 +147,8 @@ class DeviceProfile:
             down = _median_seconds(lambda: pinned.copy_(big, non_blocking=True), device, budget / 2)
             host = big.numel() / max(up, down)
         per_op, under_policy = _overheads(device, budget)
-        return cls(matmul, memory, host, per_op, name=f"measured {device}", policy_overhead=under_policy)
+        return cls(matmul, memory, host, per_op, name=f"measured {device}", policy_overhead=under_policy,
+                   layer_times=True)
 
     @property
     def per_op_under_policy(self) -> float:

@@ -150,7 +150,8 @@ def measure_fake_step(module: nn.Module, step: Callable[[Any], Any], batch: Any,
     reals.update((fakes[name], t) for name, t in module.named_buffers(remove_duplicate=False))
     with _reparametrize_module(module, fakes, tie_weights=True), fake_mode, real_branches(reals):
         # as the callback's measuring step records it: the ops outside the layers are not timed there
-        return measure_step(module, lambda: step(fake_batch), layer_cls, modes, outside_ops=False)
+        return measure_step(module, lambda: step(fake_batch), layer_cls, modes, outside_ops=False,
+                            time_layers=False)
 
 
 __all__ = ["batch_of_length", "length_limit", "longest_length", "measure_fake_step", "sequence_length_of"]

@@ -27,12 +27,14 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn.modules import module as torch_module
 from torch.utils._pytree import tree_flatten, tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_ckpt.core.costs import PLAN_MODES, LayerCost, validate_modes
 from lightning_ckpt.core.layer_state import buffers_restored
+from lightning_ckpt.core.layer_timing import time_modes
 from lightning_ckpt.core.op_curve import OpRecord, add_records, forward_peak, op_records
 from lightning_ckpt.core.placement import fsdp2
 from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS
@@ -51,6 +53,8 @@ from lightning_ckpt.core.profiling import (
 from lightning_ckpt.core.selection import LayerClassArg, class_path, is_inside, layer_classes, select_layers
 from lightning_ckpt.core.tiling import TRANSFORMERS_FAMILIES, TiledForward, is_tiled, restore_tiles, tiles_of
 from lightning_ckpt.core.wrapping import (
+    CheckpointedForward,
+    CheckpointOptions,
     apply_checkpointing,
     check_no_nesting,
     is_checkpointed,
@@ -170,6 +174,9 @@ class _LayerTotals:
     fp8_bytes: int = 0
     shared_bytes: int = 0  # the largest over the calls
     selective_forward_bytes: int = 0  # the largest over the calls
+    plain_ns: int = 0
+    full_ns: int = 0
+    selective_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -272,6 +279,11 @@ class _Rerun:
     #: Selectively checkpointed, its forward's peak beyond the inputs (:meth:`LayerCostRecorder._forward_lives`;
     #: 0: not measured).
     selective_forward: int = 0
+    #: Its forward and backward timed on the device (:func:`_timed`): plainly, and what full and selective
+    #: checkpointing add (0: not timed).
+    plain_ns: int = 0
+    full_ns: int = 0
+    selective_ns: int = 0
 
 
 class _ForwardLives:
@@ -335,6 +347,11 @@ class LayerCostRecorder:
     checkpointed step itself held for backward. The re-runs are hidden from counters outside (:func:`~lightning_ckpt.core.profiling.hidden_from_counters`): a monitor counting the step
     sees the step's bytes only.
 
+    With ``time_layers=True`` (the default) each re-run layer is also timed on its device, forward and backward,
+    plainly, fully and (``selective=True``) selectively checkpointed (:mod:`~lightning_ckpt.core.layer_timing`): the
+    planner prices its choices by those times on this device (``LayerCost.plain_ns``, ``full_ns``,
+    ``selective_ns``). Not on fake tensors, nor under FSDP2.
+
     With ``selective=True`` the re-run's forward runs once more, checkpointed and keeping nothing, to learn when what
     each op creates is freed: a layer that keeps outputs (selective, op-level) can peak in its forward, above its
     backward (``LayerCost.selective_forward_bytes``, ``OpRecord.freed``), with what the modules outside the layers
@@ -362,10 +379,11 @@ class LayerCostRecorder:
     """
 
     def __init__(self, module: nn.Module, layers: Sequence[tuple[str, nn.Module]], selective: bool = False,
-                 outside_ops: bool = False) -> None:
+                 outside_ops: bool = False, time_layers: bool = True) -> None:
         self.module = module
         self.layers = list(layers)
         self.selective = selective
+        self.time_layers = time_layers
         # The step's ops outside the layers, recorded while neither inside a layer nor re-running one.
         self._outside: Optional[OpRecordMode] = OpRecordMode() if outside_ops else None
         self._inside = 0
@@ -564,6 +582,9 @@ class LayerCostRecorder:
         totals.full_flops += rerun.full_flops
         totals.selective_flops += rerun.selective_flops
         totals.selective_bytes += full + rerun.heavy_bytes
+        totals.plain_ns += rerun.plain_ns
+        totals.full_ns += rerun.full_ns
+        totals.selective_ns += rerun.selective_ns
         self._ops[name] = rerun.records if totals.calls == 1 else add_records(self._ops[name], rerun.records)
 
     def _rerun(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -589,6 +610,7 @@ class LayerCostRecorder:
             del self._outside.runs[mark:]  # the re-run is not the step's
         log = cost.log[:saved.last_save]  # recompute stops after the last saved tensor (early stop)
         records = op_records(cost.runs, saved.last_save, outputs)
+        times = self._times(layer, inputs, forward, args, kwargs) if self.time_layers else {}
         selective_forward = 0
         if lives is not None:
             lived = lives.records()
@@ -602,7 +624,25 @@ class LayerCostRecorder:
                       reusable=not _depends_on_data(cost.log),
                       saved_inputs=tuple(i for i, t in enumerate(inputs) if storage_key(t) in saved._seen),
                       saved_outputs=tuple((i, out_bytes[i]) for i, key in enumerate(outputs) if key in saved._seen),
-                      selective_forward=selective_forward)
+                      selective_forward=selective_forward, **times)
+
+    def _times(self, layer: nn.Module, inputs: list[torch.Tensor], forward: Callable[..., Any],
+               args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int]:
+        """``layer``'s ``forward`` (its plain one) on ``args`` and ``kwargs`` and its backward, timed plainly, and
+        fully and (where measured) selectively checkpointed as training runs it (:class:`CheckpointedForward`):
+        ``_Rerun``'s time fields. None on fake or meta tensors, under FSDP2 (whose hooks expect one backward per
+        forward), or where nothing needs a gradient."""
+        wrt = [t for t in inputs if t.requires_grad] + [p for p in _own_parameters(layer) if p.requires_grad]
+        if self._sharded or not wrt or any(is_fake(t) or t.is_meta for t in [*inputs, *wrt]):
+            return {}
+        modes = ("plain", "full", "selective") if self.selective else ("plain", "full")
+        runs = {"plain": forward, **{mode: CheckpointedForward(layer, CheckpointOptions(mode=mode), forward)
+                                     for mode in modes[1:]}}
+        with hidden_from_counters():
+            ns = time_modes(lambda mode: _forward_backward(layer, inputs, wrt, lambda: runs[mode](*args, **kwargs)),
+                            modes, wrt[0].device)
+        extra = {mode: max(1, ns[mode] - ns["plain"]) for mode in modes[1:]}
+        return {"plain_ns": max(1, ns["plain"]), **{f"{mode}_ns": v for mode, v in extra.items()}}
 
     def _forward_lives(self, layer: nn.Module, inputs: list[torch.Tensor], fn: Callable[[], Any]) -> _ForwardLives:
         """When what each op of ``layer``'s forward creates is freed, checkpointed and keeping nothing (run here, its
@@ -644,6 +684,19 @@ class LayerCostRecorder:
             out.append(LayerCost(name, _class_name(layer), **asdict(totals), ops=self._ops.get(name) or (),
                                  input_sizes=tuple(input_sizes), saved_sizes=tuple(saved_sizes)))
         return out
+
+
+def _forward_backward(layer: nn.Module, inputs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor],
+                      fn: Callable[[], Any]) -> None:
+    """One forward of ``fn`` (``layer``'s, on ``inputs``) and its backward to ``wrt`` (inputs and weights), as a
+    training step runs them: the RNG forked and the buffers restored, so the step's own forward is untouched; no
+    ``.grad`` is written."""
+    with _fork_rng(inputs), buffers_restored(layer), torch.enable_grad():
+        out = fn()
+        seed, _ = _backward_seed(layer, inputs, out)
+        del out
+        if seed is not None:
+            torch.autograd.grad(seed, list(wrt), allow_unused=True)
 
 
 class _OnesGrad(torch.autograd.Function):
@@ -910,10 +963,11 @@ class StepCosts:
 
 
 def measure_step(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
-                 modes: Sequence[str] = PLAN_MODES, outside_ops: bool = True) -> StepCosts:
+                 modes: Sequence[str] = PLAN_MODES, outside_ops: bool = True, time_layers: bool = True) -> StepCosts:
     """:func:`measure_layer_costs`, with the ops the step ran outside the layers recorded too (``outside_ops``: for
-    the predicted step time; each op then goes through one more dispatch mode)."""
-    return _measure(module, step, layer_cls, modes, outside_ops=outside_ops)
+    the predicted step time; each op then goes through one more dispatch mode), and each distinct layer timed on its
+    device (``time_layers``: see :class:`LayerCostRecorder`)."""
+    return _measure(module, step, layer_cls, modes, outside_ops=outside_ops, time_layers=time_layers)
 
 
 def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg = None,
@@ -939,12 +993,12 @@ def measure_layer_costs(module: nn.Module, step: Callable[[], Any], layer_cls: L
     Tanh saves its output, but the last Linear saves that same storage as its input: it is held once, outside the
     layer, so un-checkpointed the layer adds nothing.
     """
-    measured = _measure(module, step, layer_cls, modes, outside_ops=False)
+    measured = _measure(module, step, layer_cls, modes, outside_ops=False, time_layers=False)
     return measured.costs, measured.outside_bytes
 
 
 def _measure(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg, modes: Sequence[str],
-             outside_ops: bool) -> StepCosts:
+             outside_ops: bool, time_layers: bool) -> StepCosts:
     check_module_and_step(module, step)
     modes = validate_modes(modes)
     if not module.training:
@@ -957,7 +1011,8 @@ def _measure(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassAr
     check_no_nesting(module, [name for name, _ in selected])
 
     with _fully_checkpointed(module, selected), torch.random.fork_rng(devices=cuda_devices(module)), buffers_restored(module):
-        with LayerCostRecorder(module, selected, selective="selective" in modes, outside_ops=outside_ops) as recorder:
+        with LayerCostRecorder(module, selected, selective="selective" in modes, outside_ops=outside_ops,
+                               time_layers=time_layers) as recorder:
             loss = step()
             recorder.measure_head(loss)
             del loss  # frees the step's graph

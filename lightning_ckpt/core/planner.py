@@ -137,6 +137,9 @@ from lightning_ckpt.core.timing import (
     extra_seconds,
     forward_seconds,
     layer_seconds,
+    priced_by_time,
+    seconds_per_flop,
+    step_seconds,
     transfer_windows,
 )
 
@@ -215,8 +218,10 @@ def make_plan(costs: Sequence[LayerCost], outside_bytes: int, memory_budget: obj
     chunked_problem = _plan_problem(costs, chunked.outside_bytes, memory_budget, problem.budget_bytes, modes, offload,
                                     profile, host_memory, min_bytes, chunked.head_bytes, chunked.head_peak_bytes,
                                     compress)
-    timed = profile is not None
-    head_cost = chunked.seconds(profile) if timed else float(chunked.flops)
+    timed = priced_by_time(problem.costs, profile)
+    head_cost = float(chunked.flops)
+    if timed:
+        head_cost = chunked.seconds(profile) if profile is not None else chunked.flops * seconds_per_flop(problem.costs)
     found = []
     if chunk_loss is None:
         plain = _solve_plan(problem)
@@ -373,7 +378,7 @@ def _solve_plan(problem: _PlanProblem) -> Optional[list[LayerOption]]:
     """The cheapest option per layer whose peak fits ``problem.budget_bytes`` (fewest FLOPs, or least predicted time
     with a profile); ``None`` where none fits. ``offload="auto"`` is solved with ``False`` and ``True`` as well, and
     the cheapest of the three kept (the first of equals: ``"auto"``'s own)."""
-    timed = problem.profile is not None
+    timed = priced_by_time(problem.costs, problem.profile)
 
     def chosen_for(value: Offload) -> Optional[list[LayerOption]]:
         options = [layer_options(c, problem.modes, value, device=problem.profile, window=w,
@@ -433,7 +438,7 @@ def _step_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord], c
                   profile: Optional[DeviceProfile]) -> dict[str, Any]:
     if profile is None:
         return {}
-    baseline = STEP_FORWARDS * forward_seconds(costs, outside_ops, profile)
+    baseline = step_seconds(costs, outside_ops, profile)
     return {"baseline_step_seconds": baseline, "predicted_step_seconds": baseline + sum(o.seconds for o in chosen),
             "device": profile.name}
 
@@ -452,6 +457,7 @@ def plan_checkpointing(
     tile_mlp: Optional[bool] = None,
     tile_tokens: Optional[int] = None,
     tile_cls: LayerClassArg = None,
+    time_layers: bool = True,
 ) -> CheckpointPlan:
     """Measure one step and return the cheapest :class:`CheckpointPlan` whose activations fit ``memory_budget``.
 
@@ -487,8 +493,15 @@ def plan_checkpointing(
             tiles only when no plan without them fits (a tile's second forward costs time), for a model that has
             something to tile (``tile_cls`` names its MLP class where it is not known). ``plan.tile_mlp`` says
             what was chosen; ``recompute_flops`` counts the tiles' second forward (their matmuls).
+        time_layers: time each distinct layer's forward and backward on its device in the measuring step, plainly,
+            fully and selectively checkpointed (a few more runs of it: :mod:`~lightning_ckpt.core.layer_timing`), and
+            price its choices by those times: the plan has the least measured time, here, where FLOPs and rates
+            mislead (on a CPU, selective checkpointing's dispatch costs more than the matmuls it saves). ``False``:
+            priced by FLOPs or by ``device``'s rates alone, the same plan on every run. Not on fake tensors.
 
-    Without ``device`` the plan has the fewest recompute FLOPs among those whose predicted bytes fit: layers
+    With ``time_layers`` (the default) on real tensors, each layer's choices are priced by the times measured here
+    (without ``device``, and with a profile measured here, :meth:`DeviceProfile.measure`); for a preset ``device``
+    they are priced by its rates. Without ``device`` or times the plan has the fewest recompute FLOPs among those whose predicted bytes fit: layers
     (and op outputs) that free most bytes per recomputed FLOP go first, whatever their position; FLOPs are exact
     and machine-independent. With ``device`` it has the least predicted step time: recomputed matmuls at the
     device's matmul rate, other ops at its memory bandwidth, and a fixed cost per op recomputed or run under an
@@ -515,7 +528,7 @@ def plan_checkpointing(
     tileable = tile_mlp is not False and bool(token_wise_modules(module, tile_cls))
     if tile_mlp is True:
         check_tiling(module, tile_cls, tile_tokens)  # refuses a model with nothing to tile, before anything runs
-    options = (memory_budget, layer_cls, modes, offload, device, host_memory, compress, chunk_loss)
+    options = (memory_budget, layer_cls, modes, offload, device, host_memory, compress, chunk_loss, time_layers)
     untiled: Optional[ValueError] = None
     if tile_mlp is not True:
         try:
@@ -540,7 +553,8 @@ def plan_checkpointing(
 
 def _plan_whole(module: nn.Module, step: Callable[[], Any], memory_budget: object, layer_cls: LayerClassArg,
                 modes: Sequence[str], offload: Offload, device: Union[None, str, DeviceProfile],
-                host_memory: Optional[int], compress: Optional[Compress], chunk_loss: Optional[bool]) -> CheckpointPlan:
+                host_memory: Optional[int], compress: Optional[Compress], chunk_loss: Optional[bool],
+                time_layers: bool) -> CheckpointPlan:
     """:func:`plan_checkpointing` of ``module`` as it is (tiled or not); its settings already checked."""
     modes = validate_modes(modes)
     profile = resolve_device(device)
@@ -554,7 +568,8 @@ def _plan_whole(module: nn.Module, step: Callable[[], Any], memory_budget: objec
         say_once(log, f"lightning_ckpt: chunk_loss=True found no loss it can chunk in {type(module).__name__}; the plan"
                       " counts its head and loss as measured, outside the layers.")
     with _unchunked(module):
-        measured = measure_step(module, step, layer_cls, modes) if chunk_loss is not True or chunk is None else None
+        measured = (measure_step(module, step, layer_cls, modes, time_layers=time_layers)
+                    if chunk_loss is not True or chunk is None else None)
     if chunk is None:
         assert measured is not None
         return make_plan(measured.costs, measured.outside_bytes, memory_budget, modes, offload, profile,
@@ -566,7 +581,7 @@ def _plan_whole(module: nn.Module, step: Callable[[], Any], memory_budget: objec
     for size in chunk_sizes(chunk):
         if tokens is not None and size >= tokens:
             continue  # still one chunk of every token: the bytes already measured
-        steps, head = measure_chunked_head(module, step, layer_cls, modes, size)
+        steps, head = measure_chunked_head(module, step, layer_cls, modes, size, time_layers and measured is None)
         tokens = head.tokens or None
         # chunk_loss=True: the chunked step alone, its head's peak with the weight gradient's extra copy
         base = measured if measured is not None else replace(steps, head_peak_bytes=head.head_peak_bytes)
@@ -749,7 +764,7 @@ def head_and_loss_bytes(head: nn.Module, tokens: int, chunk: Optional[int],
 
 
 def measure_chunked_head(module: nn.Module, step: Callable[[], Any], layer_cls: LayerClassArg, modes: Sequence[str],
-                         chunk: int) -> tuple[StepCosts, ChunkedHead]:
+                         chunk: int, time_layers: bool = True) -> tuple[StepCosts, ChunkedHead]:
     """The step measured with ``module``'s loss in chunks of ``chunk`` tokens (as :func:`measure_step`), and its
     :class:`ChunkedHead` for :func:`make_plan`'s ``chunked`` (counted by :class:`HeadCount`). The head's backward
     peak is measured as gradients to the last layer's output."""
@@ -757,7 +772,7 @@ def measure_chunked_head(module: nn.Module, step: Callable[[], Any], layer_cls: 
         chunk_causal_lm_loss(module, chunk)
         try:
             with HeadCount(module) as count:
-                measured = measure_step(module, step, layer_cls, modes)
+                measured = measure_step(module, step, layer_cls, modes, time_layers=time_layers)
         finally:
             unchunk_causal_lm_loss(module)
     return measured, count.chunked_head(chunk, measured.outside_bytes, measured.head_bytes, measured.head_peak_bytes)
@@ -825,7 +840,7 @@ def predict_seconds(costs: Sequence[LayerCost], outside_ops: Sequence[OpRecord],
     profile = resolve_device(device)
     assert profile is not None
     costs = [replace(c, offloadable_bytes=c.full_bytes).compressed(compress) for c in costs]
-    baseline = STEP_FORWARDS * forward_seconds(costs, outside_ops, profile)
+    baseline = step_seconds(costs, outside_ops, profile)
     chosen = _predicted_options(costs, choices, offload, kept_ops, min_bytes, profile)
     return baseline + sum(o.seconds for o in chosen), baseline
 
