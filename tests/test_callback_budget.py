@@ -204,7 +204,8 @@ def test_a_new_budget_drops_the_plan_and_measures_again_on_the_next_batch(refere
 
 
 @pytest.mark.parametrize(("name", "value"), [("layer_cls", Block), ("offload", True), ("use_reentrant", True),
-                                           ("checkpoint_kwargs", {"determinism_check": "none"})])
+                                           ("checkpoint_kwargs", {"determinism_check": "none"}),
+                                           ("time_layers", False)])
 def test_each_plan_setting_drops_the_plan_and_measures_again_on_the_next_batch(name, value):
     callback = GradientCheckpointing(memory_budget=0.5)
     change = ChangeSettingAfter(callback, 1, name, value)
@@ -215,6 +216,26 @@ def test_each_plan_setting_drops_the_plan_and_measures_again_on_the_next_batch(n
     # batch 3 is a measuring step again (every layer checkpointed), batch 4 runs the plan solved after it
     assert model.seen == [BLOCKS, half, BLOCKS, planned(callback)]
     assert callback.plan is not change.plan_before and getattr(callback, name) == value
+
+
+@pytest.mark.parametrize("time_layers", [True, False])
+def test_the_measuring_step_times_the_layers_and_the_plan_is_priced_by_them(reference, time_layers, monkeypatch):
+    """Selective measured slower than full (times stand in for the device's): the timed plan never picks it, the
+    FLOPs plan does (it recomputes fewer FLOPs); both train exactly like no checkpointing."""
+    import lightning_ckpt.core.measure as measure_module
+
+    monkeypatch.setattr(measure_module, "time_modes",
+                        lambda run, modes, device, rounds=5: {"plain": 1000, "full": 1500, "selective": 9000})
+    callback = GradientCheckpointing(memory_budget=0.7, time_layers=time_layers)
+    model, _ = run(callbacks=[callback])
+    assert [c.full_ns for c in callback.plan.costs] == [500 if time_layers else 0] * N_LAYER
+    assert ("selective" in callback.plan.layers.values()) is not time_layers
+    assert_same_weights(model, reference)
+
+
+def test_time_layers_is_true_or_false():
+    with pytest.raises(TypeError, match=r"`time_layers` is True or False, got 'yes'\. Pass True"):
+        GradientCheckpointing(memory_budget=0.5, time_layers="yes")
 
 
 def test_a_setting_the_plan_does_not_depend_on_keeps_the_plan():

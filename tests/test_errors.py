@@ -41,6 +41,7 @@ from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss
 from lightning_ckpt.core.fake_streams import FakeStreams
 from lightning_ckpt.core.offload import OffloadEngine, use_engine
 from lightning_ckpt.core.planner import LayerCost, make_plan, plan_checkpointing
+from lightning_ckpt.core.layer_timing import time_modes
 from lightning_ckpt.core.tiling import apply_tiling
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, Transformer
 from lightning_ckpt.strategies.ddp import check_ddp_settings
@@ -511,6 +512,12 @@ CASES: dict[str, Case] = {
     "chunk_loss type (callback)": Case(
         "callbacks.gradient_checkpointing._validate", lambda: GradientCheckpointing(chunk_loss="yes"), TypeError,
         "got 'yes'", "None (a budget's plan chooses)", "`chunk_loss` is True, False or None"),
+    "time_layers type (callback)": Case(
+        "callbacks.gradient_checkpointing._validate", lambda: GradientCheckpointing(time_layers="yes"), TypeError,
+        "got 'yes'", "Pass True (plans priced by the times measured on the device) or False", "`time_layers` is True or False"),
+    "timing rounds": Case(
+        "core.layer_timing.time_modes", lambda: time_modes(lambda mode: None, ("plain",), torch.device("cpu"), rounds=0),
+        ValueError, "`rounds=0`", "the number of timed runs of each mode", "must be 1 or more: the number of timed runs"),
     "tile_tokens": Case(
         "core.tiling.validate_tile_tokens", lambda: apply_checkpointing(blocks(), tile_mlp=True, tile_tokens=0),
         ValueError, "got 0", "pass an int >= 1", "`tile_tokens` is the tokens per tile along the sequence"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import re
@@ -36,7 +38,9 @@ TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 DEVICE_MEMORY = 8 * 2**20
 # Without the chunked LM head and loss (the default 'auto' measures the step twice and adds a row): its figures are
 # tested in test_plan_chunked_lengths.py.
-ARGS = ["--config", str(TINY), "--memory-budget", "0.5", "--device-memory", "8MiB", "--chunk-loss", "false"]
+# priced by FLOPs, so that a real run's plan is a fake run's (fake tensors are not timed) and the same on every run
+ARGS = ["--config", str(TINY), "--memory-budget", "0.5", "--device-memory", "8MiB", "--chunk-loss", "false",
+        "--trainer.callbacks.init_args.time_layers=false"]
 LAYERS = [f"model.blocks.{i}" for i in range(4)]
 
 
@@ -245,7 +249,7 @@ def _checkpointed(modes: dict[str, str], plan_layers: bool) -> Built:
     with ``plan_layers``)."""
     built = build(TINY, fake=False)
     if plan_layers:
-        measurement = measure(build(TINY, fake=False), 8)
+        measurement = measure(dataclasses.replace(build(TINY, fake=False), time_layers=False), 8)  # as ARGS: FLOPs
         plan = make_plan(measurement.costs, measurement.outside_bytes, 0.5, modes=CALLBACK_MODES,
                          head_bytes=measurement.head_bytes, head_peak_bytes=measurement.head_peak_bytes)
         assert plan.layers == modes

@@ -524,6 +524,9 @@ def test_ranks_whose_lengths_differ_agree_on_each_step_s_size_and_train_as_witho
     rank0, rank1 = ok(budget_runs, f"{strategy}_budget_varying_lengths")
     every = [f"model.blocks.{i}" for i in range(4)]
     assert rank0["plans"] == rank1["plans"] and sorted(rank0["plans"]) == [32, 64]  # 4 x 8 and 4 x 16 tokens
+    # DDP's layers timed, each the slowest rank's time (the plans, times included, are equal on both ranks);
+    # FSDP2's not (its hooks expect one backward per forward): its plans count FLOPs
+    assert {c["full_ns"] > 0 for plan in rank0["plans"].values() for c in plan["costs"]} == {strategy == "ddp"}
     long = [name for name, mode in rank0["plans"][64]["layers"].items() if mode != "none"]
     assert long and rank0["seen"] == rank1["seen"] == [every, long, every, long]  # steps 1 and 3 measure
     assert_same_weights(rank0["weights"], rank1["weights"], rtol=0, atol=0)

@@ -74,7 +74,7 @@ from lightning_ckpt.core.wrapping import (
 
 _SETTINGS = ("layer_cls", "every_n_layers", "offload", "mode", "memory_budget", "use_reentrant",
              "preserve_rng_state", "checkpoint_kwargs", "compress", "max_length", "chunk_loss", "tile_mlp",
-             "tile_tokens", "tile_cls")
+             "tile_tokens", "tile_cls", "time_layers")
 
 T = TypeVar("T")
 
@@ -170,6 +170,11 @@ class GradientCheckpointing(Callback):
             (ALST's rule).
         tile_cls: with ``tile_mlp``: the class(es) to tile instead of the MLPs it knows (a class, a dotted import
             path, or a list of either); name only modules that compute each token alone.
+        time_layers: with ``memory_budget``, the measuring step also times each distinct layer's forward and backward
+            on the device, plainly, fully and selectively checkpointed (a few more runs of one layer), and the plan
+            has the least measured time instead of the fewest FLOPs (the slowest rank's times: every rank plans
+            alike). ``False``: FLOPs (or, with ``"auto"``, the device's rates) alone, the same plan on every run.
+            Not under FSDP2, whose hooks expect one backward per forward: there plans count FLOPs.
 
     Layers are checkpointed in ``setup`` and, for models built in ``configure_model``, right after it,
     before any strategy wraps the model. Everything is undone in ``teardown`` (or on an exception).
@@ -227,6 +232,8 @@ class GradientCheckpointing(Callback):
         "With ``tile_mlp``: tokens per tile; ``None``: ``ceil(length / hidden)`` tiles.")
     tile_cls: _SettingAttribute[Union[str, type, Sequence[Union[str, type]], None]] = _SettingAttribute(
         "With ``tile_mlp``: the class(es) to tile instead of the MLPs it knows; ``None``: those it knows.")
+    time_layers: _SettingAttribute[bool] = _SettingAttribute(
+        "With ``memory_budget``: price each layer's choices by the times measured on the device (else by FLOPs).")
 
     def __init__(
         self,
@@ -245,6 +252,7 @@ class GradientCheckpointing(Callback):
         tile_mlp: Optional[bool] = None,
         tile_tokens: Optional[int] = None,
         tile_cls: Union[str, type, Sequence[Union[str, type]], None] = None,
+        time_layers: bool = True,
     ) -> None:
         if length_fn is not None and not callable(length_fn):
             raise TypeError(f"`length_fn` must be a function of the batch returning its tokens, got {length_fn!r}.")
@@ -252,7 +260,7 @@ class GradientCheckpointing(Callback):
                         memory_budget=memory_budget, use_reentrant=use_reentrant,
                         preserve_rng_state=preserve_rng_state, checkpoint_kwargs=checkpoint_kwargs, compress=compress,
                         max_length=max_length, chunk_loss=chunk_loss, tile_mlp=tile_mlp, tile_tokens=tile_tokens,
-                        tile_cls=tile_cls)
+                        tile_cls=tile_cls, time_layers=time_layers)
         settings = {name: copy.copy(value) for name, value in settings.items()}
         _validate(settings)
         self._settings: dict[str, Any] = settings  # the one place the options live; attributes read from it
@@ -309,7 +317,7 @@ class GradientCheckpointing(Callback):
         """
         options = {k: v for k, v in self._settings.items()
                    if k not in ("memory_budget", "every_n_layers", "mode", "max_length", "chunk_loss", "tile_mlp",
-                                "tile_tokens", "tile_cls")}
+                                "tile_tokens", "tile_cls", "time_layers")}
         chunk_loss = self._settings["chunk_loss"] is True
         tiles = self._tiles()
         if self._settings["memory_budget"] is None:
@@ -443,7 +451,8 @@ class GradientCheckpointing(Callback):
             layers = [(name, pl_module.get_submodule(name)) for name in self.checkpointed_layers]
             if self._first_auto():
                 reset_device_peaks(trainer.strategy.root_device)
-            self._recorder = LayerCostRecorder(pl_module, layers, selective=not self._reentrant())
+            self._recorder = LayerCostRecorder(pl_module, layers, selective=not self._reentrant(),
+                                               time_layers=self._settings["time_layers"])
             self._recorder.__enter__()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -803,7 +812,8 @@ class GradientCheckpointing(Callback):
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        settings = dict(state_dict["settings"])
+        # a setting added since the checkpoint was saved (time_layers) keeps this run's value
+        settings = {**self.state_dict()["settings"], **state_dict["settings"]}
         plans = state_dict.get("plans")
         if settings != self.state_dict()["settings"]:
             rank_zero_info(f"GradientCheckpointing: restoring the settings from the checkpoint: {settings}")
@@ -903,6 +913,9 @@ def _validate(settings: Mapping[str, Any]) -> None:
         raise TypeError(f"`chunk_loss` is True, False or None, got {settings['chunk_loss']!r}. Pass True (the LM"
                         " head and loss in chunks), False (whole) or None (a budget's plan chooses).")
     _validate_tiles(settings)
+    if not isinstance(settings["time_layers"], bool):
+        raise TypeError(f"`time_layers` is True or False, got {settings['time_layers']!r}. Pass True (plans priced by"
+                        " the times measured on the device) or False (by FLOPs: the same plan on every run).")
     max_length = settings["max_length"]
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 0):
         raise ValueError(f"`max_length` is the longest sequence the run will see, in tokens: pass an int >= 1 (or"
@@ -936,7 +949,7 @@ def _validate_tiles(settings: Mapping[str, Any]) -> None:
 
 
 _PLAN_SETTINGS = {"layer_cls", "memory_budget", "offload", "use_reentrant", "checkpoint_kwargs", "compress",
-                  "chunk_loss", "tile_mlp", "tile_tokens", "tile_cls"}
+                  "chunk_loss", "tile_mlp", "tile_tokens", "tile_cls", "time_layers"}
 # The constructor options a plan does not depend on, each with why (a test keeps the two sets covering them all).
 _KEEPS_PLAN = {
     "every_n_layers": "refused with memory_budget other than 1, so a plan never used it",

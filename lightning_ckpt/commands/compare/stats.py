@@ -28,6 +28,7 @@ from lightning_ckpt.core.memory_stats import (
     TOKENS_PER_SEC,
 )
 from lightning_ckpt.core.planner import predict_seconds
+from lightning_ckpt.core.timing import price_source
 
 if TYPE_CHECKING:
     from lightning_ckpt.commands.plan.measure import Measurement
@@ -366,12 +367,13 @@ class TimeModel:
 
             >>> from lightning_ckpt.commands.plan.measure import Measurement
             >>> TimeModel(Measurement(8, [], 0), DeviceProfile(2e11, 1e10, 1e10, 4e-6, name="cpu")).describe()
-            'cpu (matmul 200 GFLOP/s, memory 10 GB/s, host 10 GB/s, 4 µs per op recomputed, 4 µs per op under a policy)'
+            "cpu (matmul 200 GFLOP/s, memory 10 GB/s, host 10 GB/s, 4 µs per op recomputed, 4 µs per op under a policy; priced by cpu's rates)"
         """
         p = self.profile
         return (f"{p.name} (matmul {p.matmul_flops / 1e9:.3g} GFLOP/s, memory {p.memory_bandwidth / 1e9:.3g} GB/s,"
                 f" host {p.host_bandwidth / 1e9:.3g} GB/s, {1e6 * p.op_overhead:.3g} µs per op recomputed,"
-                f" {1e6 * p.per_op_under_policy:.3g} µs per op under a policy)")
+                f" {1e6 * p.per_op_under_policy:.3g} µs per op under a policy;"
+                f" priced by {price_source(self.measurement.costs, p)})")
 
     def as_dict(self) -> dict[str, Any]:
         p = self.profile

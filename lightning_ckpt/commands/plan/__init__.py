@@ -99,7 +99,9 @@ Exit status: 0, 1 when the budget cannot be met (the report says what can), 2 fo
   FakeTensorMode; ``planned_for``: the configured accelerator when it is missing here, else ``null``.
 - ``batch_size``: the measured batch; ``batch_sizes``: both measured with ``--device-memory``.
 - ``memory_budget``: as given (a fraction or bytes); ``device_memory``: ``--device-memory`` in bytes;
-  ``device``: the ``--device`` profile's name, or ``null``; ``offload``: what was planned with, ``true``, ``false``
+  ``device``: the ``--device`` profile's name, or ``null``; ``priced_by``: what the plan's choices were priced by, in
+  words: the times each layer took in the measuring step here (real tensors, no ``--device`` or ``--device auto``),
+  a preset's datasheet rates, or recompute FLOPs (fake tensors); ``offload``: what was planned with, ``true``, ``false``
   or ``"auto"``; ``host_memory``: ``{bytes, given, static_bytes, for_offload_bytes}``, the host memory per device
   planned with (``--host-memory``, ``given: true``, or this machine's), what CPU offload keeps of it and what is left
   for offloaded activations (the planner's ``host_memory``).

@@ -304,6 +304,9 @@ class Built:
     tile_mlp: bool = False
     tile_tokens: Optional[int] = None
     tile_cls: Any = None
+    #: The config's callback's ``time_layers``: the measuring step times each layer and the plan is priced by those
+    #: times (real tensors only); ``False``: by FLOPs.
+    time_layers: bool = True
 
     def mode(self) -> AbstractContextManager[Any]:
         """The context in which tensors are made: the fake mode, or nothing."""
@@ -458,6 +461,7 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
                  settings.get("memory_budget"), fake_mode, precision, planned_for, compress=settings.get("compress"),
                  chunk_loss=settings.get("chunk_loss"), sharding=sharding, tile_mlp=settings.get("tile_mlp") is True,
                  tile_tokens=settings.get("tile_tokens"), tile_cls=settings.get("tile_cls"),
+                 time_layers=settings.get("time_layers", True) is not False,
                  reentrant=bool((settings.get("checkpoint_kwargs") or {}).get("use_reentrant",
                                                                               settings.get("use_reentrant", False))))
 
@@ -618,10 +622,10 @@ def measure(built: Built, batch_size: Optional[int] = None, length: Optional[int
     with built.mode(), branches, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_LOG_WARNING)
         try:
-            measured = measure_step(module, step, built.layer_cls)
+            measured = measure_step(module, step, built.layer_cls, time_layers=built.time_layers)
             chunk = chunk_size(built)
             chunked = None if chunk is None else measure_chunked_head(module, step, built.layer_cls, PLAN_MODES,
-                                                                      chunk)[1]
+                                                                      chunk, time_layers=False)[1]
         except (IndexError, RuntimeError) as err:
             if length is None:
                 raise

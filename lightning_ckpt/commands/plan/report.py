@@ -19,6 +19,7 @@ from lightning_ckpt.core.device_profile import DeviceProfile
 from lightning_ckpt.core.op_curve import describe
 from lightning_ckpt.core.planner import CheckpointPlan, make_option
 from lightning_ckpt.core.profiling import binary_unit, format_bytes
+from lightning_ckpt.core.timing import price_source
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -301,6 +302,7 @@ def _plan_lines(result: PlanResult) -> list[str]:
                  " checkpointing);"
                  f" recompute {_b(plan.recompute_flops)} FLOP per step"
                  + (f"; {plan.step_time_text()}." if plan.predicted_step_seconds is not None else "."))
+    lines += ["", f"Choices priced by {price_source(result.main.costs, result.profile)}."]
     return lines
 
 
@@ -581,6 +583,7 @@ def report_data(result: PlanResult) -> dict[str, Any]:
         "memory_budget": result.budget,
         "device_memory": result.device_memory,
         "device": result.profile.name if result.profile is not None else None,
+        "priced_by": price_source(main.costs, result.profile),
         "offload": built.offload,
         "tile_mlp": built.tile_mlp,
         "host_memory": None if host is None else {"bytes": host.total, "given": host.given, "static_bytes": host.static,
