@@ -56,12 +56,19 @@ class FakeClock:
 # ------------------------------------------------------------------------------------------------ time_modes
 
 
-def test_each_mode_gets_the_median_of_its_timed_runs_after_one_warm_up(monkeypatch):
-    # warm-ups (never counted) first, then 3 rounds; a median, not a mean: 900 is an outlier
+def test_each_mode_gets_the_median_of_its_timed_runs(monkeypatch):
+    # 3 rounds; a median, not a mean: 900 is an outlier
+    clock = FakeClock({"plain": [100, 900, 120], "full": [300, 310, 290]})
+    monkeypatch.setattr(layer_timing.time, "perf_counter_ns", clock.perf_counter_ns)
+    assert time_modes(clock.run, ("plain", "full"), CPU) == {"plain": 120, "full": 300}
+    # interleaved, each round in the reverse order of the one before
+    assert clock.calls == ["plain", "full", "full", "plain", "plain", "full"]
+
+
+def test_a_warm_up_run_of_each_mode_is_not_counted(monkeypatch):
     clock = FakeClock({"plain": [10**9, 100, 900, 120], "full": [10**9, 300, 310, 290]})
     monkeypatch.setattr(layer_timing.time, "perf_counter_ns", clock.perf_counter_ns)
-    assert time_modes(clock.run, ("plain", "full"), CPU, rounds=3) == {"plain": 120, "full": 300}
-    # interleaved, each round in the reverse order of the one before
+    assert time_modes(clock.run, ("plain", "full"), CPU, rounds=3, warm_up=True) == {"plain": 120, "full": 300}
     assert clock.calls == ["plain", "full", "plain", "full", "full", "plain", "plain", "full"]
 
 
@@ -205,7 +212,7 @@ def small_model(dropout: float = 0.0) -> tuple[BlockStack, torch.Tensor]:
 def test_the_measuring_step_times_each_distinct_layer_as_its_extra_over_plain(monkeypatch):
     calls = []
 
-    def fake_times(run, modes, device, rounds=5):
+    def fake_times(run, modes, device, rounds=3):
         calls.append(tuple(modes))
         return {"plain": 1000, "full": 1500, "selective": 900}
 
@@ -221,7 +228,7 @@ def test_the_measuring_step_times_each_distinct_layer_as_its_extra_over_plain(mo
 
 def test_a_layer_called_twice_sums_its_times(monkeypatch):
     monkeypatch.setattr(measure_module, "time_modes",
-                        lambda run, modes, device, rounds=5: {"plain": 1000, "full": 1400, "selective": 1200})
+                        lambda run, modes, device, rounds=3: {"plain": 1000, "full": 1400, "selective": 1200})
     torch.manual_seed(0)
     block = Block(32, 4)
     x = torch.randn(2, 8, 32, requires_grad=True)
@@ -260,7 +267,7 @@ def test_fake_tensors_are_not_timed(monkeypatch):
 def test_plan_checkpointing_prices_by_the_times_unless_told_not_to(monkeypatch):
     """Selective measured slower than full: the timed plan checkpoints fully where the FLOPs plan keeps matmuls."""
     monkeypatch.setattr(measure_module, "time_modes",
-                        lambda run, modes, device, rounds=5: {"plain": 1000, "full": 1500, "selective": 9000})
+                        lambda run, modes, device, rounds=3: {"plain": 1000, "full": 1500, "selective": 9000})
     model, x = small_model()
     by_flops = plan_checkpointing(model, lambda: model(x).sum(), 0.9, Block, modes=("full", "selective"),
                                   time_layers=False)
@@ -272,7 +279,7 @@ def test_plan_checkpointing_prices_by_the_times_unless_told_not_to(monkeypatch):
 
 def test_predicted_step_time_on_the_profile_measured_here_adds_the_measured_extras(monkeypatch):
     monkeypatch.setattr(measure_module, "time_modes",
-                        lambda run, modes, device, rounds=5: {"plain": 3_000_000, "full": 4_000_000,
+                        lambda run, modes, device, rounds=3: {"plain": 3_000_000, "full": 4_000_000,
                                                               "selective": 5_000_000})
     model, x = small_model()
     measured = measure_step(model, lambda: model(x).sum(), Block)

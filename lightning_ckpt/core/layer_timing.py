@@ -12,7 +12,7 @@ Example::
     >>> layer, x = nn.Linear(64, 64), torch.randn(8, 64, requires_grad=True)
     >>> def run(mode: str) -> None:
     ...     torch.autograd.grad(layer(x).sum(), [x])
-    >>> times = time_modes(run, ("plain", "full"), torch.device("cpu"), rounds=3)
+    >>> times = time_modes(run, ("plain", "full"), torch.device("cpu"))
     >>> sorted(times), all(ns > 0 for ns in times.values())
     (['full', 'plain'], True)
 """
@@ -29,20 +29,22 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["TIMING_ROUNDS", "time_modes"]
 
-#: Rounds of each mode a layer is timed in (after one warm-up run of each): the median is taken.
-TIMING_ROUNDS = 5
+#: Rounds of each mode a layer is timed in: the median is taken. Three keep a measuring step's extra cost near nine
+#: forward and backward runs of one layer (five, with a warm-up run of each, cost twice as much: a second on a 60-step
+#: CPU run of the long-tailed benchmark, where the plans gained nothing from the steadier figures).
+TIMING_ROUNDS = 3
 
 
 def time_modes(run: Callable[[str], None], modes: Sequence[str], device: torch.device,
-               rounds: int = TIMING_ROUNDS) -> dict[str, int]:
-    """Nanoseconds of ``run(mode)`` for each of ``modes`` on ``device``: the median of ``rounds`` runs each, after one
-    warm-up run each, interleaved and in alternately reversed order (so a slow spell of a shared machine falls on
-    every mode alike)."""
+               rounds: int = TIMING_ROUNDS, warm_up: bool = False) -> dict[str, int]:
+    """Nanoseconds of ``run(mode)`` for each of ``modes`` on ``device``: the median of ``rounds`` runs each,
+    interleaved and in alternately reversed order (so a slow spell of a shared machine falls on every mode alike);
+    with ``warm_up``, after one untimed run of each (the measuring step's re-run of a layer has warmed it already)."""
     if rounds < 1:
         raise ValueError(f"`rounds={rounds!r}` must be 1 or more: the number of timed runs of each mode.")
     samples: dict[str, list[int]] = {mode: [] for mode in modes}
     with _undisturbed():
-        for mode in modes:
+        for mode in modes if warm_up else ():
             run(mode)
         for i in range(rounds):
             for mode in modes if i % 2 == 0 else reversed(modes):
