@@ -272,16 +272,20 @@ class PeakPerStep(Callback):
         self.peaks.append(self._live.peak(exclude=grad_storages(pl_module)))
 
 
-def run_long_tailed(data: list, budget: Optional[int], peaks: bool) -> dict[str, Any]:
-    """One run on ``data``: with ``budget``, the callback; ``None``: ``every_n_layers=1``."""
+def run_long_tailed(data: list, budget: Optional[int], peaks: bool, time_layers: bool = True) -> dict[str, Any]:
+    """One run on ``data``: with ``budget``, the callback (its plans priced by measured times, or with
+    ``time_layers=False`` by FLOPs); ``None``: ``every_n_layers=1``."""
     seed_everything(0)
-    callback = GradientCheckpointing(memory_budget=budget) if budget is not None else GradientCheckpointing()
+    callback = (GradientCheckpointing(memory_budget=budget, time_layers=time_layers) if budget is not None
+                else GradientCheckpointing())
     model = recorder(callback if budget is not None else None)
     extra: list[Callback] = [PeakPerStep()] if peaks else []
     start = time.perf_counter()
     trainer([callback, *extra], len(data)).fit(model, DataLoader(data, batch_size=None))
+    selective = sum(m == "selective" for plan in callback.plans.values() for m in plan.layers.values())
     return {"seconds": time.perf_counter() - start, "held": model.held, "measured": model.measured,
-            "peaks": extra[0].peaks if peaks else [], "measured_steps": callback._cycle.measured_steps}
+            "peaks": extra[0].peaks if peaks else [], "measured_steps": callback._cycle.measured_steps,
+            "selective": selective}
 
 
 def long_tailed_main(rounds: int, arm: str = "gpt") -> None:
@@ -297,17 +301,20 @@ def long_tailed_main(rounds: int, arm: str = "gpt") -> None:
                            ("descending", sorted(lengths, reverse=True))]:
         data = batches(ordered)
         first = run_long_tailed(data, budget, peaks=True)  # counted, not timed: the peak counter is slow
-        pairs = []
-        for _ in range(rounds):  # interleaved: the budget run, then every layer, each round
-            pairs.append((run_long_tailed(data, budget, peaks=False), run_long_tailed(data, None, peaks=False)))
+        pairs, by_flops = [], []
+        for _ in range(rounds):  # interleaved: the budget run, its FLOPs-priced twin, then every layer, each round
+            timed = run_long_tailed(data, budget, peaks=False)
+            by_flops.append(run_long_tailed(data, budget, peaks=False, time_layers=False))
+            pairs.append((timed, run_long_tailed(data, None, peaks=False)))
         assert all(a["measured"] == first["measured"] for a, _ in pairs)
         held = max((h if h >= 0 else full_at[L]) / budget for h, L in zip(first["held"], ordered))
         peak = max(first["peaks"]) / budget
         ratio = statistics.median(a["seconds"] / b["seconds"] for a, b in pairs)
         t_a = statistics.median(a["seconds"] for a, _ in pairs)
         t_b = statistics.median(b["seconds"] for _, b in pairs)
+        flops_ratio = statistics.median(f["seconds"] / b["seconds"] for f, (_, b) in zip(by_flops, pairs))
         rows.append(f"| {order} | {first['measured_steps']} | {t_a:.2f} s | {t_b:.2f} s | {ratio:.3f} | {held:.3f} |"
-                    f" {peak:.3f} |")
+                    f" {peak:.3f} | {flops_ratio:.3f} | {pairs[0][0]['selective']} / {by_flops[0]['selective']} |")
     model = ("litgpt GPT (Llama-style: 6 layers, hidden 192, 6 heads, RMSNorm, LLaMAMLP 512, rotary, 768 positions)"
              if arm == "litgpt" else "Demo GPT (6 layers, hidden 64, 4 heads, 768 positions)")
     share = (budget - full_peak) / (none_peak - full_peak)
@@ -316,12 +323,15 @@ def long_tailed_main(rounds: int, arm: str = "gpt") -> None:
         f" clipped to 8..768 ({sum(lengths)} positions in all, {lengths.count(768)} at 768), each batch padded to its"
         f" own length. Byte budget {format_bytes(budget)}: {share:.0%} of the way from full checkpointing's activation peak"
         f" ({format_bytes(full_peak)}) to none's ({format_bytes(none_peak)}) at 768. {rounds} round(s), paired and"
-        " interleaved (budget run, then every_n_layers=1); the time ratio is the median of the paired ratios of whole"
-        " fits, measuring steps included. Held and peak / budget: the largest over the 60 steps of one more budget"
-        " run, not timed (the peak counter is slow); the timed runs measure the same steps.",
+        " interleaved (budget run, the same priced by FLOPs (`time_layers=False`), then every_n_layers=1); the time"
+        " ratios are the medians of the paired ratios of whole fits to every_n_layers=1's, measuring steps included."
+        " Held and peak / budget: the largest over the 60 steps of one more budget"
+        " run, not timed (the peak counter is slow); the timed runs measure the same steps. Selective layers: over"
+        " all the plans of the first timed round, priced by times / by FLOPs.",
         "",
-        "| order | measuring steps | budget run | every_n_layers=1 | time ratio | held / budget | peak / budget |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| order | measuring steps | budget run | every_n_layers=1 | time ratio | held / budget | peak / budget"
+        " | time ratio, priced by FLOPs | selective layers (times / FLOPs) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
     ])
     print(text, flush=True)
