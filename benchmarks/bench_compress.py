@@ -37,7 +37,7 @@ from torch import nn
 from _peak import LiveStorages, grad_storages
 from _results import machine, write_section
 from lightning_ckpt import apply_checkpointing
-from lightning_ckpt.core.compress import compressed_bytes
+from lightning_ckpt.core.checkpoint.compress import compressed_bytes
 from lightning_ckpt.demos import Block, Transformer, counting_sequences
 
 VOCAB, SEQ, BATCH, HEADS, DROPOUT, LR = 64, 64, 16, 4, 0.1, 3e-3

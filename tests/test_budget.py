@@ -1,4 +1,4 @@
-"""The memory-budget arithmetic of :mod:`lightning_ckpt.core.budget`, without a Trainer.
+"""The memory-budget arithmetic of :mod:`lightning_ckpt.core.plan.budget`, without a Trainer.
 
 The callback's own tests (test_callback_budget.py) check that a Trainer run calls these at the right moments.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import two_ranks
-from lightning_ckpt.core.budget import (
+from lightning_ckpt.core.plan.budget import (
     AUTO_MEMORY_FRACTION,
     AutoBudget,
     Measurement,
@@ -22,10 +22,10 @@ from lightning_ckpt.core.budget import (
     plan_table,
     static_bytes,
 )
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.fake_streams import FakeStreams
-from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES, OffloadEngine, use_engine
-from lightning_ckpt.core.planner import LayerCost, make_plan
+from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
+from lightning_ckpt.core.checkpoint.offload import DEFAULT_MIN_BYTES, OffloadEngine, use_engine
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.plan.planner import LayerCost, make_plan
 
 GIB = 2**30
 

@@ -18,12 +18,12 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_ckpt import GradientCheckpointing, MemoryMonitor
-from lightning_ckpt.core.budget_cycle import BatchSize, BucketState, BudgetCycle, batch_size_of
-from lightning_ckpt.core.memory_stats import format_summary
-from lightning_ckpt.core.op_curve import OpRecord
-from lightning_ckpt.core.planner import LayerCost, make_plan
-from lightning_ckpt.core.profiling import SavedTensorCounter
-from lightning_ckpt.core.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
+from lightning_ckpt.core.checkpoint.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
+from lightning_ckpt.core.measure.memory_stats import format_summary
+from lightning_ckpt.core.measure.op_curve import OpRecord
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter
+from lightning_ckpt.core.plan.budget_cycle import BatchSize, BucketState, BudgetCycle, batch_size_of
+from lightning_ckpt.core.plan.planner import LayerCost, make_plan
 from lightning_ckpt.demos import GPT, counting_sequences
 
 from helpers import StepPeaks, assert_moved_alike, counted_peak

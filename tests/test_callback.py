@@ -10,7 +10,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import LambdaCallback, ModelCheckpoint
 
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
 from lightning_ckpt.demos import GPT, CountingDataModule
 
 

@@ -19,13 +19,13 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from helpers import two_ranks
 from lightning_ckpt import GradientCheckpointing
 import lightning_ckpt.callbacks.gradient_checkpointing as callback_module
-from lightning_ckpt.core.budget import AUTO_MEMORY_FRACTION, Measurement, combine_costs, pack_costs
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.fake_streams import FakeStreams
-from lightning_ckpt.core.offload import OffloadEngine, use_engine
-from lightning_ckpt.core.planner import LayerCost
-from lightning_ckpt.core.profiling import SavedTensorCounter
-from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
+from lightning_ckpt.core.checkpoint.offload import OffloadEngine, use_engine
+from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter
+from lightning_ckpt.core.plan.budget import AUTO_MEMORY_FRACTION, Measurement, combine_costs, pack_costs
+from lightning_ckpt.core.plan.planner import LayerCost
 from lightning_ckpt.demos import GPT, Block, CountingDataModule
 
 N_LAYER = 4
@@ -355,7 +355,7 @@ def test_the_monitor_sees_the_measuring_step_as_a_fully_checkpointed_one(tmp_pat
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_ckpt import MemoryMonitor
-    from lightning_ckpt.core.memory_stats import ACTIVATIONS
+    from lightning_ckpt.core.measure.memory_stats import ACTIVATIONS
 
     def activations(callback, name):
         logger = CSVLogger(tmp_path, name=name)
@@ -418,8 +418,8 @@ def test_auto_takes_the_measuring_step_s_activation_peak_off_the_step_s_peak_not
     258 B copy), so the step's other peak is 6,000 - 4,000 - 1,258 = 742 B and the budget 0.9 x 10,000 - 4,000 - 742."""
     from types import SimpleNamespace
 
-    from lightning_ckpt.core.budget import AutoBudget, RankMeasurement
-    from lightning_ckpt.core.budget_cycle import BatchSize
+    from lightning_ckpt.core.plan.budget import AutoBudget, RankMeasurement
+    from lightning_ckpt.core.plan.budget_cycle import BatchSize
 
     monkeypatch.setattr(callback_module, "device_total_bytes", lambda device: 10_000)
     monkeypatch.setattr(callback_module, "static_bytes", lambda module, optimizers: 4_000)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 import helpers
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.core.chunked_loss import DEFAULT_CHUNK_TOKENS, chunk_causal_lm_loss, chunk_loss_of
+from lightning_ckpt.core.checkpoint.chunked_loss import DEFAULT_CHUNK_TOKENS, chunk_causal_lm_loss, chunk_loss_of
 from lightning_ckpt.demos import GPT
 
 VOCAB, WIDTH, LENGTH, BATCH, STEPS = 2048, 32, 64, 32, 3  # 2048 tokens: two chunks of 1024
@@ -106,7 +106,7 @@ def test_the_head_count_sees_each_head_computed_once_inside_lm_loss_on_a_transfo
     head computed (it was counted: two calls, twice the tokens). Called without labels, the head runs outside
     lm_loss: not counted."""
     transformers = pytest.importorskip("transformers")
-    from lightning_ckpt.core.planner import HeadCount
+    from lightning_ckpt.core.plan.planner import HeadCount
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=1,
@@ -184,8 +184,8 @@ def test_another_chunk_s_head_is_priced_from_the_measured_one_with_its_own_calls
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     from lightning_ckpt.callbacks.gradient_checkpointing import _chunked_head, _HeadRun
-    from lightning_ckpt.core.budget import RankMeasurement
-    from lightning_ckpt.core.planner import HeadCount
+    from lightning_ckpt.core.plan.budget import RankMeasurement
+    from lightning_ckpt.core.plan.planner import HeadCount
 
     model = GPT(vocab_size=VOCAB, block_size=LENGTH, n_layer=1, n_embd=WIDTH, n_head=2, dropout=0.0)
     chunk_causal_lm_loss(model, 256)

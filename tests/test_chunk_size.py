@@ -9,10 +9,10 @@ import torch
 
 from helpers import counted_peak
 from lightning_ckpt import plan_checkpointing
-from lightning_ckpt.core import planner
-from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss, chunk_loss_of
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.planner import ChunkedHead, make_plan, measure_chunked_head
+from lightning_ckpt.core.checkpoint.chunked_loss import chunk_causal_lm_loss, chunk_loss_of
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.plan import planner
+from lightning_ckpt.core.plan.planner import ChunkedHead, make_plan, measure_chunked_head
 from lightning_ckpt.demos import Transformer
 
 VOCAB, WIDTH, LENGTH, BATCH = 2048, 32, 64, 16
@@ -117,8 +117,8 @@ def test_more_chunks_cost_their_launches_on_a_profile():
 
 
 def test_out_of_reach_names_the_outside_bytes_by_part():
-    from lightning_ckpt.core.measure import measure_step
-    from lightning_ckpt.core.profiling import format_bytes
+    from lightning_ckpt.core.measure.layer_costs import measure_step
+    from lightning_ckpt.core.measure.profiling import format_bytes
 
     model = gpt()
     measured = measure_step(model, step(model), None, ("full", "selective"))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ckpt import apply_checkpointing, lm_loss, remove_checkpointing
-from lightning_ckpt.core.chunked_loss import (
+from lightning_ckpt.core.checkpoint.chunked_loss import (
     chunk_causal_lm_loss,
     chunk_loss_of,
     chunked_models,
@@ -390,7 +390,7 @@ def test_transformers_model_keeps_its_own_forward_loss_function_and_head_forward
 def test_logits_changed_by_reads_the_config_and_its_text_config_and_takes_0_for_off():
     from types import SimpleNamespace
 
-    from lightning_ckpt.core.chunked_loss import logits_changed_by
+    from lightning_ckpt.core.checkpoint.chunked_loss import logits_changed_by
 
     def model(config=None) -> nn.Module:
         module = nn.Linear(2, 2)
@@ -514,7 +514,7 @@ def test_demo_gpt_training_step_loss(chunked):
 
 
 def test_unsupported_model_keeps_its_loss_and_says_so(caplog, monkeypatch):
-    monkeypatch.setattr("lightning_ckpt.core.say_once._said", set())  # said once per process: whatever ran before
+    monkeypatch.setattr("lightning_ckpt.core.checkpoint.say_once._said", set())  # said once per process: whatever ran before
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with caplog.at_level("INFO", logger="lightning_ckpt"):
         apply_checkpointing(model, layer_cls=nn.Linear, chunk_loss=True)
@@ -527,7 +527,7 @@ def test_the_callback_chunks_the_loss_only_when_asked_and_undoes_it(chunk_loss):
     from lightning.pytorch import Trainer
 
     from lightning_ckpt import GradientCheckpointing
-    from lightning_ckpt.core.chunked_loss import DEFAULT_CHUNK_TOKENS
+    from lightning_ckpt.core.checkpoint.chunked_loss import DEFAULT_CHUNK_TOKENS
     from lightning_ckpt.demos import GPT
 
     module = GPT(vocab_size=VOCAB, block_size=16, n_layer=2, n_embd=WIDTH, n_head=2)

@@ -9,7 +9,7 @@ import torch
 
 from helpers import counted_peak
 from lightning_ckpt import plan_checkpointing
-from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss, chunk_loss_of
+from lightning_ckpt.core.checkpoint.chunked_loss import chunk_causal_lm_loss, chunk_loss_of
 from lightning_ckpt.demos import Transformer
 
 VOCAB, WIDTH, LENGTH, BATCH, CHUNK = 2048, 32, 64, 4, 64

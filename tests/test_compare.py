@@ -33,11 +33,11 @@ from lightning_ckpt.commands.compare.stats import (
 )
 from lightning_ckpt.commands.compare.variants import available_variants, planned_settings
 from lightning_ckpt.commands.plan.measure import Measurement, build, measure
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.memory_stats import ACTIVATIONS, GIB, SAMPLES_PER_SEC, STEP_SEC, TOKENS_PER_SEC
-from lightning_ckpt.core.op_curve import OpRecord
-from lightning_ckpt.core.planner import LayerCost, predict_seconds
-from lightning_ckpt.core.profiling import format_bytes
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.measure.memory_stats import ACTIVATIONS, GIB, SAMPLES_PER_SEC, STEP_SEC, TOKENS_PER_SEC
+from lightning_ckpt.core.measure.op_curve import OpRecord
+from lightning_ckpt.core.measure.profiling import format_bytes
+from lightning_ckpt.core.plan.planner import LayerCost, predict_seconds
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 COLUMNS = ["variant", "layers", "peak device", "host RSS", "activations", "offloaded", "timed steps", "step",

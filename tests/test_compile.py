@@ -10,7 +10,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from helpers import loss_and_grads, tiny_transformer, tokens
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing
-from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter
 from lightning_ckpt.demos import Block
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*context_fn is passed to torch.utils.checkpoint.*")

@@ -12,11 +12,11 @@ from torch.utils.checkpoint import checkpoint
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing, remove_checkpointing
-from lightning_ckpt.core.wrapping import checkpointed_names
-from lightning_ckpt.core.compress import FP8_GROUP, CompressSaved, compressed_bytes
-from lightning_ckpt.core.fake_streams import FakeStreams
-from lightning_ckpt.core.offload import OffloadEngine, use_engine
-from lightning_ckpt.core.planner import LayerCost, make_plan
+from lightning_ckpt.core.checkpoint.compress import FP8_GROUP, CompressSaved, compressed_bytes
+from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
+from lightning_ckpt.core.checkpoint.offload import OffloadEngine, use_engine
+from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
+from lightning_ckpt.core.plan.planner import LayerCost, make_plan
 from lightning_ckpt.demos import GPT, Block, CountingDataModule
 
 from helpers import LiveStorages, counted_peak, loss_and_grads, tiny_transformer, tokens
@@ -214,7 +214,7 @@ def test_a_budget_below_full_checkpointing_is_reachable_with_compression_and_the
 
 
 def test_a_compressed_plan_applies_the_compression_and_its_predicted_peak_matches_the_count():
-    from lightning_ckpt.core.planner import plan_checkpointing
+    from lightning_ckpt.core.plan.planner import plan_checkpointing
 
     model = tiny_transformer(n_layer=4, dropout=0.0)
     idx = tokens()
@@ -283,7 +283,7 @@ def test_the_callback_trains_with_the_same_first_loss_and_close_gradients_and_sa
 
 
 def test_an_all_zero_fp8_group_comes_back_exactly_zero_next_to_a_scaled_one():
-    from lightning_ckpt.core.compress import compress_tensor, decompress_tensor
+    from lightning_ckpt.core.checkpoint.compress import compress_tensor, decompress_tensor
 
     torch.manual_seed(0)
     x = torch.cat([torch.zeros(128), torch.randn(128)]).view(2, 128)

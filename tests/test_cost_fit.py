@@ -1,4 +1,4 @@
-"""The costs fitted over the batch shape (core/cost_fit.py) and the budget cycle planning from them: known answers
+"""The costs fitted over the batch shape (core/measure/cost_fit.py) and the budget cycle planning from them: known answers
 by hand, the trust region, the extrapolation bound, the margin, and the bound on measuring steps."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lightning_ckpt.core.budget import RankMeasurement, combine_costs, pack_costs
-from lightning_ckpt.core.budget_cycle import BatchSize, BudgetCycle
-from lightning_ckpt.core.cost_fit import EXTRAPOLATION, MARGIN, CostFit, fit_peak
-from lightning_ckpt.core.planner import LayerCost, make_plan
+from lightning_ckpt.core.measure.cost_fit import EXTRAPOLATION, MARGIN, CostFit, fit_peak
+from lightning_ckpt.core.plan.budget import RankMeasurement, combine_costs, pack_costs
+from lightning_ckpt.core.plan.budget_cycle import BatchSize, BudgetCycle
+from lightning_ckpt.core.plan.planner import LayerCost, make_plan
 
 
 def cost(tokens: int, length: int) -> list[int]:

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from lightning_ckpt import DeviceProfile
-from lightning_ckpt.core.op_curve import OpRecord
-from lightning_ckpt.core.planner import (
+from lightning_ckpt.core.measure.op_curve import OpRecord
+from lightning_ckpt.core.plan.planner import (
     STEP_FORWARDS,
     LayerCost,
     exposed_transfer_seconds,

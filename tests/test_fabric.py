@@ -23,7 +23,7 @@ from _fabric_helpers import (BATCH, LENGTHS, N_LAYER, VOCAB, batches, fabric_loo
                              tiny_lm)
 from lightning_ckpt import FabricCheckpointing, MemoryMonitor
 from lightning_ckpt.callbacks.fabric import check_fabric_strategy
-from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
 from lightning_ckpt.demos import Block
 
 #: Between every block fully checkpointed (about 400 KB at length 32) and none (1.1 MB): the long batches need a plan,
@@ -433,7 +433,7 @@ def litgpt_loop(fabric: Fabric, budget: Optional[int]) -> dict[str, Any]:
     litgpt = pytest.importorskip("litgpt")
     from litgpt.utils import chunked_cross_entropy
 
-    from lightning_ckpt.core.memory_stats import PeakProbe
+    from lightning_ckpt.core.measure.memory_stats import PeakProbe
 
     fabric.seed_everything(0)
     config = litgpt.Config(n_layer=N_LAYER, n_embd=64, n_head=4, n_query_groups=2, block_size=64, vocab_size=64,

@@ -14,9 +14,9 @@ import pytest
 import torch
 import transformers
 
-from lightning_ckpt.core.longest import measure_fake_step
-from lightning_ckpt.core.measure import measure_step
-from lightning_ckpt.core.planner import make_plan
+from lightning_ckpt.core.measure.layer_costs import measure_step
+from lightning_ckpt.core.measure.longest import measure_fake_step
+from lightning_ckpt.core.plan.planner import make_plan
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, use_cache=False)
@@ -89,7 +89,7 @@ def test_a_fake_step_holds_what_the_real_step_holds(family, padded):
                  f"{transformers.__version__}, torch {torch.__version__}")
         assert fake.outside_bytes == real.outside_bytes, (
             f"{where}: a fake-tensor step holds {fake.outside_bytes:,} B outside the layers, a real one"
-            f" {real.outside_bytes:,} B: the library takes another path on fake tensors (see core/fake_values.py)")
+            f" {real.outside_bytes:,} B: the library takes another path on fake tensors (see core/measure/fake_values.py)")
         assert fake.costs == real.costs, f"{where}: the layers' costs differ between fake and real tensors"
         assert (fake.head_bytes, fake.head_peak_bytes) == (real.head_bytes, real.head_peak_bytes), where
         assert fake_plan.peak_bytes == real_plan.peak_bytes, where
@@ -99,7 +99,7 @@ def test_without_the_real_branches_transformers_5_counts_a_mask_the_real_step_ne
     """The bytes the fix removes, by hand: without it, a Llama's unpadded fake step on transformers 5 builds the
     causal mask a real step leaves to SDPA's ``is_causal``: [2, 1, T, T] bool (one byte each), which both layers take,
     so it is held outside them; each layer's attention also holds more for backward."""
-    from lightning_ckpt.core import fake_values
+    from lightning_ckpt.core.measure import fake_values
 
     if not hasattr(__import__("transformers.utils.import_utils", fromlist=["x"]), "is_fake_tensor"):
         pytest.skip("transformers 4.x takes no fake tensor for tracing")

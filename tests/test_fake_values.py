@@ -7,7 +7,7 @@ import torch
 from torch._subclasses import FakeTensorMode
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
-from lightning_ckpt.core.fake_values import BatchValues, real_branches, untraced_fakes
+from lightning_ckpt.core.measure.fake_values import BatchValues, real_branches, untraced_fakes
 
 
 def fakes_of(mode: FakeTensorMode, *reals: torch.Tensor) -> list[torch.Tensor]:

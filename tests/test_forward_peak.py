@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from helpers import StepPeaks, counted_peak
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing
-from lightning_ckpt.core.planner import make_option, make_plan, measure_step, predict_peak
+from lightning_ckpt.core.plan.planner import make_option, make_plan, measure_step, predict_peak
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
 import lightning_ckpt.strategies  # noqa: F401  (registers "fsdp_ckpt_cpu_offload")
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.core.placement import fsdp2
+from lightning_ckpt.core.checkpoint.placement import fsdp2
 from lightning_ckpt.demos import Block, CountingDataModule
 from lightning_ckpt.strategies import CheckpointingFSDPStrategy
 from lightning_ckpt.strategies.fsdp import _param_groups, cpu_offload_policy

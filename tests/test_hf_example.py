@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.core.selection import detect_block_class
+from lightning_ckpt.core.checkpoint.selection import detect_block_class
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

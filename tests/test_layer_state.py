@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing, remove_checkpointing
-from lightning_ckpt.core.fake_streams import FakeStreams
-from lightning_ckpt.core.offload import OffloadEngine, use_engine
-from lightning_ckpt.core.profiling import count_flops
+from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
+from lightning_ckpt.core.checkpoint.offload import OffloadEngine, use_engine
+from lightning_ckpt.core.measure.profiling import count_flops
 
 
 class ConvBlock(nn.Module):

@@ -1,5 +1,5 @@
 """GradientCheckpointing(memory_budget=..., max_length=...): the longest batch planned before the first step, on fake
-tensors (lightning_ckpt.core.longest).
+tensors (lightning_ckpt.core.measure.longest).
 
 The demo GPT has ``block_size=64``; the data is 16 tokens long, batches of 4. Dropout is off.
 """
@@ -14,16 +14,16 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.core.longest import (
+from lightning_ckpt.core.measure.longest import (
     batch_of_length,
     length_limit,
     longest_length,
     measure_fake_step,
     sequence_length_of,
 )
-from lightning_ckpt.core.measure import measure_step
-from lightning_ckpt.core.planner import make_plan
-from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
+from lightning_ckpt.core.measure.layer_costs import measure_step
+from lightning_ckpt.core.plan.planner import make_plan
 from lightning_ckpt.demos import GPT, CountingDataModule
 
 #: Holds a 16-token batch (least reachable about 200 KiB) but not a 64-token one (least reachable 776.5 KiB).
@@ -51,7 +51,7 @@ class CountingGPT(GPT):
 
 class ItemGPT(CountingGPT):
     """A training_step fake tensors cannot run: it reads a value (``.item()``) computed from the weights (a value read
-    from the batch's token ids alone is answered on fake tensors: see core/fake_values.py)."""
+    from the batch's token ids alone is answered on fake tensors: see core/measure/fake_values.py)."""
 
     def training_step(self, batch, batch_idx):
         if torch.isnan(self.model.tok_emb(batch[0])).any().item():

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ckpt.core import measure
-from lightning_ckpt.core.costs import LayerCost
-from lightning_ckpt.core.measure import measure_step
+from lightning_ckpt.core.measure import layer_costs as measure
+from lightning_ckpt.core.measure.costs import LayerCost
+from lightning_ckpt.core.measure.layer_costs import measure_step
 
 WIDTH, HIDDEN, BATCH, LENGTH = 16, 32, 4, 16
 
@@ -288,7 +288,7 @@ def test_layers_whose_forward_reads_their_index_are_each_rerun(layer, monkeypatc
 def test_tiled_blocks_are_rerun_once_when_tiled_alike(tile_tokens, monkeypatch):
     """Six demo GPT blocks whose MLPs run over tiles of tokens: tiled alike, one re-run measures all, as each on its
     own; one block tiled differently (8 tokens a tile, not 4) gets a re-run of its own."""
-    from lightning_ckpt.core.tiling import apply_tiling
+    from lightning_ckpt.core.checkpoint.tiling import apply_tiling
     from lightning_ckpt.demos import Block, Transformer
 
     torch.manual_seed(0)
@@ -443,7 +443,7 @@ class _Sharded(nn.Parameter):
 
 
 def test_what_a_re_runs_backward_starts_from_and_goes_to():
-    from lightning_ckpt.core.tiling import apply_tiling
+    from lightning_ckpt.core.checkpoint.tiling import apply_tiling
     from lightning_ckpt.demos import Block
 
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lightning_ckpt.core.memory_stats import (
+from lightning_ckpt.core.measure.memory_stats import (
     ACTIVATION_PEAK,
     ACTIVATIONS,
     ACTIVATIONS_OFFLOADED,
@@ -37,10 +37,10 @@ from lightning_ckpt.core.memory_stats import (
     reset_device_peaks,
     tokens_in_batch,
 )
-from lightning_ckpt.core.fake_streams import FakeStreams
-from lightning_ckpt.core.offload import OffloadEngine, use_engine
-from lightning_ckpt.core.profiling import count_cost
-from lightning_ckpt.core.wrapping import apply_checkpointing
+from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
+from lightning_ckpt.core.checkpoint.offload import OffloadEngine, use_engine
+from lightning_ckpt.core.checkpoint.wrapping import apply_checkpointing
+from lightning_ckpt.core.measure.profiling import count_cost
 
 NAN = math.nan
 MIB, KIB = 2**20, 2**10

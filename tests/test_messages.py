@@ -15,8 +15,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lightning_ckpt.core.budget import plan_layout, plan_summary
-from lightning_ckpt.core.planner import LayerCost, make_plan
+from lightning_ckpt.core.plan.budget import plan_layout, plan_summary
+from lightning_ckpt.core.plan.planner import LayerCost, make_plan
 
 from test_unchunkable_loss import fit, gemma2
 

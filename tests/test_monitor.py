@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing
 import lightning_ckpt.callbacks.memory_monitor as monitor_module
 from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
-from lightning_ckpt.core.memory_stats import (
+from lightning_ckpt.core.measure.memory_stats import (
     ACTIVATION_PEAK,
     ACTIVATIONS,
     ACTIVATIONS_OFFLOADED,
@@ -34,9 +34,9 @@ from lightning_ckpt.core.memory_stats import (
     TOKENS_PER_SEC,
     all_gather_released,
 )
-from lightning_ckpt.core.fake_streams import FakeStreams
-from lightning_ckpt.core.offload import OffloadEngine, default_engine, use_engine
-from lightning_ckpt.core.profiling import format_bytes
+from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
+from lightning_ckpt.core.checkpoint.offload import OffloadEngine, default_engine, use_engine
+from lightning_ckpt.core.measure.profiling import format_bytes
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequences
 
 VOCAB, SEQ, BATCH = 32, 16, 8

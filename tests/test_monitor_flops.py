@@ -10,10 +10,10 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_ckpt import GradientCheckpointing
 import lightning_ckpt.callbacks.memory_monitor as monitor_module
 from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
-import lightning_ckpt.core.memory_stats as memory_stats
-from lightning_ckpt.core.memory_stats import RECOMPUTE_FLOPS_SHARE, RecomputeCostMode
-from lightning_ckpt.core.profiling import count_cost
-from lightning_ckpt.core.wrapping import apply_checkpointing
+import lightning_ckpt.core.measure.memory_stats as memory_stats
+from lightning_ckpt.core.checkpoint.wrapping import apply_checkpointing
+from lightning_ckpt.core.measure.memory_stats import RECOMPUTE_FLOPS_SHARE, RecomputeCostMode
+from lightning_ckpt.core.measure.profiling import count_cost
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequences
 from test_monitor import one_thread  # noqa: F401 - autouse: one intra-op thread on this small, shared machine
 

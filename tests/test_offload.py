@@ -14,13 +14,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import lightning_ckpt.core.offload as offload
-import lightning_ckpt.core.wrapping as wrapping
+import lightning_ckpt.core.checkpoint.offload as offload
+import lightning_ckpt.core.checkpoint.wrapping as wrapping
 from helpers import BATCH, SEQ, VOCAB, WIDTH, LiveStorages, loss_and_grads, tiny_transformer, tokens
 from lightning_ckpt import apply_checkpointing
-from lightning_ckpt.core.fake_streams import FakeStreamError, FakeStreams
-from lightning_ckpt.core.offload import OffloadEngine, OffloadToHost, pinned_size, use_engine
-from lightning_ckpt.core.profiling import SavedTensorCounter, count_flops
+from lightning_ckpt.core.checkpoint.fake_streams import FakeStreamError, FakeStreams
+from lightning_ckpt.core.checkpoint.offload import OffloadEngine, OffloadToHost, pinned_size, use_engine
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter, count_flops
 from lightning_ckpt.demos import Block
 
 N_LAYER = 6

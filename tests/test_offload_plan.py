@@ -16,12 +16,13 @@ from helpers import least_reachable_bytes
 import torch
 from torch import nn
 
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.fake_streams import FakeStreams
-from lightning_ckpt.core.offload import OffloadEngine, use_engine
-from lightning_ckpt.core.planner import CheckpointPlan, make_plan, measure_step, plan_checkpointing, predict_seconds
-from lightning_ckpt.core.profiling import SavedTensorCounter, count_cost
-from lightning_ckpt.core.solver import LayerOption, choose, held_peak
+from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
+from lightning_ckpt.core.checkpoint.offload import OffloadEngine, use_engine
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter, count_cost
+from lightning_ckpt.core.plan.planner import (CheckpointPlan, make_plan, measure_step, plan_checkpointing,
+                                              predict_seconds)
+from lightning_ckpt.core.plan.solver import LayerOption, choose, held_peak
 
 N_LAYER, WIDTH, BATCH = 6, 64, 32
 
@@ -226,7 +227,7 @@ def test_an_fp8_plan_offloads_the_compressed_inputs_and_keeps_the_newest_on_the_
     """Four layers whose 400 B inputs are 104 B as fp8; at 0.6 the plan checkpoints and offloads l0 and l1. The host
     holds their fp8 copies, 2 x 104 = 208 B; the device l2's and l3's 1,000 B each plus l1's copy, the engine's newest,
     still there: 2,104 B (offloading the exact 400 B would take more off the device than the layers hold)."""
-    from lightning_ckpt.core.costs import LayerCost
+    from lightning_ckpt.core.measure.costs import LayerCost
 
     costs = [LayerCost(f"l{i}", "Block", none_bytes=1000, full_bytes=400, selective_bytes=600, offloadable_bytes=400,
                        full_flops=50, selective_flops=5, fp8_bytes=104) for i in range(4)]

@@ -18,10 +18,11 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, _VersionWrapper, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_ckpt.core.op_curve import OpRecord, op_curve, record_ops
-from lightning_ckpt.core.planner import LayerCost, layer_options, make_plan, measure_step, plan_checkpointing, solve
-from lightning_ckpt.core.profiling import count_cost
-from lightning_ckpt.core.wrapping import remove_checkpointing
+from lightning_ckpt.core.checkpoint.wrapping import remove_checkpointing
+from lightning_ckpt.core.measure.op_curve import OpRecord, op_curve, record_ops
+from lightning_ckpt.core.measure.profiling import count_cost
+from lightning_ckpt.core.plan.planner import (LayerCost, layer_options, make_plan, measure_step, plan_checkpointing,
+                                              solve)
 
 from helpers import counted_peak
 
@@ -260,7 +261,7 @@ def _op(record: OpRecord):
 
 def test_every_curve_point_trains_like_no_checkpointing() -> None:
     """Keeping any allowed set of op outputs (every point of the curve) gives the same loss and gradients."""
-    from lightning_ckpt.core.policies import keep_ops_context_fn
+    from lightning_ckpt.core.checkpoint.policies import keep_ops_context_fn
 
     torch.manual_seed(0)
     layer, x = Tricky(8), torch.randn(2, 4, 8, requires_grad=True)
@@ -281,8 +282,8 @@ def test_every_curve_point_trains_like_no_checkpointing() -> None:
 
 def test_a_policy_whose_ops_differ_recomputes_everything() -> None:
     """Recorded names that do not match the forward (another branch taken): nothing kept from there on."""
-    from lightning_ckpt.core.policies import keep_ops_context_fn
-    from lightning_ckpt.core.profiling import SavedTensorCounter
+    from lightning_ckpt.core.checkpoint.policies import keep_ops_context_fn
+    from lightning_ckpt.core.measure.profiling import SavedTensorCounter
 
     torch.manual_seed(0)
     layer, x = Sandwich(8), torch.randn(2, 4, 8, requires_grad=True)
@@ -305,8 +306,8 @@ def test_a_policy_whose_ops_differ_recomputes_everything() -> None:
 
 
 def test_plan_with_op_level_layers_trains_like_no_checkpointing() -> None:
+    from lightning_ckpt.core.measure.profiling import SavedTensorCounter
     from lightning_ckpt.demos import Block, BlockStack
-    from lightning_ckpt.core.profiling import SavedTensorCounter
 
     torch.manual_seed(0)
     model = BlockStack(32, 32, [Block(32, 4, dropout=0.1) for _ in range(4)])
@@ -337,10 +338,10 @@ def test_plan_with_op_level_layers_trains_like_no_checkpointing() -> None:
 
 
 def test_selective_bytes_from_the_records_match_a_selective_run() -> None:
+    from lightning_ckpt.core.checkpoint.wrapping import apply_checkpointing
+    from lightning_ckpt.core.measure.profiling import SavedTensorCounter
+    from lightning_ckpt.core.plan.planner import measure_layer_costs, predict
     from lightning_ckpt.demos import BlockStack, heterogeneous_blocks
-    from lightning_ckpt.core.planner import measure_layer_costs, predict
-    from lightning_ckpt.core.profiling import SavedTensorCounter
-    from lightning_ckpt.core.wrapping import apply_checkpointing
 
     torch.manual_seed(0)
     model = BlockStack(32, 32, heterogeneous_blocks(32, 6))
@@ -400,8 +401,8 @@ def test_solver_500_layers_with_curves_is_deterministic() -> None:
 def test_a_forward_longer_than_its_records_recomputes_the_extra_ops() -> None:
     """Recorded names that stop early (the forward runs more ops): the ops past the end are recomputed, even at
     positions the choice keeps, and nothing raises."""
-    from lightning_ckpt.core.policies import keep_ops_context_fn
-    from lightning_ckpt.core.profiling import SavedTensorCounter
+    from lightning_ckpt.core.checkpoint.policies import keep_ops_context_fn
+    from lightning_ckpt.core.measure.profiling import SavedTensorCounter
 
     torch.manual_seed(0)
     layer, x = Sandwich(8), torch.randn(2, 4, 8, requires_grad=True)
@@ -503,7 +504,7 @@ class TwoDropouts(nn.Module):
 
 
 def test_a_random_op_is_recomputed_when_another_must_be() -> None:
-    from lightning_ckpt.core.policies import keep_ops_context_fn
+    from lightning_ckpt.core.checkpoint.policies import keep_ops_context_fn
 
     torch.manual_seed(0)
     layer, x = TwoDropouts(8), torch.randn(2, 4, 8, requires_grad=True)

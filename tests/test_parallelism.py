@@ -18,7 +18,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
 
 BLOCKS = ["blocks.0", "blocks.1"]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_ckpt.core.planner import (LayerCost, Option, held_peak, make_plan, measure_step, plan_checkpointing,
+from lightning_ckpt.core.plan.planner import (LayerCost, Option, held_peak, make_plan, measure_step, plan_checkpointing,
                                          predict_peak, solve)
 from lightning_ckpt import apply_checkpointing, remove_checkpointing
 from lightning_ckpt.demos import Transformer
@@ -228,9 +228,9 @@ def test_a_llama_s_measuring_step_holds_its_layers_inputs_and_more_so_no_outside
     """The callback warns that the bytes outside the layers could not be measured where the step held less than the
     layers' inputs: on a Llama, whose layers share the mask and cos/sin, it did with no other hooks (issue 31). Each
     storage counted once, the step holds its layers' inputs and the embeddings' and head's bytes besides."""
-    from lightning_ckpt.core.budget import RankMeasurement
-    from lightning_ckpt.core.measure import LayerCostRecorder, _fully_checkpointed
-    from lightning_ckpt.core.selection import layer_classes, select_layers
+    from lightning_ckpt.core.checkpoint.selection import layer_classes, select_layers
+    from lightning_ckpt.core.measure.layer_costs import LayerCostRecorder, _fully_checkpointed
+    from lightning_ckpt.core.plan.budget import RankMeasurement
 
     model, loss_fn, _ = _llama(layers=6, length=256)  # 5 extra masks of 256 KiB: more than the head's bytes
     selected = select_layers(model, layer_classes(model, None))
@@ -251,8 +251,8 @@ def _measuring_step_peak(model, loss_fn, layer_cls, compress=None) -> int:
     """The counted peak of a measuring step as the callback runs it: every layer fully checkpointed (its inputs held
     under ``compress``), each re-run and backpropagated by the recorder inside the forward, the head's backward
     measured, then the step's backward."""
-    from lightning_ckpt.core.measure import LayerCostRecorder
-    from lightning_ckpt.core.selection import layer_classes, select_layers
+    from lightning_ckpt.core.checkpoint.selection import layer_classes, select_layers
+    from lightning_ckpt.core.measure.layer_costs import LayerCostRecorder
     from helpers import LiveStorages, grad_storages
 
     selected = select_layers(model, layer_classes(model, layer_cls))

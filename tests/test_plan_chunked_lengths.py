@@ -15,8 +15,8 @@ from lightning_ckpt.commands.plan import main as plan_main
 from lightning_ckpt.commands.plan.measure import Built, Measurement, Sharding, StaticMemory
 from lightning_ckpt.commands.plan.predictions import PlanSettings, setting_choices, setting_rows
 from lightning_ckpt.commands.plan.report import PlanResult, render, report_data
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.planner import ChunkedHead, LayerCost
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.plan.planner import ChunkedHead, LayerCost
 
 MIB = 2**20
 PROFILE = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e12, host_bandwidth=1e9, name="hand-made")

@@ -27,9 +27,9 @@ from lightning_ckpt.commands.plan.measure import (
 )
 from lightning_ckpt.commands.plan.predictions import CALLBACK_MODES, PlanSettings, largest_batch
 from lightning_ckpt.commands.plan.report import plot
-from lightning_ckpt.core.planner import make_plan
-from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
-from lightning_ckpt.core.wrapping import apply_checkpointing
+from lightning_ckpt.core.checkpoint.wrapping import apply_checkpointing
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter, format_bytes
+from lightning_ckpt.core.plan.planner import make_plan
 from helpers import counted_peak
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
@@ -447,7 +447,7 @@ def test_device_prices_every_setting_and_plan_json_holds_the_report(real_report,
     """--device: a predicted step time per setting (none is the baseline), the plan minimises it; plan.json
     holds the report's figures under its documented keys."""
     from lightning_ckpt import DeviceProfile
-    from lightning_ckpt.core.planner import predict_seconds
+    from lightning_ckpt.core.plan.planner import predict_seconds
 
     rc, _ = run_plan([*ARGS, "--device", "l4"], tmp_path, capsys)
     assert rc == 0
@@ -558,7 +558,7 @@ def lengths_dir(tmp_path_factory):
 def test_lengths_plan_each_length_as_a_separate_measurement_does(lengths_dir):
     """At each length, the plan's peak and every setting's peak are what make_plan and predict_peak give on a step
     measured here at that length (the batch's token ids and labels cut or tiled to it)."""
-    from lightning_ckpt.core.planner import predict_peak
+    from lightning_ckpt.core.plan.planner import predict_peak
 
     rc, out = lengths_dir
     assert rc == 0
@@ -732,7 +732,7 @@ def test_compress_fp8_counts_the_padded_last_group_of_an_input_that_is_not_a_mul
 def test_lengths_peaks_are_exactly_those_predicted_from_a_measurement_at_each_length(lengths_dir):
     """The measurement under --fake is deterministic, so each setting's peak at each length is predict_peak's on a
     step measured here, to the byte (the head's backward peak included: it moves them by 0.16% only)."""
-    from lightning_ckpt.core.planner import predict_peak
+    from lightning_ckpt.core.plan.planner import predict_peak
 
     _, out = lengths_dir
     data = json.loads((out / "plan.json").read_text())

@@ -28,8 +28,8 @@ from lightning_ckpt.commands.plan.measure import (
 )
 from lightning_ckpt.commands.plan.predictions import PlanSettings, setting_choices, setting_rows
 from lightning_ckpt.commands.plan.report import PlanResult, render, report_data
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.planner import LayerCost
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.plan.planner import LayerCost
 
 MIB = 2**20
 GIB = 2**30

@@ -15,8 +15,8 @@ from lightning_ckpt.commands.plan import main as plan_main
 from lightning_ckpt.commands.plan.measure import Built, Measurement, Sharding, StaticMemory
 from lightning_ckpt.commands.plan.predictions import PlanSettings, as_planned, setting_choices, setting_rows
 from lightning_ckpt.commands.plan.report import PlanResult, render, report_data
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.planner import LayerCost, make_plan, predict_peak
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.plan.planner import LayerCost, make_plan, predict_peak
 
 MIB = 2**20
 #: Offload free: a plan offloads what it can.

@@ -15,7 +15,7 @@ from lightning_ckpt.commands.plan.predictions import (
     setting_choices,
     setting_rows,
 )
-from lightning_ckpt.core.planner import LayerCost, make_plan
+from lightning_ckpt.core.plan.planner import LayerCost, make_plan
 
 NAMES = [f"l{i}" for i in range(4)]
 

@@ -10,9 +10,9 @@ import torch
 from lightning_ckpt.commands.plan.measure import Built, Measurement, Sharding, StaticMemory
 from lightning_ckpt.commands.plan.predictions import SettingRow, setting_choices, setting_rows
 from lightning_ckpt.commands.plan.report import PlanResult, plot, render, report_data, sharding_lines
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.planner import CheckpointPlan, LayerCost, make_plan
-from lightning_ckpt.core.profiling import format_bytes
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.measure.profiling import format_bytes
+from lightning_ckpt.core.plan.planner import CheckpointPlan, LayerCost, make_plan
 
 
 def static(sharding: Sharding, unsharded: int | None = None) -> StaticMemory:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ckpt.core.planner import (
+from lightning_ckpt.core.plan.planner import (
     CheckpointPlan,
     LayerCost,
     cheapest_choices,
@@ -22,8 +22,8 @@ from lightning_ckpt.core.planner import (
     plan_checkpointing,
     predict,
 )
-from lightning_ckpt.core.profiling import SavedTensorCounter
-from lightning_ckpt.core.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
+from lightning_ckpt.core.checkpoint.wrapping import apply_checkpointing, checkpointed_names, remove_checkpointing
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter
 from lightning_ckpt.demos import Block, BlockStack, MatmulHeavy, WideElementwise, heterogeneous_blocks
 from helpers import counted_peak, least_reachable_bytes
 
@@ -267,7 +267,7 @@ def test_budget_already_met_checkpoints_nothing() -> None:
 
 
 def test_a_chunked_plan_s_baseline_is_the_step_without_checkpointing_and_without_chunks() -> None:
-    from lightning_ckpt.core.planner import ChunkedHead
+    from lightning_ckpt.core.plan.planner import ChunkedHead
 
     costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
                        full_flops=50, selective_flops=5) for i in range(4)]
@@ -448,7 +448,7 @@ def test_plan_round_trips_and_prints_its_table() -> None:
 @pytest.mark.parametrize("outer_first", [True, False], ids=["outer-entered-first", "outer-entered-last"])
 def test_measuring_reruns_are_hidden_from_an_outer_counter(outer_first: bool) -> None:
     """A MemoryMonitor-style counter around the measured step counts what the step holds, not the re-runs."""
-    from lightning_ckpt.core.planner import LayerCostRecorder
+    from lightning_ckpt.core.plan.planner import LayerCostRecorder
 
     model, classes = heterogeneous_model()
     layers = [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)]

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ckpt.core.planner import plan_checkpointing
-from lightning_ckpt.core.profiling import SAC_HOOKS_WARNING, OpCostMode, SavedTensorCounter, count_flops
+from lightning_ckpt.core.measure.profiling import SAC_HOOKS_WARNING, OpCostMode, SavedTensorCounter, count_flops
+from lightning_ckpt.core.plan.planner import plan_checkpointing
 
 aten = torch.ops.aten
 
@@ -97,7 +97,7 @@ def test_the_plan_prices_recomputing_element_wise_layers():
 @pytest.mark.skipif("respect_saved_tensors_hooks" not in inspect.signature(torch.utils.checkpoint.checkpoint).parameters,
                     reason="this torch has no such warning (it came with respect_saved_tensors_hooks, torch 2.14)")
 def test_counting_a_selective_region_does_not_print_torch_s_hooks_warning_and_a_user_s_hooks_still_do():
-    from lightning_ckpt.core.wrapping import apply_checkpointing
+    from lightning_ckpt.core.checkpoint.wrapping import apply_checkpointing
     from lightning_ckpt.demos import Block
 
     torch.manual_seed(0)

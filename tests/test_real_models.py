@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt import apply_checkpointing, remove_checkpointing
-from lightning_ckpt.core.profiling import SavedTensorCounter, count_flops
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter, count_flops
 
 from helpers import counted_peak, least_reachable_bytes
 
@@ -69,7 +69,7 @@ def assert_same(result, ref, atol: float) -> None:
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_hf_llama_with_its_default_cache_trains_exactly_and_the_cache_comes_back(use_reentrant, caplog, monkeypatch):
-    from lightning_ckpt.core import say_once
+    from lightning_ckpt.core.checkpoint import say_once
 
     monkeypatch.setattr(say_once, "_said", set())  # said once per process: start this test's process afresh
     ref = loss_and_grads(llama())
@@ -262,8 +262,8 @@ def test_the_planner_on_real_models(case):
 
 def test_offload_copies_of_a_transformers_model_keep_its_gradients():
     """The offload engine's real copy path (fake streams: late, out of order) on Llama with its default cache."""
-    from lightning_ckpt.core.fake_streams import FakeStreams
-    from lightning_ckpt.core.offload import OffloadEngine, use_engine
+    from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
+    from lightning_ckpt.core.checkpoint.offload import OffloadEngine, use_engine
 
     ref = loss_and_grads(llama())
     model = llama()
@@ -295,8 +295,8 @@ OFFLOAD_CASES = {**PLAN_CASES, "batchnorm cnn, channels-last": _channels_last_cn
 def test_offload_on_real_models_trains_as_checkpointing_without_it(case):
     """Every saved input through the offload engine (fake streams: late, out-of-order copies): two steps give the
     loss, gradients and buffers (BatchNorm statistics) of checkpointing without offload, bit for bit."""
-    from lightning_ckpt.core.fake_streams import FakeStreams
-    from lightning_ckpt.core.offload import OffloadEngine, use_engine
+    from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
+    from lightning_ckpt.core.checkpoint.offload import OffloadEngine, use_engine
 
     runs = []
     for offloaded in (False, True):
@@ -324,9 +324,9 @@ def test_an_offload_auto_plan_on_real_models_trains_exactly_and_moves_what_it_pl
     the applied plan (offload-only and recomputed layers mixed) gives the plain model's loss and gradients bit for
     bit through the fake engine, moves no more than the plan's host bytes per step, and holds its device bytes."""
     from lightning_ckpt import DeviceProfile
-    from lightning_ckpt.core.fake_streams import FakeStreams
-    from lightning_ckpt.core.offload import OffloadEngine, use_engine
-    from lightning_ckpt.core.planner import kept_on_device, make_plan, measure_step
+    from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
+    from lightning_ckpt.core.checkpoint.offload import OffloadEngine, use_engine
+    from lightning_ckpt.core.plan.planner import kept_on_device, make_plan, measure_step
 
     reference, reference_loss, _ = PLAN_CASES[case]()  # the same model, plain: its buffers see one forward too
     want = loss_and_grads(reference, reference_loss)
@@ -393,7 +393,7 @@ def test_fp8_keeps_the_inputs_of_batchnorm_layers_exact_and_says_so_once(caplog,
     cosine of 0.964 on a ResNet-style CNN): under fp8 its inputs are kept exact, so the CNN trains bit-equal to exact
     checkpointing and holds as much, and the log says so once however often the layers are wrapped."""
     from lightning_ckpt import plan_checkpointing
-    from lightning_ckpt.core import say_once
+    from lightning_ckpt.core.checkpoint import say_once
 
     monkeypatch.setattr(say_once, "_said", set())  # said once per process: start this test's process afresh
     with caplog.at_level(logging.INFO, logger="lightning_ckpt"):

@@ -7,8 +7,9 @@ from torch import nn
 
 from helpers import tiny_transformer
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing
-from lightning_ckpt.core.selection import detect_block_class, parse_memory_budget, resolve_layer_classes, select_layers
-from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.core.checkpoint.selection import (detect_block_class, parse_memory_budget, resolve_layer_classes,
+                                                      select_layers)
+from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
 from lightning_ckpt.demos import Block, CausalSelfAttention
 
 

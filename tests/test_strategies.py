@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing
 from lightning_ckpt.callbacks.gradient_checkpointing import check_lightning_strategy
-from lightning_ckpt.core.placement import check_checkpointing_placement
+from lightning_ckpt.core.checkpoint.placement import check_checkpointing_placement
 from lightning_ckpt.demos import Block, CountingDataModule
 import lightning_ckpt.strategies  # noqa: F401  (registers "ddp_ckpt" and "fsdp_ckpt")
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy

@@ -1,4 +1,4 @@
-"""Tiles of tokens (``tile_mlp``, :mod:`lightning_ckpt.core.tiling`): each decoder layer's MLP and norms, and the final norm,
+"""Tiles of tokens (``tile_mlp``, :mod:`lightning_ckpt.core.checkpoint.tiling`): each decoder layer's MLP and norms, and the final norm,
 run over tiles of the sequence, each under checkpoint, and train as untiled.
 
 - fp32, no dropout: the loss equal, every gradient within 1e-6 relative of untiled, on Transformers' Llama, Qwen2,
@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing, remove_checkpointing
-from lightning_ckpt.core.tiling import (TiledForward, apply_tiling, is_tiled, remove_tiling, restore_tiles, tile_size,
+from lightning_ckpt.core.checkpoint.tiling import (TiledForward, apply_tiling, is_tiled, remove_tiling, restore_tiles, tile_size,
                                          tiled_names, tiles_of, validate_tile_tokens)
-from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
 from lightning_ckpt.demos import Transformer
 
 from helpers import LiveStorages, OwnMLP, grad_storages  # noqa: F401  (helpers puts benchmarks/ on the path for _peak)
@@ -641,7 +641,7 @@ def test_with_a_budget_every_step_runs_tiled_the_planned_ones_too():
 
 
 def test_only_modules_that_compute_each_token_alone_are_token_wise():
-    from lightning_ckpt.core.tiling import _is_token_wise
+    from lightning_ckpt.core.checkpoint.tiling import _is_token_wise
 
     assert _is_token_wise(litgpt.model.RMSNorm(8)) and not _is_token_wise(litgpt.model.RMSNorm(8, dim=-2))
     assert _is_token_wise(nn.Sequential(nn.Linear(4, 4))) and not _is_token_wise(nn.Sequential())
@@ -650,7 +650,7 @@ def test_only_modules_that_compute_each_token_alone_are_token_wise():
 
 
 def test_apply_tiling_returns_names_in_registration_order_and_says_once_of_an_mlp_it_does_not_know(caplog, monkeypatch):
-    monkeypatch.setattr("lightning_ckpt.core.say_once._said", set())  # said once per process: whatever ran before
+    monkeypatch.setattr("lightning_ckpt.core.checkpoint.say_once._said", set())  # said once per process: whatever ran before
     model = hf_model("llama")
     names = apply_tiling(model)
     assert names == [n for n, m in model.named_modules() if is_tiled(m)]
@@ -658,9 +658,9 @@ def test_apply_tiling_returns_names_in_registration_order_and_says_once_of_an_ml
     demo = demo_model()
     demo.blocks[0].mlp = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.MultiheadAttention(HIDDEN, 2))
     demo.blocks[1].ln1 = nn.BatchNorm1d(HIDDEN)  # not token-wise either, but not an MLP: nothing said
-    with caplog.at_level("INFO", logger="lightning_ckpt.core.tiling"):
+    with caplog.at_level("INFO", logger="lightning_ckpt.core.checkpoint.tiling"):
         assert apply_tiling(demo) == ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln2", "blocks.1.mlp", "ln_f"]
-    said = [r.getMessage() for r in caplog.records if r.name == "lightning_ckpt.core.tiling"]
+    said = [r.getMessage() for r in caplog.records if r.name == "lightning_ckpt.core.checkpoint.tiling"]
     assert said == ["lightning_ckpt: the `mlp` of Block is a Sequential, not a class known to be token-wise: it is not"
                     " tiled (pass tile_cls= its class to tile it)."]
 

@@ -10,9 +10,9 @@ from lightning.pytorch import Callback
 
 from helpers import counted_peak
 from lightning_ckpt import apply_checkpointing, remove_checkpointing
-from lightning_ckpt.core.planner import plan_checkpointing
-from lightning_ckpt.core.plan import CheckpointPlan
-from lightning_ckpt.core.tiling import tiled_names
+from lightning_ckpt.core.checkpoint.tiling import tiled_names
+from lightning_ckpt.core.plan.checkpoint_plan import CheckpointPlan
+from lightning_ckpt.core.plan.planner import plan_checkpointing
 from lightning_ckpt.demos import Transformer
 
 B, T, WIDTH, LAYERS = 2, 256, 16, 2
@@ -165,8 +165,8 @@ def test_the_tiles_second_forward_is_priced_in_seconds_on_a_profile():
     """``_with_tiles``: the tiles' FLOPs at the profile's matmul rate on top of the plan's predicted step time."""
     from dataclasses import replace
 
-    from lightning_ckpt.core.device_profile import DeviceProfile
-    from lightning_ckpt.core.planner import _with_tiles
+    from lightning_ckpt.core.measure.device_profile import DeviceProfile
+    from lightning_ckpt.core.plan.planner import _with_tiles
 
     plan = CheckpointPlan(layers={"a": "none"}, baseline_bytes=10, planned_bytes=10, budget_bytes=10,
                           recompute_flops=5, outside_bytes=0, predicted_step_seconds=1.0)
@@ -181,7 +181,7 @@ def test_the_tiles_second_forward_is_priced_in_seconds_on_a_profile():
 def test_the_tiles_flops_count_the_rows_of_the_first_call():
     from torch import nn
 
-    from lightning_ckpt.core.planner import _TileFlops
+    from lightning_ckpt.core.plan.planner import _TileFlops
 
     holder = nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))})
     counter = _TileFlops(holder, ["mlp"])
@@ -290,7 +290,7 @@ def test_a_budget_out_of_reach_with_tiles_too_says_so_in_the_untiled_refusal():
 
 
 def test_on_a_device_profile_the_tiles_second_forward_is_the_only_extra_time_of_a_plan_that_checkpoints_nothing():
-    from lightning_ckpt.core.device_profile import DeviceProfile
+    from lightning_ckpt.core.measure.device_profile import DeviceProfile
 
     model, step = model_and_step()
     profile = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e10, host_bandwidth=1e9)

@@ -18,8 +18,8 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.core.chunked_loss import LossNotChunkable, chunked_models, logits_changed_by
-from lightning_ckpt.core.planner import plan_checkpointing
+from lightning_ckpt.core.checkpoint.chunked_loss import LossNotChunkable, chunked_models, logits_changed_by
+from lightning_ckpt.core.plan.planner import plan_checkpointing
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,8 +12,8 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from helpers import BATCH, SEQ, WIDTH, loss_and_grads, saved_bytes, tiny_transformer, tokens
 from lightning_ckpt import apply_checkpointing, remove_checkpointing
-from lightning_ckpt.core.profiling import SavedTensorCounter, count_flops
-from lightning_ckpt.core.wrapping import checkpointed_names, is_checkpointed
+from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names, is_checkpointed
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter, count_flops
 from lightning_ckpt.demos import Block
 
 
@@ -68,7 +68,7 @@ def test_saved_bytes_full_is_inputs_plus_outside_and_every_2nd_is_halfway():
 
 
 def test_eval_and_no_grad_skip_checkpointing(monkeypatch):
-    import lightning_ckpt.core.wrapping as wrapping
+    import lightning_ckpt.core.checkpoint.wrapping as wrapping
 
     calls = []
     checkpoint = wrapping.checkpoint
@@ -140,7 +140,7 @@ def _bytes_of_compute_heavy_outputs(model, idx) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from lightning_ckpt.core.policies import COMPUTE_HEAVY_OPS
+    from lightning_ckpt.core.checkpoint.policies import COMPUTE_HEAVY_OPS
 
     class Outputs(TorchDispatchMode):
         total = 0
@@ -288,7 +288,7 @@ def test_tensor_kwargs_are_saved_like_positional_inputs():
 
 
 def test_offload_on_cpu_is_a_noop_that_says_so_and_keeps_gradients(monkeypatch):
-    import lightning_ckpt.core.wrapping as wrapping
+    import lightning_ckpt.core.checkpoint.wrapping as wrapping
 
     idx = tokens()
     _, ref_grads = loss_and_grads(tiny_transformer(), idx)
