@@ -85,7 +85,7 @@ def gpt_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 def held_input_bytes(hidden: int, compress: Optional[str]) -> tuple[int, int]:
     """Storages made in a checkpointed block's forward and alive after it, less its output: what it holds for its
-    recompute (its input, which nothing else holds); and the input's bytes (as tests/test_compress.py counts)."""
+    recompute (its input, which nothing else holds); and the input's bytes (as tests/core/checkpoint/test_compress.py counts)."""
     torch.manual_seed(0)
     block = Block(hidden, HEADS)
     base = torch.randn(BATCH, SEQ, hidden, requires_grad=True)

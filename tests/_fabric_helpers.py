@@ -1,4 +1,4 @@
-"""Fabric loops for tests/test_fabric.py, importable by the spawned processes of its 2-process tests.
+"""Fabric loops for tests/callbacks/test_fabric.py, importable by the spawned processes of its 2-process tests.
 
 ``fabric_loop`` trains the demo ``Transformer`` in a plain Fabric loop, with :class:`FabricCheckpointing` (``ckpt``
 options) or without (``ckpt=None``: the reference), and records per step what the tests compare: the loss, the

@@ -11,6 +11,12 @@ The rules, read from every import in the source (top level, in functions, under 
 - nothing outside ``commands`` imports ``commands``; ``import lightning_ckpt`` pulls in neither commands nor demos;
 - there is no import cycle;
 - every module lives in one of the layer folders, except the package itself and ``demos_hf`` (kept for old configs).
+
+``tests/`` mirrors the package: each test file sits in the folder of the module it mainly tests (``tests/core/plan/``
+for ``lightning_ckpt/core/plan/``), the project-wide ones (layout, docs, errors, configs, accelerator) and the shared
+helpers (``helpers.py``, ``_dist_helpers.py``, ``conftest.py``, ...) at its top level. Test files are imported by their
+name (pytest's default import mode, and ``from helpers import ...``), so no two share one, and a test file imports
+another only from its own folder.
 """
 
 from __future__ import annotations
@@ -342,3 +348,31 @@ def test_the_strategy_names_and_the_console_script_resolve():
     name, target = (part.strip().strip('"') for part in scripts.split("="))
     module, function = target.split(":")
     assert name == "lightning-ckpt" and callable(getattr(importlib.import_module(module), function))
+
+
+# ------------------------------------------------------------------------------------------------
+# The tests' layout
+# ------------------------------------------------------------------------------------------------
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def test_the_test_folders_mirror_the_package_and_the_helpers_stay_on_top():
+    files = sorted(TESTS_DIR.rglob("*.py"))
+    folders = {path.parent.relative_to(TESTS_DIR) for path in files} - {Path(".")}
+    assert Path("core/plan") in folders and Path("callbacks") in folders
+    assert [str(f) for f in sorted(folders) if not (PACKAGE_DIR / f).is_dir()] == []
+    nested = [path for path in files if path.parent != TESTS_DIR]
+    assert all(path.name.startswith("test_") for path in nested), [str(p) for p in nested]
+    names = [path.name for path in files]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_a_test_file_imports_other_test_files_only_from_its_own_folder():
+    found = 0
+    for path in sorted(TESTS_DIR.rglob("test_*.py")):
+        for name in imported_names("", path.read_text()):
+            if name.split(".")[0].startswith("test_"):
+                found += 1
+                assert (path.parent / f"{name.split('.')[0]}.py").is_file(), f"{path.relative_to(TESTS_DIR)}: {name}"
+    assert found  # test_budget_cycle's costs by hand from test_cost_fit, say

@@ -84,7 +84,7 @@ def keep_ops_context_fn(keep: Iterable[int], ops: Sequence[str]) -> Callable[[],
 
     def context_fn() -> tuple[Any, Any]:
         # Ops matched so far (-1 once one differs). torch asks the policy in the forward only: the recompute
-        # takes the cache's entries in order and never calls it (tests/test_op_level.py checks this).
+        # takes the cache's entries in order and never calls it (tests/core/measure/test_op_level.py checks this).
         seen = [0]
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

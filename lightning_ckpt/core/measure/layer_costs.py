@@ -579,7 +579,7 @@ class LayerCostRecorder:
             outputs = [storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             out_bytes = [tensor_bytes([t]) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             # The outputs go before the backward: the step's recompute keeps none either (the gradient of each
-            # comes from the layer after). Held, they put a measuring step above full checkpointing (tests/test_peak.py).
+            # comes from the layer after). Held, they put a measuring step above full checkpointing (tests/core/plan/test_peak.py).
             seed, wrt = _backward_seed(layer, inputs, out)
             del out
             backward = _backward_bytes(seed, wrt, live)

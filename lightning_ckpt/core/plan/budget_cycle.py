@@ -21,7 +21,7 @@ a larger one's), and checked: the first step that runs a predicted plan counts t
 module alike, is not checked again), and where they exceed the plan's ``planned_bytes`` (:meth:`BudgetCycle.check_failed`) the bucket's plan is dropped and its next
 batch is measured. So a run measures its first three sizes, then only a size more than 16 times past everything
 measured, or one whose check failed: on long-tailed lengths (8..768, a lognormal, batch 4, 60 steps) at most 4
-measuring steps, in any order (random, ascending or descending; ``tests/test_budget_cycle.py``).
+measuring steps, in any order (random, ascending or descending; ``tests/core/plan/test_budget_cycle.py``).
 
 Each bucket is in one of three states (:class:`BucketState`): ``MEASURING`` (its size is being recorded, no plan
 yet), ``PLANNED`` (a plan exists, not applied to the module now) and ``APPLIED`` (its plan is the module's now).

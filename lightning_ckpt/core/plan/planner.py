@@ -28,7 +28,7 @@ Measuring is safe when memory is short: the step runs once with every matched la
 checkpointed, and each layer is re-run alone right before its own checkpointed forward and backpropagated
 to its inputs (what its backward has alive at once), its output dropped before that backward (identical layers
 called alike are re-run once and share the figures). So a measuring step peaks no higher than full
-checkpointing (``tests/test_peak.py``), and never runs the whole model
+checkpointing (``tests/core/plan/test_peak.py``), and never runs the whole model
 un-checkpointed. The budget bounds the step's activation peak, the backward's included (:func:`held_peak`). The RNG and every buffer are left as they were.
 Plain PyTorch; nothing here imports Lightning.
 

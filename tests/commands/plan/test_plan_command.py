@@ -32,7 +32,7 @@ from lightning_ckpt.core.measure.profiling import SavedTensorCounter, format_byt
 from lightning_ckpt.core.plan.planner import make_plan
 from helpers import counted_peak
 
-TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+TINY = Path(__file__).parents[3] / "configs" / "tiny.yaml"
 DEVICE_MEMORY = 8 * 2**20
 # Without the chunked LM head and loss (the default 'auto' measures the step twice and adds a row): its figures are
 # tested in test_plan_chunked_lengths.py.

@@ -284,7 +284,7 @@ class VaryingGPT(GPT):
     def __init__(self, callback: GradientCheckpointing | None = None) -> None:
         super().__init__(vocab_size=32, block_size=max(LENGTHS), n_layer=N_LAYER, n_embd=32, n_head=2, dropout=0.0)
         # No longest length known ahead: these tests follow the per-batch cycle from the first batch (the longest
-        # batch planned before the first step is tests/test_longest.py's)
+        # batch planned before the first step is tests/core/measure/test_longest.py's)
         del self.hparams["block_size"]
         self.callback = callback
         self.seen: list[list[str]] = []

@@ -21,7 +21,7 @@ from lightning_ckpt import GradientCheckpointing
 from lightning_ckpt.commands.plan import main as plan_main
 from lightning_ckpt.demos import GPT, Block, counting_sequences
 
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"  # the demo GPT: 4 blocks, 32 positions, batch 8
+TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"  # the demo GPT: 4 blocks, 32 positions, batch 8
 
 
 def plan_json(tmp_path: Path, *args: str) -> dict:

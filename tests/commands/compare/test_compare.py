@@ -39,7 +39,7 @@ from lightning_ckpt.core.measure.op_curve import OpRecord
 from lightning_ckpt.core.measure.profiling import format_bytes
 from lightning_ckpt.core.plan.planner import LayerCost, predict_seconds
 
-TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+TINY = Path(__file__).parents[3] / "configs" / "tiny.yaml"
 COLUMNS = ["variant", "layers", "peak device", "host RSS", "activations", "offloaded", "timed steps", "step",
            "step IQR", "samples/s", "memory saved", "time lost", "predicted", "loss diff", "grad diff", "check"]
 FIXED = ["none", "every_layer", "selective", "every_2nd", "every_4th", "offload", "every_layer_fp8"]

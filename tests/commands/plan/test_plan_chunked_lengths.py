@@ -150,7 +150,7 @@ def test_chunk_loss_false_keeps_the_longest_length_of_the_whole_head():
 # ------------------------------------------------------------------------------------------- the command
 
 
-TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+TINY = Path(__file__).parents[3] / "configs" / "tiny.yaml"
 
 
 @pytest.mark.parametrize(("option", "expected"), [("true", True), ("false", False), ("auto", None)])

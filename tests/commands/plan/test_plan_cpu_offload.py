@@ -33,7 +33,7 @@ from lightning_ckpt.core.plan.planner import LayerCost
 
 MIB = 2**20
 GIB = 2**30
-TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+TINY = Path(__file__).parents[3] / "configs" / "tiny.yaml"
 FAST_LINK = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e12, host_bandwidth=math.inf, name="fast link")
 CKPT = "lightning_ckpt.CheckpointingFSDPStrategy"
 

@@ -218,7 +218,7 @@ def test_without_device_memory_there_is_no_longest_length():
 # ------------------------------------------------------------------------------------------- the command
 
 
-TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+TINY = Path(__file__).parents[3] / "configs" / "tiny.yaml"
 
 
 def test_plan_lengths_prints_the_plan_s_longest_length(tmp_path, capsys):

@@ -87,7 +87,7 @@ def test_plan_with_tile_mlp_measures_every_setting_with_tiles(tmp_path):
 
     from lightning_ckpt.commands.plan import main as plan_main
 
-    config = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+    config = Path(__file__).parents[3] / "configs" / "tiny.yaml"
     longer = ["--model.init_args.block_size=256", "--data.init_args.block_size=256", "--model.init_args.dropout=0.0"]
     peaks = {}
     for tiles in ("true", "false"):

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 ARGS_WARNING = "args parameter is intended to run from within Python"
 
 

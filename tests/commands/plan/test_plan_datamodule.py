@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ckpt.commands.plan import main as plan_main
 from lightning_ckpt.demos import counting_sequences
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 class TensorsInInit(LightningDataModule):
