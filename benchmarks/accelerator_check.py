@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from lightning_ckpt import apply_checkpointing, remove_checkpointing
-from lightning_ckpt.core import offload as offload_module
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.planner import (
+from lightning_ckpt.core.checkpoint import offload as offload_module
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.plan.planner import (
     CheckpointPlan,
     make_plan,
     measure_step,
@@ -85,7 +85,7 @@ def run_tests(timeout_s: float) -> tuple[list[tuple[str, str]], float]:
 @dataclass
 class Setting:
     """One way to run the model: ``apply`` configures it (from no checkpointing) and returns the layer modes it
-    set, as :func:`~lightning_ckpt.core.planner.predict_seconds` takes them; ``offload``/``kept_ops`` likewise."""
+    set, as :func:`~lightning_ckpt.core.plan.planner.predict_seconds` takes them; ``offload``/``kept_ops`` likewise."""
 
     name: str
     apply: Callable[[torch.nn.Module], dict[str, str]]
@@ -115,7 +115,7 @@ def _every(n: int, mode: str = "full", offload: bool = False) -> Callable[[torch
 
 
 def plan_setting(name: str, plan: CheckpointPlan, cpu: bool = False) -> Setting:
-    """The row of a :class:`~lightning_ckpt.core.planner.CheckpointPlan`: applied with ``plan.apply``, predicted for its
+    """The row of a :class:`~lightning_ckpt.core.plan.planner.CheckpointPlan`: applied with ``plan.apply``, predicted for its
     layers, kept ops and the layers it offloads (none on the CPU, where offload moves nothing)."""
     def apply(model: torch.nn.Module) -> dict[str, str]:
         plan.apply(model)
@@ -140,8 +140,8 @@ def time_model_check(device: torch.device, seq: int = 4096, layers: int = 16, hi
     """Predicted against measured step time (forward and backward, bf16 autocast, batch 1) for every setting.
 
     The profile is ``DeviceProfile.measure(device)``; the step is measured once fully checkpointed
-    (:func:`~lightning_ckpt.core.planner.measure_step`), and each setting predicted from that with
-    :func:`~lightning_ckpt.core.planner.predict_seconds`. Measured: each setting in ``rounds`` interleaved rounds
+    (:func:`~lightning_ckpt.core.plan.planner.measure_step`), and each setting predicted from that with
+    :func:`~lightning_ckpt.core.plan.planner.predict_seconds`. Measured: each setting in ``rounds`` interleaved rounds
     (alternately reversed) of one warm-up and ``steps`` timed steps; the median of all timed steps. The optimizer step
     is left out of both: the model does not price it, and it is the same for every setting.
     """

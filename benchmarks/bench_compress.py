@@ -37,7 +37,7 @@ from torch import nn
 from _peak import LiveStorages, grad_storages
 from _results import machine, write_section
 from lightning_ckpt import apply_checkpointing
-from lightning_ckpt.core.compress import compressed_bytes
+from lightning_ckpt.core.checkpoint.compress import compressed_bytes
 from lightning_ckpt.demos import Block, Transformer, counting_sequences
 
 VOCAB, SEQ, BATCH, HEADS, DROPOUT, LR = 64, 64, 16, 4, 0.1, 3e-3
@@ -85,7 +85,7 @@ def gpt_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 def held_input_bytes(hidden: int, compress: Optional[str]) -> tuple[int, int]:
     """Storages made in a checkpointed block's forward and alive after it, less its output: what it holds for its
-    recompute (its input, which nothing else holds); and the input's bytes (as tests/test_compress.py counts)."""
+    recompute (its input, which nothing else holds); and the input's bytes (as tests/core/checkpoint/test_compress.py counts)."""
     torch.manual_seed(0)
     block = Block(hidden, HEADS)
     base = torch.randn(BATCH, SEQ, hidden, requires_grad=True)

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from _results import machine, write_section
 from lightning_ckpt import apply_checkpointing
-from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter
 from lightning_ckpt.demos import Block, Transformer
 
 VOCAB, SEQ, BATCH, LAYERS, HIDDEN, HEADS = 1024, 256, 8, 8, 256, 8

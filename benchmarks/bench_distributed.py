@@ -36,7 +36,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from _results import machine, write_section
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter
 from lightning_ckpt.demos import GPT, CountingDataModule
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy
 

@@ -48,9 +48,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from _peak import LiveStorages, grad_storages
 from _results import machine, write_section
 from lightning_ckpt import GradientCheckpointing, apply_checkpointing, remove_checkpointing
-from lightning_ckpt.core.budget_cycle import BatchSize
-from lightning_ckpt.core.planner import CheckpointPlan, plan_checkpointing
-from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter, format_bytes
+from lightning_ckpt.core.plan.budget_cycle import BatchSize
+from lightning_ckpt.core.plan.planner import CheckpointPlan, plan_checkpointing
 from lightning_ckpt.demos import GPT, counting_sequences
 
 BATCH, SHORTEST, LONGEST = 4, 32, 512

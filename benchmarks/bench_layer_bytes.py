@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from _results import machine, write_section
-from lightning_ckpt.core.tiling import apply_tiling
+from lightning_ckpt.core.checkpoint.tiling import apply_tiling
 
 T, HIDDEN, INTERMEDIATE, TILE = 8192, 512, 1792, 256
 _LLAMA = "transformers.models.llama.modeling_llama"

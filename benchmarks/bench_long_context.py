@@ -9,7 +9,7 @@ own pipeline with its options and reads:
 - the longest length of a setting (``every_layer``: every layer fully checkpointed) or of the plan itself
   (``plan.json``'s ``largest_length``);
 - its predicted step time per token at that length: for the plan, the plan the command made there; for a setting,
-  the step measured again at its longest length and priced by :func:`~lightning_ckpt.core.planner.predict_seconds`.
+  the step measured again at its longest length and priced by :func:`~lightning_ckpt.core.plan.planner.predict_seconds`.
 
 Issue 32's targets, checked and printed: the plan's longest length at least 2x exact full checkpointing's, and its
 time per token at most 1.3x exact full checkpointing's at that setting's own longest length. Predictions only: nothing
@@ -42,8 +42,8 @@ from lightning_ckpt.commands.plan import _build, _compute, _measure, _parse, _ru
 from lightning_ckpt.commands.plan.measure import check_length, device_profile, static_memory
 from lightning_ckpt.commands.plan.predictions import as_planned
 from lightning_ckpt.commands.plan.report import _plot_lengths, report_data
-from lightning_ckpt.core.planner import predict_peak, predict_seconds
-from lightning_ckpt.core.profiling import format_bytes
+from lightning_ckpt.core.measure.profiling import format_bytes
+from lightning_ckpt.core.plan.planner import predict_peak, predict_seconds
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 MODEL = ["--trainer.accelerator=cuda", "--trainer.precision=bf16-mixed", "--trainer.strategy=fsdp_ckpt",

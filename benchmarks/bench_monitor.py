@@ -26,7 +26,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from _results import machine, write_section
 from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
-from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter
 from lightning_ckpt.demos import GPT, CountingDataModule
 from lightning_ckpt.demos import counting_sequences
 

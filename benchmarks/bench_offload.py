@@ -41,9 +41,9 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from _results import machine, write_section
 from lightning_ckpt import apply_checkpointing, remove_checkpointing
-from lightning_ckpt.core import offload as offload_module
-from lightning_ckpt.core import wrapping
-from lightning_ckpt.core.fake_streams import FakeStreams
+from lightning_ckpt.core.checkpoint import offload as offload_module
+from lightning_ckpt.core.checkpoint import wrapping
+from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
 from lightning_ckpt.demos import Block, Transformer
 
 VOCAB, HEADS = 32000, 16

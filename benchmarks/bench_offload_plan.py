@@ -1,7 +1,7 @@
 """Offload as a priced choice: ``offload="auto"`` against ``False`` and ``True`` on each device preset.
 
 One training step of a demo GPT (12 layers, width 1024, sequence 1024, batch 4) is measured once, on the CPU,
-with every layer fully checkpointed (:func:`~lightning_ckpt.core.planner.measure_step`); then, for each preset and
+with every layer fully checkpointed (:func:`~lightning_ckpt.core.plan.planner.measure_step`); then, for each preset and
 budget, plans are solved with ``offload=False``, ``True`` and ``"auto"`` (host memory 64 GiB), and their
 predicted step-time increase over no checkpointing printed with what ``"auto"`` offloads and recomputes. The
 tensors count as living on the preset's device. The script exits 1 if an ``"auto"`` plan is predicted slower
@@ -20,8 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lightning_ckpt.core.planner import make_plan, measure_step
-from lightning_ckpt.core.profiling import format_bytes
+from lightning_ckpt.core.measure.profiling import format_bytes
+from lightning_ckpt.core.plan.planner import make_plan, measure_step
 from lightning_ckpt.demos import Block, Transformer
 
 PRESETS = ("l4", "h100-pcie", "h100-sxm", "gh200")

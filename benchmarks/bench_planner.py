@@ -30,10 +30,10 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, _VersionWrapper, create_selective_checkpoint_contexts
 
 from _results import machine, write_section
-from lightning_ckpt.core.op_curve import OpRecord
-from lightning_ckpt.core.planner import PLAN_MODES, LayerCost, make_plan, plan_checkpointing
-from lightning_ckpt.core.profiling import SavedTensorCounter, count_cost, op_cost, storage_key, tensor_bytes
-from lightning_ckpt.core.wrapping import apply_checkpointing, remove_checkpointing
+from lightning_ckpt.core.checkpoint.wrapping import apply_checkpointing, remove_checkpointing
+from lightning_ckpt.core.measure.op_curve import OpRecord
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter, count_cost, op_cost, storage_key, tensor_bytes
+from lightning_ckpt.core.plan.planner import PLAN_MODES, LayerCost, make_plan, plan_checkpointing
 from lightning_ckpt.demos import Block, BlockStack, MatmulHeavy, Transformer, WideElementwise, heterogeneous_blocks
 
 VOCAB, SEQ, BATCH, WIDTH = 256, 64, 8, 128
@@ -383,7 +383,7 @@ def main() -> None:
         "### Planning against a fully checkpointed step", "", f"Interleaved, median of {args.repeats}.", "",
         *planning_overhead(args.repeats), "",
         "### Heterogeneous model: plan against every_n", "", *every_n_rows, "",
-        "FLOPs as `lightning_ckpt.core.planner.OpCostMode` counts them: torch's formulas for matmul, convolution and",
+        "FLOPs as `lightning_ckpt.core.plan.planner.OpCostMode` counts them: torch's formulas for matmul, convolution and",
         "attention, one per output element for every other op.",
         "",
         "### Heterogeneous model: plan against torch's AutoSAC", "",

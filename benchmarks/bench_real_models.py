@@ -27,7 +27,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_ac
 
 from _results import machine, write_section
 from lightning_ckpt import apply_checkpointing
-from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter
 
 VOCAB, SEQ, BATCH = 1024, 256, 4
 Loss = Callable[[nn.Module], torch.Tensor]

@@ -32,8 +32,8 @@ import transformers
 from _peak import counted_peak
 from _results import machine, write_section
 from lightning_ckpt import remove_checkpointing
-from lightning_ckpt.core.planner import plan_checkpointing
-from lightning_ckpt.core.profiling import format_bytes
+from lightning_ckpt.core.measure.profiling import format_bytes
+from lightning_ckpt.core.plan.planner import plan_checkpointing
 
 T, HIDDEN, INTERMEDIATE = 2048, 64, 512
 

@@ -19,10 +19,10 @@ import warnings
 from pathlib import Path
 
 from lightning_ckpt.commands.plan.measure import _loss, _on_device, batch_of_size, build, measure
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.planner import CheckpointPlan, make_plan, predict_seconds
-from lightning_ckpt.core.timing import price_source
-from lightning_ckpt.core.wrapping import apply_checkpointing, remove_checkpointing
+from lightning_ckpt.core.checkpoint.wrapping import apply_checkpointing, remove_checkpointing
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.measure.timing import price_source
+from lightning_ckpt.core.plan.planner import CheckpointPlan, make_plan, predict_seconds
 
 SETTINGS = {"none": None, "every_layer": {"mode": "full"}, "every_2nd": {"mode": "full", "every_n_layers": 2},
             "selective": {"mode": "selective"}}

@@ -3,10 +3,10 @@
 import logging
 
 from lightning_ckpt.callbacks import FabricCheckpointing, GradientCheckpointing, MemoryMonitor
-from lightning_ckpt.core.chunked_loss import lm_loss
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.planner import CheckpointPlan, plan_checkpointing
-from lightning_ckpt.core.wrapping import apply_checkpointing, remove_checkpointing
+from lightning_ckpt.core.checkpoint.chunked_loss import lm_loss
+from lightning_ckpt.core.checkpoint.wrapping import apply_checkpointing, remove_checkpointing
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.plan.planner import CheckpointPlan, plan_checkpointing
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy
 
 __all__ = [

@@ -22,7 +22,7 @@ from _dist_helpers import (  # noqa: E402
     DATA_ARGS, GPT_ARGS, WORLD_SIZE, SeededGPT, free_port, full_weights, leave_process_group, spawn_ranks)
 
 from lightning_ckpt import GradientCheckpointing  # noqa: E402
-from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss, chunk_loss_of  # noqa: E402
+from lightning_ckpt.core.checkpoint.chunked_loss import chunk_causal_lm_loss, chunk_loss_of  # noqa: E402
 from lightning_ckpt.demos import CountingDataModule  # noqa: E402
 
 CHUNK = 16  # 4 x 16 tokens a rank and step: 4 chunks

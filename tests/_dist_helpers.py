@@ -30,8 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import GradientCheckpointing
-from lightning_ckpt.core.placement import fsdp_units
-from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.core.checkpoint.placement import fsdp_units
+from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, counting_sequences
 from lightning_ckpt.strategies import CheckpointingDDPStrategy, CheckpointingFSDPStrategy
 
@@ -608,8 +608,8 @@ def fsdp_recorder_layer_not_a_unit() -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from lightning_ckpt.core.plan.planner import LayerCostRecorder
     from lightning_ckpt.demos import Transformer
-    from lightning_ckpt.core.planner import LayerCostRecorder
 
     model = Transformer(32, 16, 2, 32, 2, 0.0)
     fully_shard(model, mesh=init_device_mesh("cpu", (WORLD_SIZE,)))
@@ -629,8 +629,8 @@ def placement_checks() -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     from lightning_ckpt import apply_checkpointing
+    from lightning_ckpt.core.checkpoint.placement import check_checkpointing_placement
     from lightning_ckpt.demos import Transformer
-    from lightning_ckpt.core.placement import check_checkpointing_placement
     from lightning_ckpt.strategies.fsdp import shard_for_checkpointing
 
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))

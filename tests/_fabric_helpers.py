@@ -1,4 +1,4 @@
-"""Fabric loops for tests/test_fabric.py, importable by the spawned processes of its 2-process tests.
+"""Fabric loops for tests/callbacks/test_fabric.py, importable by the spawned processes of its 2-process tests.
 
 ``fabric_loop`` trains the demo ``Transformer`` in a plain Fabric loop, with :class:`FabricCheckpointing` (``ckpt``
 options) or without (``ckpt=None``: the reference), and records per step what the tests compare: the loss, the
@@ -19,8 +19,8 @@ from torch import nn
 
 from _dist_helpers import CollectiveCounter, full_weights, leave_process_group
 from lightning_ckpt import FabricCheckpointing
-from lightning_ckpt.core.memory_stats import PeakProbe
-from lightning_ckpt.core.wrapping import checkpointed_names
+from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
+from lightning_ckpt.core.measure.memory_stats import PeakProbe
 from lightning_ckpt.demos import Block, Transformer, counting_sequences
 
 VOCAB, N_LAYER, BATCH = 32, 4, 4

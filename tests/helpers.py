@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback
 from torch import nn
 
-from lightning_ckpt.core.budget import RankMeasurement
-from lightning_ckpt.core.costs import LayerCost
-from lightning_ckpt.core.profiling import SavedTensorCounter
+from lightning_ckpt.core.measure.costs import LayerCost
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter
+from lightning_ckpt.core.plan.budget import RankMeasurement
 from lightning_ckpt.demos import Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -2,11 +2,11 @@
 # Mutation testing of ONE module against the tests that cover it, with mutmut 3. A developer's tool: CI never runs it
 # (install it with `pip install -e '.[test,mutation]'`); tests/MUTATION.md records its results per module.
 #
-#   tests/mutate.sh lightning_ckpt/core/cost_fit.py tests/test_cost_fit.py [more test files, node ids, pytest args]
+#   tests/mutate.sh lightning_ckpt/core/measure/cost_fit.py tests/core/plan/test_cost_fit.py [more test files, node ids, pytest args]
 #
 # Examples:
-#   tests/mutate.sh lightning_ckpt/core/budget_cycle.py tests/test_cost_fit.py tests/test_budget_cycle.py \
-#       --deselect tests/test_budget_cycle.py::test_a_transformers_llama_on_batches_padded_per_batch_holds_a_byte_budget_on_every_step
+#   tests/mutate.sh lightning_ckpt/core/plan/budget_cycle.py tests/core/plan/test_cost_fit.py tests/core/plan/test_budget_cycle.py \
+#       --deselect tests/core/plan/test_budget_cycle.py::test_a_transformers_llama_on_batches_padded_per_batch_holds_a_byte_budget_on_every_step
 #   MUTATE_ONLY='*x_plan_checkpointing__mutmut_* *xǁ_TileFlopsǁ*' tests/mutate.sh ...
 #                                        # only the mutants of these functions (mutmut's names, fnmatch globs): an
 #                                        # audit of new code in a long module
@@ -35,7 +35,7 @@ usage() { sed -n '2,8p' "$0" >&2; exit 2; }
 [ $# -ge 2 ] || usage
 root=$(cd "$(dirname "$0")/.." && pwd)
 module=$1; shift
-case $module in lightning_ckpt/*.py) ;; *) echo "mutate.sh: the module is a path like lightning_ckpt/core/cost_fit.py, got $module" >&2; exit 2 ;; esac
+case $module in lightning_ckpt/*.py) ;; *) echo "mutate.sh: the module is a path like lightning_ckpt/core/measure/cost_fit.py, got $module" >&2; exit 2 ;; esac
 [ -f "$root/$module" ] || { echo "mutate.sh: no $module" >&2; exit 2; }
 python=${PYTHON:-$root/.venv/bin/python}
 [ -x "$python" ] || python=$(command -v python)

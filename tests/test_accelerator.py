@@ -16,8 +16,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from helpers import loss_and_grads
 from lightning_ckpt import GradientCheckpointing, MemoryMonitor, apply_checkpointing
-from lightning_ckpt.core.memory_stats import GIB, PEAK_ALLOCATED, PEAK_RESERVED, STEP_SEC
-from lightning_ckpt.core.offload import DeviceStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.checkpoint.offload import DeviceStreams, OffloadEngine, use_engine
+from lightning_ckpt.core.measure.memory_stats import GIB, PEAK_ALLOCATED, PEAK_RESERVED, STEP_SEC
 from lightning_ckpt.demos import GPT, Block, CountingDataModule
 
 pytestmark = pytest.mark.accelerator

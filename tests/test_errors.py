@@ -36,13 +36,13 @@ from lightning_ckpt.callbacks.fabric import check_fabric_strategy
 from lightning_ckpt.callbacks.gradient_checkpointing import find_checkpointing_callback
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.compare.stats import measurements
-from lightning_ckpt.core.budget import auto_memory_budget
-from lightning_ckpt.core.chunked_loss import chunk_causal_lm_loss
-from lightning_ckpt.core.fake_streams import FakeStreams
-from lightning_ckpt.core.offload import OffloadEngine, use_engine
-from lightning_ckpt.core.planner import LayerCost, make_plan, plan_checkpointing
-from lightning_ckpt.core.layer_timing import time_modes
-from lightning_ckpt.core.tiling import apply_tiling
+from lightning_ckpt.core.checkpoint.chunked_loss import chunk_causal_lm_loss
+from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
+from lightning_ckpt.core.checkpoint.offload import OffloadEngine, use_engine
+from lightning_ckpt.core.checkpoint.tiling import apply_tiling
+from lightning_ckpt.core.measure.layer_timing import time_modes
+from lightning_ckpt.core.plan.budget import auto_memory_budget
+from lightning_ckpt.core.plan.planner import LayerCost, make_plan, plan_checkpointing
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, Transformer
 from lightning_ckpt.strategies.ddp import check_ddp_settings
 from lightning_ckpt.strategies.fsdp import CheckpointingFSDPStrategy, mixed_precision_policy, shard_for_checkpointing
@@ -55,7 +55,7 @@ PACKAGE = Path(lightning_ckpt.__file__).parent
 
 
 def module_name(path: Path) -> str:
-    """``core.planner`` for ``lightning_ckpt/core/planner.py``, ``commands.plan`` for ``commands/plan/__init__.py``."""
+    """``core.plan.planner`` for ``lightning_ckpt/core/plan/planner.py``, ``commands.plan`` for ``commands/plan/__init__.py``."""
     parts = path.relative_to(PACKAGE).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -237,7 +237,7 @@ def sharded_at_the_root_only() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_ckpt.core.placement import _fsdp2
+    from lightning_ckpt.core.checkpoint.placement import _fsdp2
 
     with tempfile.TemporaryDirectory() as store:
         dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
@@ -280,7 +280,7 @@ CASES: dict[str, Case] = {
         "callbacks.gradient_checkpointing._validate", lambda: GradientCheckpointing(memory_budget=0.5, max_length="64"),
         ValueError, "got '64'", "pass an int >= 1", "`max_length` is the longest sequence the run will see"),
     "max_length above block_size": Case(
-        "core.longest.longest_length", lambda: fit_tiny_gpt(GradientCheckpointing(memory_budget=0.5, max_length=100)),
+        "core.measure.longest.longest_length", lambda: fit_tiny_gpt(GradientCheckpointing(memory_budget=0.5, max_length=100)),
         ValueError, "`max_length=100` is longer than the model can take: its block_size is 8",
         "Pass max_length=8 or less", "is longer than the model can take"),
     "budget out of reach at the longest length": Case(
@@ -289,78 +289,78 @@ CASES: dict[str, Case] = {
         "length 8, from max_length", "pass `max_length=` its longest length",
         "Planned before the first step for the longest sequences the run may see"),
     "every_n_layers type": Case(
-        "core.selection.validate_every_n_layers", lambda: GradientCheckpointing(every_n_layers="2"), TypeError,
+        "core.checkpoint.selection.validate_every_n_layers", lambda: GradientCheckpointing(every_n_layers="2"), TypeError,
         "got '2' of type str", "(1 = every layer, 4 = layers 0, 4, 8, ...)", "`every_n_layers` must be an int >= 1"),
     "every_n_layers value": Case(
-        "core.selection.validate_every_n_layers", lambda: GradientCheckpointing(every_n_layers=0), ValueError,
+        "core.checkpoint.selection.validate_every_n_layers", lambda: GradientCheckpointing(every_n_layers=0), ValueError,
         "got 0", "remove the callback instead", "`every_n_layers` must be >= 1"),
     "layer_cls not dotted": Case(
-        "core.selection.import_class", lambda: GradientCheckpointing(layer_cls="Block"), ValueError,
+        "core.checkpoint.selection.import_class", lambda: GradientCheckpointing(layer_cls="Block"), ValueError,
         "`layer_cls='Block'`", "Pass a dotted import path such as", "is not a dotted import path"),
     "layer_cls not importable": Case(
-        "core.selection.import_class", lambda: GradientCheckpointing(layer_cls="my_project.model.Block"), ValueError,
+        "core.checkpoint.selection.import_class", lambda: GradientCheckpointing(layer_cls="my_project.model.Block"), ValueError,
         "`layer_cls='my_project.model.Block'`", "Pass a dotted import path such as", "could not be imported"),
     "layer_cls not a module": Case(
-        "core.selection.import_class", lambda: GradientCheckpointing(layer_cls="torch.nn.functional.relu"), TypeError,
+        "core.checkpoint.selection.import_class", lambda: GradientCheckpointing(layer_cls="torch.nn.functional.relu"), TypeError,
         "`layer_cls='torch.nn.functional.relu'`", "Pass a dotted import path such as",
         "not an `nn.Module` subclass"),
     "layer_cls empty": Case(
-        "core.selection.resolve_layer_classes", lambda: GradientCheckpointing(layer_cls=[]), TypeError,
+        "core.checkpoint.selection.resolve_layer_classes", lambda: GradientCheckpointing(layer_cls=[]), TypeError,
         "got [].", "a non-empty list of those, or None", "`layer_cls` must be an `nn.Module` subclass"),
     "layer_cls entry": Case(
-        "core.selection.resolve_layer_classes", lambda: GradientCheckpointing(layer_cls=[nn.Linear, 3]), TypeError,
+        "core.checkpoint.selection.resolve_layer_classes", lambda: GradientCheckpointing(layer_cls=[nn.Linear, 3]), TypeError,
         "got 3.", "must be `nn.Module` subclasses or dotted import paths", "`layer_cls` entries must be"),
     "mode": Case(
-        "core.wrapping.CheckpointOptions.__post_init__", lambda: GradientCheckpointing(mode="partial"), ValueError,
+        "core.checkpoint.wrapping.CheckpointOptions.__post_init__", lambda: GradientCheckpointing(mode="partial"), ValueError,
         "`mode='partial'`", "Pass 'full' (recompute the whole layer), 'selective'", "is not understood. Pass 'full'"),
     "mode none without offload": Case(
-        "core.wrapping.CheckpointOptions.__post_init__", lambda: GradientCheckpointing(mode="none"), ValueError,
+        "core.checkpoint.wrapping.CheckpointOptions.__post_init__", lambda: GradientCheckpointing(mode="none"), ValueError,
         "`mode='none'`", "Pass offload=True, or mode='full' or 'selective'", "recomputes nothing"),
     "flag not a bool": Case(
-        "core.wrapping.CheckpointOptions.__post_init__",
+        "core.checkpoint.wrapping.CheckpointOptions.__post_init__",
         lambda: GradientCheckpointing(preserve_rng_state="yes"), TypeError,
         "got 'yes'", "must be True or False", "must be True or False"),
     "checkpoint_kwargs type": Case(
-        "core.wrapping.CheckpointOptions.__post_init__",
+        "core.checkpoint.wrapping.CheckpointOptions.__post_init__",
         lambda: GradientCheckpointing(checkpoint_kwargs=[("use_reentrant", False)]), TypeError,
         "got [('use_reentrant', False)]", "keyword arguments or None", "`checkpoint_kwargs` must be a dict"),
     "reentrant and selective": Case(
-        "core.wrapping.CheckpointOptions.__post_init__",
+        "core.checkpoint.wrapping.CheckpointOptions.__post_init__",
         lambda: GradientCheckpointing(mode="selective", use_reentrant=True),
         ValueError, "`mode='selective'`", "Pass `use_reentrant=False` (the default) or `mode='full'`",
         "Reentrant checkpointing cannot run a `context_fn`"),
     "compress value": Case(
-        "core.compress.validate_compress", lambda: GradientCheckpointing(compress="int4"), ValueError,
+        "core.checkpoint.compress.validate_compress", lambda: GradientCheckpointing(compress="int4"), ValueError,
         "`compress='int4'`", "Pass None (exact inputs, the default), 'bf16'", "is not understood. Pass None (exact"),
     "compress with mode none": Case(
-        "core.wrapping.CheckpointOptions.__post_init__",
+        "core.checkpoint.wrapping.CheckpointOptions.__post_init__",
         lambda: GradientCheckpointing(mode="none", offload=True, compress="bf16"), ValueError,
         "`compress='bf16'`", "Pass mode='full' or 'selective' to compress, or compress=None",
         "holds a checkpointed layer's inputs compressed until its recompute, but `mode='none'`"),
     "fp8 without float8 support": Case(
-        "core.compress.check_compress", lambda: _fp8_on_mps(), ValueError,
+        "core.checkpoint.compress.check_compress", lambda: _fp8_on_mps(), ValueError,
         "on mps", "Pass compress='bf16'", "`compress='fp8'` needs float8_e4m3fn support"),
     "budget auto outside the callback": Case(
-        "core.selection.parse_memory_budget", lambda: plan_checkpointing(blocks(), lambda: None, "auto"), ValueError,
+        "core.checkpoint.selection.parse_memory_budget", lambda: plan_checkpointing(blocks(), lambda: None, "auto"), ValueError,
         "`memory_budget='auto'`", "Pass None, a fraction", "is only understood by the GradientCheckpointing callback"),
     "budget bool": Case(
-        "core.selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=True), TypeError,
+        "core.checkpoint.selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=True), TypeError,
         "`memory_budget=True`", "Pass None, a fraction", "is not understood. Pass None"),
     "budget fraction": Case(
-        "core.selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=1.5), ValueError,
+        "core.checkpoint.selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=1.5), ValueError,
         "`memory_budget=1.5`", "Pass None, a fraction", "a fraction must be in (0, 1]"),
     "budget bytes": Case(
-        "core.selection._checked_bytes", lambda: GradientCheckpointing(memory_budget=0), ValueError,
+        "core.checkpoint.selection._checked_bytes", lambda: GradientCheckpointing(memory_budget=0), ValueError,
         "`memory_budget=0`", "Pass None, a fraction", "bytes must be positive"),
     "budget under 1 KiB": Case(
-        "core.selection._checked_bytes", lambda: GradientCheckpointing(memory_budget=1), ValueError,
+        "core.checkpoint.selection._checked_bytes", lambda: GradientCheckpointing(memory_budget=1), ValueError,
         "`memory_budget=1`", "pass a float such as 1.0 or 0.5; for bytes pass '1KiB' or more",
         "under the least byte budget of 1024 B"),
     "budget text": Case(
-        "core.selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget="50%"), ValueError,
+        "core.checkpoint.selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget="50%"), ValueError,
         "`memory_budget='50%'`", "bytes such as '2GiB' or 500_000_000", "is not understood. Pass None"),
     "budget type": Case(
-        "core.selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=[0.5]), TypeError,
+        "core.checkpoint.selection.parse_memory_budget", lambda: GradientCheckpointing(memory_budget=[0.5]), TypeError,
         "`memory_budget=[0.5]`", "bytes such as '2GiB' or 500_000_000", "is not understood. Pass None"),
     "budget and every_n_layers": Case(
         "callbacks.gradient_checkpointing._validate",
@@ -419,94 +419,94 @@ CASES: dict[str, Case] = {
         ValueError, "`FSDPStrategy(activation_checkpointing_policy=...)`", "Remove `activation_checkpointing_policy`",
         "would both checkpoint the model"),
     "budget auto, device full": Case(
-        "core.budget.auto_memory_budget", lambda: auto_memory_budget(80 * 2**30, 75 * 2**30, 2 * 2**30), ValueError,
+        "core.plan.budget.auto_memory_budget", lambda: auto_memory_budget(80 * 2**30, 75 * 2**30, 2 * 2**30), ValueError,
         "0.9 x 80.0 GiB of device memory leaves nothing for activations after 75.0 GiB",
         "shard the weights and optimizer state (`strategy='fsdp_ckpt'`)", "leaves nothing for activations"),
     "CheckpointWrapper too": Case(
-        "core.placement.check_checkpointing_placement", wrapped_after_the_callback, ValueError,
+        "core.checkpoint.placement.check_checkpointing_placement", wrapped_after_the_callback, ValueError,
         "`model.blocks.0._checkpoint_wrapped_module` is checkpointed", "Remove one of them",
         "is checkpointed by GradientCheckpointing and by torch's `CheckpointWrapper`"),
     # --- apply_checkpointing
     "apply to a non-module": Case(
-        "core.wrapping.apply_checkpointing", lambda: apply_checkpointing([nn.Linear(2, 2)]), TypeError,
+        "core.checkpoint.wrapping.apply_checkpointing", lambda: apply_checkpointing([nn.Linear(2, 2)]), TypeError,
         "got list", "takes an `nn.Module`", "`apply_checkpointing` takes an `nn.Module`"),
     "no layer matches": Case(
-        "core.wrapping.apply_checkpointing", lambda: apply_checkpointing(blocks(), layer_cls=nn.Conv2d), ValueError,
+        "core.checkpoint.wrapping.apply_checkpointing", lambda: apply_checkpointing(blocks(), layer_cls=nn.Conv2d), ValueError,
         "torch.nn.modules.conv.Conv2d", "The repeated block looks like lightning_ckpt.demos.Block",
         "is an instance of"),
     "no repeated block": Case(
-        "core.selection.detect_block_class", lambda: apply_checkpointing(nn.Linear(2, 2)), ValueError,
+        "core.checkpoint.selection.detect_block_class", lambda: apply_checkpointing(nn.Linear(2, 2)), ValueError,
         "of Linear", "Pass `layer_cls=` the block class", "Could not detect the repeated layer"),
     "several repeated blocks": Case(
-        "core.selection.detect_block_class", lambda: apply_checkpointing(several_block_classes()), ValueError,
+        "core.checkpoint.selection.detect_block_class", lambda: apply_checkpointing(several_block_classes()), ValueError,
         "torch.nn.modules.linear.Linear (in a), torch.nn.modules.conv.Conv1d (in b)",
         "Pass `layer_cls=` the one (or the list)", "Found several repeated layer classes"),
     "nested": Case(
-        "core.wrapping.check_no_nesting", nested, ValueError, "`0.attn.qkv` would be checkpointed inside or around `0`",
+        "core.checkpoint.wrapping.check_no_nesting", nested, ValueError, "`0.attn.qkv` would be checkpointed inside or around `0`",
         "Call `remove_checkpointing` first, or select the same layers", "which already is: nested checkpoints"),
     "cache in training": Case(
-        "core.wrapping._refuse_caches", cache_in_training, ValueError, "A key/value cache (FakeCache)",
+        "core.checkpoint.wrapping._refuse_caches", cache_in_training, ValueError, "A key/value cache (FakeCache)",
         "pass `use_cache=False`", "reaches the checkpointed layer"),
     # --- plan_checkpointing and its plan
     "plan a non-module": Case(
-        "core.measure.check_module_and_step", lambda: plan_checkpointing("model", lambda: None, 0.5), TypeError,
+        "core.measure.layer_costs.check_module_and_step", lambda: plan_checkpointing("model", lambda: None, 0.5), TypeError,
         "got str", "takes an `nn.Module`", "`plan_checkpointing` takes an `nn.Module`"),
     "step not callable": Case(
-        "core.measure.check_module_and_step", lambda: plan_checkpointing(blocks(), None, 0.5), TypeError,
+        "core.measure.layer_costs.check_module_and_step", lambda: plan_checkpointing(blocks(), None, 0.5), TypeError,
         "got None", "a callable with no arguments that returns the loss", "`step` must be a callable"),
     "modes": Case(
-        "core.costs.validate_modes", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, modes=("fast",)),
+        "core.measure.costs.validate_modes", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, modes=("fast",)),
         ValueError, "`modes=('fast',)`", "Pass a non-empty tuple of ('full', 'selective', 'ops')", "is not understood. Pass a"
         " non-empty tuple"),
     "plan offload not understood": Case(
-        "core.costs.validate_offload", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, offload="yes"),
+        "core.measure.costs.validate_offload", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, offload="yes"),
         ValueError, "`offload='yes'`", "Pass False (nothing offloaded), True", "is not understood. Pass False"),
     "auto offload without a device profile": Case(
-        "core.planner._check_plan_arguments",
+        "core.plan.planner._check_plan_arguments",
         lambda: make_plan([LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
                                      offloadable_bytes=0, full_flops=50, selective_flops=5)], 0, 0.5, offload="auto"),
         ValueError, "`offload='auto'`", "pass `device=` a preset such as 'h100-sxm'", "needs a device profile"),
     "host memory not bytes": Case(
-        "core.planner._check_plan_arguments",
+        "core.plan.planner._check_plan_arguments",
         lambda: make_plan([LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40,
                                      offloadable_bytes=0, full_flops=50, selective_flops=5)], 0, 0.5, offload=True,
                                                host_memory=-1),
         ValueError, "got -1", "bytes (an int >= 0) or None", "`host_memory` must be bytes"),
     "plan without a budget": Case(
-        "core.planner.plan_checkpointing", lambda: plan_checkpointing(blocks(), lambda: None, None), ValueError,
+        "core.plan.planner.plan_checkpointing", lambda: plan_checkpointing(blocks(), lambda: None, None), ValueError,
         "`memory_budget=None`", "Pass a fraction such as 0.5 or bytes such as '2GiB'", "asks for no plan"),
     "make_plan without a budget": Case(
-        "core.planner._check_plan_arguments", lambda: make_plan([], 0, None), ValueError,
+        "core.plan.planner._check_plan_arguments", lambda: make_plan([], 0, None), ValueError,
         "`memory_budget=None`", "Pass a fraction such as 0.5 or bytes such as '2GiB'", "asks for no plan"),
     "budget out of reach": Case(
-        "core.planner.make_plan",
+        "core.plan.planner.make_plan",
         lambda: (lambda m: plan_checkpointing(m, step_of(m), 0.01, layer_cls=Block))(blocks()), ValueError,
         "`memory_budget=0.01` asks for an activation peak of at most", "To fit: pass a budget of at least",
         "but the least reachable is"),
     "budget out of reach with the loss in chunks": Case(
-        "core.planner.make_plan", _plan_chunked_out_of_reach, ValueError,
+        "core.plan.planner.make_plan", _plan_chunked_out_of_reach, ValueError,
         "(with the LM head and loss chunked,", "To fit: pass a budget of at least", "but the least reachable is"),
     "chunk_tokens": Case(
-        "core.chunked_loss.chunk_size",
+        "core.checkpoint.chunked_loss.chunk_size",
         lambda: lightning_ckpt.lm_loss(torch.randn(2, 4), nn.Linear(4, 8), torch.tensor([1, 2]), chunk_tokens=0),
         ValueError, "got 0", "Pass e.g. 1024, or None for the default", "`chunk_tokens` must be a positive number"),
     "lm_loss labels": Case(
-        "core.chunked_loss.lm_loss", lambda: lightning_ckpt.lm_loss(torch.randn(3, 4), nn.Linear(4, 8),
+        "core.checkpoint.chunked_loss.lm_loss", lambda: lightning_ckpt.lm_loss(torch.randn(3, 4), nn.Linear(4, 8),
                                                                     torch.tensor([1, 2])),
         ValueError, "got 3 hidden states and 2 labels", "Pass one label per hidden state", "hidden states and"),
     "chunk_loss with logits changed before the loss": Case(
-        "core.chunked_loss._HeadSwap.hidden_from", _llama_scaling_its_logits, RuntimeError,
+        "core.checkpoint.chunked_loss._HeadSwap.hidden_from", _llama_scaling_its_logits, RuntimeError,
         "cannot chunk LlamaForCausalLM's loss", "Pass chunk_loss=False for this model",
         "changes the logits between the head and the loss"),
     "chunk_loss type (apply)": Case(
-        "core.wrapping.apply_checkpointing", lambda: apply_checkpointing(blocks(), chunk_loss="yes"), TypeError,
+        "core.checkpoint.wrapping.apply_checkpointing", lambda: apply_checkpointing(blocks(), chunk_loss="yes"), TypeError,
         "got 'yes'", "Pass True to compute the LM head and the loss in chunks", "`chunk_loss` is True or False"),
     "chunk_loss type (plan)": Case(
-        "core.planner.plan_checkpointing",
+        "core.plan.planner.plan_checkpointing",
         lambda: (lambda m: plan_checkpointing(m, step_of(m), 0.5, chunk_loss="yes"))(blocks()), TypeError,
         "got 'yes'", "None (the plan chooses)", "`chunk_loss` is True, False or None"),
     "tile_mlp type (plan)": Case(
-        "core.planner.plan_checkpointing",
+        "core.plan.planner.plan_checkpointing",
         lambda: (lambda m: plan_checkpointing(m, step_of(m), 0.5, tile_mlp="yes"))(blocks()), TypeError,
         "got 'yes'", "False (whole) or None (the plan chooses)", "`tile_mlp` is True, False or None, got"),
     "chunk_loss type (callback)": Case(
@@ -516,16 +516,16 @@ CASES: dict[str, Case] = {
         "callbacks.gradient_checkpointing._validate", lambda: GradientCheckpointing(time_layers="yes"), TypeError,
         "got 'yes'", "Pass True (plans priced by the times measured on the device) or False", "`time_layers` is True or False"),
     "timing rounds": Case(
-        "core.layer_timing.time_modes", lambda: time_modes(lambda mode: None, ("plain",), torch.device("cpu"), rounds=0),
+        "core.measure.layer_timing.time_modes", lambda: time_modes(lambda mode: None, ("plain",), torch.device("cpu"), rounds=0),
         ValueError, "`rounds=0`", "the number of timed runs of each mode", "must be 1 or more: the number of timed runs"),
     "tile_tokens": Case(
-        "core.tiling.validate_tile_tokens", lambda: apply_checkpointing(blocks(), tile_mlp=True, tile_tokens=0),
+        "core.checkpoint.tiling.validate_tile_tokens", lambda: apply_checkpointing(blocks(), tile_mlp=True, tile_tokens=0),
         ValueError, "got 0", "pass an int >= 1", "`tile_tokens` is the tokens per tile along the sequence"),
     "tile_mlp type (apply)": Case(
-        "core.wrapping._tiles_asked", lambda: apply_checkpointing(blocks(), tile_mlp="yes"), TypeError,
+        "core.checkpoint.wrapping._tiles_asked", lambda: apply_checkpointing(blocks(), tile_mlp="yes"), TypeError,
         "got 'yes'", "Pass True to run each layer's MLP over tiles", "`tile_mlp` is True or False"),
     "tile options without tile_mlp (apply)": Case(
-        "core.wrapping._tiles_asked", lambda: apply_checkpointing(blocks(), tile_tokens=64), ValueError,
+        "core.checkpoint.wrapping._tiles_asked", lambda: apply_checkpointing(blocks(), tile_tokens=64), ValueError,
         "`tile_tokens=64`", "Pass tile_mlp=True with them", "but tile_mlp is False"),
     "tile_mlp type (callback)": Case(
         "callbacks.gradient_checkpointing._validate_tiles", lambda: GradientCheckpointing(tile_mlp="auto"), TypeError,
@@ -535,76 +535,76 @@ CASES: dict[str, Case] = {
         lambda: GradientCheckpointing(tile_mlp=False, tile_cls="torch.nn.Linear"), ValueError,
         "`tile_cls='torch.nn.Linear'`", "Pass tile_mlp=True (or None) with them", "but `tile_mlp=False` tiles nothing"),
     "tile_cls import": Case(
-        "core.tiling.tile_classes", lambda: apply_checkpointing(blocks(), tile_mlp=True, tile_cls="my_model.MLP"),
+        "core.checkpoint.tiling.tile_classes", lambda: apply_checkpointing(blocks(), tile_mlp=True, tile_cls="my_model.MLP"),
         ValueError, "`tile_cls='my_model.MLP'`", "Pass a dotted import path", "could not be imported"),
     "tile_mlp, no MLP known": Case(
-        "core.tiling.check_tiling", lambda: apply_checkpointing(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
+        "core.checkpoint.tiling.check_tiling", lambda: apply_checkpointing(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
                                                                 tile_mlp=True),
         ValueError, "in Sequential", "Pass tile_cls= the class of your layers' MLP",
         "found no MLP it knows to be token-wise"),
     "apply_tiling type": Case(
-        "core.tiling.check_tiling", lambda: apply_tiling("model"), TypeError, "got str", "takes an `nn.Module`",
+        "core.checkpoint.tiling.check_tiling", lambda: apply_tiling("model"), TypeError, "got str", "takes an `nn.Module`",
         "`apply_tiling` takes an `nn.Module`"),
     "tile_cls takes more than the hidden states": Case(
-        "core.tiling.check_tiling", lambda: apply_tiling(nn.ModuleDict({"a": nn.MultiheadAttention(8, 2)}),
+        "core.checkpoint.tiling.check_tiling", lambda: apply_tiling(nn.ModuleDict({"a": nn.MultiheadAttention(8, 2)}),
                                                          tile_cls=nn.MultiheadAttention),
         TypeError, "`a` (torch.nn.modules.activation.MultiheadAttention)", "Pass tile_cls= a class called with the"
         " hidden states alone", "takes more than one tensor argument"),
     "tiles nested": Case(
-        "core.tiling.check_tiling", _tiles_nested, ValueError, "`blocks.0.ln1` would be tiled inside `blocks.0`",
+        "core.checkpoint.tiling.check_tiling", _tiles_nested, ValueError, "`blocks.0.ln1` would be tiled inside `blocks.0`",
         "Pass a tile_cls that matches one of them", "which is tiled too"),
     "checkpointed as the tiled module": Case(
-        "core.wrapping._check_tiles_inside",
+        "core.checkpoint.wrapping._check_tiles_inside",
         lambda: apply_checkpointing(Transformer(16, 8, 1, 8, 2, 0.0), layer_cls=nn.LayerNorm, tile_mlp=True),
         ValueError, "`blocks.0.ln1` would be checkpointed as the tiled `blocks.0.ln1`",
         "Pass a layer_cls around the MLP", "whose tiles already run under checkpoint"),
     "tiled module called with two tensors": Case(
-        "core.tiling.TiledForward.__call__", _tiled_called_with_two_tensors, TypeError,
+        "core.checkpoint.tiling.TiledForward.__call__", _tiled_called_with_two_tensors, TypeError,
         "was called with more than one tensor (2)", "Tile a module that takes the hidden states alone",
         "tiling splits only its first argument"),
     "tiled module not token-wise": Case(
-        "core.tiling.TiledForward.__call__", _tiled_pool, TypeError, "returned (1, 1, 8) for a tile of (1, 2, 8)",
+        "core.checkpoint.tiling.TiledForward.__call__", _tiled_pool, TypeError, "returned (1, 1, 8) for a tile of (1, 2, 8)",
         "Pass tile_mlp=False, or tile_cls= a token-wise class", "a tiled module must return one tensor with a row per"
         " token"),
     "plan in eval mode": Case(
-        "core.measure._measure", lambda: plan_checkpointing(blocks().eval(), lambda: None, 0.5), ValueError,
+        "core.measure.layer_costs._measure", lambda: plan_checkpointing(blocks().eval(), lambda: None, 0.5), ValueError,
         "the module is in eval mode", "Call `module.train()` first", "measures a training step, but the module is in"
         " eval mode"),
     "plan, no layer matches": Case(
-        "core.measure._measure", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, layer_cls=nn.Conv2d),
+        "core.measure.layer_costs._measure", lambda: plan_checkpointing(blocks(), lambda: None, 0.5, layer_cls=nn.Conv2d),
         ValueError, "`layer_cls=<class 'torch.nn.modules.conv.Conv2d'>`", "pass the class of the model's repeated"
         " block", "matches `layer_cls="),
     "step runs no layer": Case(
-        "core.measure._measure",
+        "core.measure.layer_costs._measure",
         lambda: plan_checkpointing(blocks(), lambda: torch.zeros((), requires_grad=True), 0.5), ValueError,
         "never called a matched layer (0, 1, ...)", "pass a step that runs the model's forward and returns the loss",
         "never called a matched layer"),
     "device profile rate": Case(
-        "core.device_profile.DeviceProfile.__post_init__",
+        "core.measure.device_profile.DeviceProfile.__post_init__",
         lambda: DeviceProfile(matmul_flops=0, memory_bandwidth=1e12, host_bandwidth=1e10), ValueError,
         "`matmul_flops` must be a positive number per second, got 0", "DeviceProfile.preset('h100-sxm')",
         "must be a positive number per second"),
     "device profile overhead": Case(
-        "core.device_profile.DeviceProfile.__post_init__",
+        "core.measure.device_profile.DeviceProfile.__post_init__",
         lambda: DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e12, host_bandwidth=1e10, op_overhead=-1),
         ValueError, "got -1", "Pass e.g. 5e-6, or None", "must be seconds per op (0 or more)"),
     "device preset": Case(
-        "core.device_profile.DeviceProfile.preset", lambda: DeviceProfile.preset("h300"), ValueError,
+        "core.measure.device_profile.DeviceProfile.preset", lambda: DeviceProfile.preset("h300"), ValueError,
         "Unknown device preset 'h300'", "Known: h100-sxm", "Unknown device preset"),
     "device type": Case(
-        "core.device_profile.resolve_device",
+        "core.measure.device_profile.resolve_device",
         lambda: plan_checkpointing(blocks(), lambda: None, 0.5, device=3), TypeError,
         "got 3", "a preset name such as 'h100-sxm'", "`device` must be None, a DeviceProfile or a preset name"),
     "sharded, not per layer": Case(
-        "core.measure.LayerCostRecorder.__init__", sharded_at_the_root_only, ValueError,
+        "core.measure.layer_costs.LayerCostRecorder.__init__", sharded_at_the_root_only, ValueError,
         "`0` has sharded (DTensor) parameters", "Shard each layer as its own unit",
         "has sharded (DTensor) parameters but is not an FSDP unit"),
     "plan.apply options": Case(
-        "core.plan.CheckpointPlan.apply", lambda: a_plan().apply(blocks(), mode="full"), TypeError,
+        "core.plan.checkpoint_plan.CheckpointPlan.apply", lambda: a_plan().apply(blocks(), mode="full"), TypeError,
         "got ['mode']", "`apply` takes use_reentrant, preserve_rng_state, checkpoint_kwargs and tile_cls",
         "`apply` takes use_reentrant"),
     "plan.apply elsewhere": Case(
-        "core.plan.CheckpointPlan.apply", lambda: a_plan().apply(nn.Linear(2, 2)), ValueError,
+        "core.plan.checkpoint_plan.CheckpointPlan.apply", lambda: a_plan().apply(nn.Linear(2, 2)), ValueError,
         "names layer `0`, which Linear does not have", "apply a plan to the module it was made for",
         "does not have: apply a plan"),
     # --- MemoryMonitor
@@ -620,13 +620,13 @@ CASES: dict[str, Case] = {
         "MemoryMonitor could not find the batch size"),
     # --- offload's engine
     "offload min_bytes": Case(
-        "core.offload.OffloadEngine.__init__", lambda: OffloadEngine(FakeStreams(), min_bytes=-1), ValueError,
+        "core.checkpoint.offload.OffloadEngine.__init__", lambda: OffloadEngine(FakeStreams(), min_bytes=-1), ValueError,
         "got -1", "Pass e.g. 1048576 (1 MiB) or 0 to offload everything", "`min_bytes` must be an int >= 0"),
     "offload lag": Case(
-        "core.offload.OffloadEngine.__init__", lambda: OffloadEngine(FakeStreams(), lag=1.5), ValueError,
+        "core.checkpoint.offload.OffloadEngine.__init__", lambda: OffloadEngine(FakeStreams(), lag=1.5), ValueError,
         "got 1.5", "Pass e.g.", "`lag` must be an int >= 0"),
     "offload engine": Case(
-        "core.offload.use_engine", lambda: use_engine("cuda").__enter__(), TypeError,
+        "core.checkpoint.offload.use_engine", lambda: use_engine("cuda").__enter__(), TypeError,
         "got str", "Build one with `OffloadEngine(DeviceStreams('cuda'))`", "`use_engine` takes an `OffloadEngine`"),
     # --- strategies
     "DDP, reentrant, unused parameters": Case(
@@ -1021,13 +1021,13 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
         2, "a batch without token ids, or a length under 1 (which --lengths' parsing refuses first); the first is"
            " asserted in test_plan_command"),
     "commands.plan.measure.measure": (1, "a step that fails at one of --lengths, re-raised with the length named"),
-    "core.cost_fit.fit_peak": (1, "a misuse by its caller (fewer than two lengths), not a user setting"),
-    "core.cost_fit.CostFit.predict": (1, "a misuse by its caller (no fit yet: it predicts only where trusted), asserted in"
+    "core.measure.cost_fit.fit_peak": (1, "a misuse by its caller (fewer than two lengths), not a user setting"),
+    "core.measure.cost_fit.CostFit.predict": (1, "a misuse by its caller (no fit yet: it predicts only where trusted), asserted in"
                                          " test_cost_fit"),
-    "core.fake_streams.FakeStreams._queue": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
-    "core.fake_streams.FakeStreams._perform": (
+    "core.checkpoint.fake_streams.FakeStreams._queue": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
+    "core.checkpoint.fake_streams.FakeStreams._perform": (
         2, "the offload tests' fake streams report a bug of the offload engine itself"),
-    "core.fake_streams.FakeStreams._check": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
+    "core.checkpoint.fake_streams.FakeStreams._check": (1, "the offload tests' fake streams report a bug of the offload engine itself"),
     "callbacks.gradient_checkpointing.check_lightning_strategy": (
         1, "DeepSpeed refused at setup: tested from a Trainer in test_parallelism.py, with a stand-in for deepspeed"
            " (not installed)"),
@@ -1036,11 +1036,11 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
     "callbacks.gradient_checkpointing._loss_of": (
         1, "caught where it is raised: a training_step without a loss (manual optimization) is not measured at the"
            " longest length, as any step fake tensors cannot run (test_longest)"),
-    "core.solver.solve": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
+    "core.plan.solver.solve": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
     "callbacks.gradient_checkpointing.GradientCheckpointing._make_plan": (
         1, "make_plan's 'least reachable' message (case 'budget out of reach') with the batch size appended; the size"
            " is asserted in test_budget_cycle's out-of-reach test"),
-    "core.budget_cycle.BudgetCycle.planned": (
+    "core.plan.budget_cycle.BudgetCycle.planned": (
         1, "a misuse of the core object by its caller (planned() without a measuring step), not a user setting;"
            " asserted in test_budget_cycle"),
     "commands.compare.run.variant_config": (

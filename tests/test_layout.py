@@ -4,10 +4,19 @@ The rules, read from every import in the source (top level, in functions, under 
 
 - ``lightning_ckpt.core`` is plain PyTorch: besides ``core`` itself it imports only the standard library, torch,
   numpy and psutil (so no ``lightning``, ``lightning_fabric`` or ``pytorch_lightning``, and no package module outside it);
+- inside ``core``, imports run one way through its three folders, ``plan`` (choosing) -> ``measure`` (what a step holds
+  and costs) -> ``checkpoint`` (how to checkpoint): ``checkpoint`` imports neither ``measure`` nor ``plan``, and
+  ``measure`` does not import ``plan``; every ``core`` module but ``core`` itself lives in one of the three;
 - ``callbacks`` and ``strategies`` never import ``commands``, and ``callbacks`` never imports ``strategies``;
 - nothing outside ``commands`` imports ``commands``; ``import lightning_ckpt`` pulls in neither commands nor demos;
 - there is no import cycle;
 - every module lives in one of the layer folders, except the package itself and ``demos_hf`` (kept for old configs).
+
+``tests/`` mirrors the package: each test file sits in the folder of the module it mainly tests (``tests/core/plan/``
+for ``lightning_ckpt/core/plan/``), the project-wide ones (layout, docs, errors, configs, accelerator) and the shared
+helpers (``helpers.py``, ``_dist_helpers.py``, ``conftest.py``, ...) at its top level. Test files are imported by their
+name (pytest's default import mode, and ``from helpers import ...``), so no two share one, and a test file imports
+another only from its own folder.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ import lightning_ckpt
 PACKAGE_DIR = Path(lightning_ckpt.__file__).parent
 ROOT = PACKAGE_DIR.parent
 LAYERS = ("core", "callbacks", "strategies", "commands", "demos")
+#: The folders of ``core``, lowest first: each may import the ones before it, never the ones after.
+CORE_FOLDERS = ("checkpoint", "measure", "plan")
 #: Modules outside the layer folders: the public names, and the path that configs written before ``demos/`` name.
 OUTSIDE_LAYERS = {"lightning_ckpt", "lightning_ckpt.demos_hf"}
 #: Paths that user configs and code already use (issue 14); they must keep loading whatever the layout.
@@ -42,7 +53,8 @@ KEPT_PATHS = ["lightning_ckpt.GradientCheckpointing", "lightning_ckpt.MemoryMoni
 
 
 def package_modules() -> dict[str, Path]:
-    """``{"lightning_ckpt": .../__init__.py, "lightning_ckpt.core.wrapping": .../core/wrapping.py, ...}``."""
+    """``{"lightning_ckpt": .../__init__.py,
+    "lightning_ckpt.core.checkpoint.wrapping": .../core/checkpoint/wrapping.py, ...}``."""
     modules = {}
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
@@ -91,9 +103,21 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def layer(module: str) -> str | None:
-    """``"core"`` for ``lightning_ckpt.core.wrapping``; ``None`` for a module outside the layer folders."""
+    """``"core"`` for ``lightning_ckpt.core.checkpoint.wrapping``; ``None`` for a module outside the layer folders."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def core_folder(module: str) -> str | None:
+    """``"checkpoint"`` for ``lightning_ckpt.core.checkpoint.wrapping``; ``None`` outside ``core``'s folders."""
+    parts = module.split(".")
+    return parts[2] if layer(module) == "core" and len(parts) > 2 and parts[2] in CORE_FOLDERS else None
+
+
+def imports_upward_in_core(name: str, imported: str) -> bool:
+    """Whether ``name`` imports a ``core`` folder above its own (``checkpoint`` -> ``measure``, say)."""
+    low, high = core_folder(name), core_folder(imported)
+    return low is not None and high is not None and CORE_FOLDERS.index(high) > CORE_FOLDERS.index(low)
 
 
 def violations(graph: dict[str, set[str]]) -> list[str]:
@@ -111,6 +135,8 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
                 bad.append(f"{name} -> {imported}")
             elif name == "lightning_ckpt" and layer(imported) == "demos":
                 bad.append(f"{name} -> {imported}")
+            elif imports_upward_in_core(name, imported):
+                bad.append(f"{name} -> {imported}")
     return bad
 
 
@@ -124,23 +150,26 @@ def test_imported_names_sees_lazy_and_relative_imports():
     # Function-level imports are where the two former cycles (callback <-> strategies, cli <-> compare) hid.
     source = ("import torch\nfrom . import wrapping\nfrom .selection import is_inside\n"
               "def setup():\n    from lightning_ckpt.strategies import CheckpointingDDPStrategy\n")
-    assert imported_names("lightning_ckpt.core.planner", source) == {
-        "torch", "lightning_ckpt.core", "lightning_ckpt.core.wrapping", "lightning_ckpt.core.selection",
-        "lightning_ckpt.core.selection.is_inside", "lightning_ckpt.strategies",
+    assert imported_names("lightning_ckpt.core.checkpoint.placement", source) == {
+        "torch", "lightning_ckpt.core.checkpoint", "lightning_ckpt.core.checkpoint.wrapping",
+        "lightning_ckpt.core.checkpoint.selection", "lightning_ckpt.core.checkpoint.selection.is_inside",
+        "lightning_ckpt.strategies",
         "lightning_ckpt.strategies.CheckpointingDDPStrategy"}
     assert "lightning_ckpt.callbacks.memory_monitor" in imported_names(
         "lightning_ckpt.callbacks", "from .memory_monitor import M", is_package=True)
 
 
 def test_violations_names_each_forbidden_edge():
-    graph = {"lightning_ckpt.core.planner": {"lightning_ckpt.core.wrapping", "lightning_ckpt.callbacks"},
-             "lightning_ckpt.callbacks.memory_monitor": {"lightning_ckpt.strategies", "lightning_ckpt.core.profiling"},
+    graph = {"lightning_ckpt.core.plan.planner": {"lightning_ckpt.core.checkpoint.wrapping",
+                                                  "lightning_ckpt.callbacks"},
+             "lightning_ckpt.callbacks.memory_monitor": {"lightning_ckpt.strategies",
+                                                         "lightning_ckpt.core.measure.profiling"},
              "lightning_ckpt.strategies.ddp": {"lightning_ckpt.commands.cli", "lightning_ckpt.callbacks"},
              "lightning_ckpt.demos": {"lightning_ckpt.commands.plan"},
-             "lightning_ckpt": {"lightning_ckpt.demos.hf", "lightning_ckpt.core.planner"},
+             "lightning_ckpt": {"lightning_ckpt.demos.hf", "lightning_ckpt.core.plan.planner"},
              "lightning_ckpt.commands.cli": {"lightning_ckpt.commands.compare", "lightning_ckpt.strategies"}}
     assert violations(graph) == [
-        "lightning_ckpt.core.planner -> lightning_ckpt.callbacks",
+        "lightning_ckpt.core.plan.planner -> lightning_ckpt.callbacks",
         "lightning_ckpt.callbacks.memory_monitor -> lightning_ckpt.strategies",
         "lightning_ckpt.strategies.ddp -> lightning_ckpt.commands.cli",
         "lightning_ckpt.demos -> lightning_ckpt.commands.plan",
@@ -153,7 +182,9 @@ def test_the_package_import_graph_follows_the_layers_and_is_acyclic():
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
     assert violations(graph) == []
     # The edges the layers exist for are really there (a graph read wrongly would pass the rules empty).
-    assert "lightning_ckpt.core.wrapping" in graph["lightning_ckpt.callbacks.gradient_checkpointing"]
+    assert "lightning_ckpt.core.checkpoint.wrapping" in graph["lightning_ckpt.callbacks.gradient_checkpointing"]
+    assert "lightning_ckpt.core.measure.layer_costs" in graph["lightning_ckpt.core.plan.planner"]
+    assert "lightning_ckpt.core.checkpoint.wrapping" in graph["lightning_ckpt.core.measure.layer_costs"]
     assert any(layer(n) == "callbacks" for name in graph if layer(name) == "strategies" for n in graph[name])
     assert any(layer(n) == "core" for n in graph["lightning_ckpt.commands.plan.measure"])
 
@@ -161,6 +192,48 @@ def test_the_package_import_graph_follows_the_layers_and_is_acyclic():
 def test_every_module_is_in_a_layer_folder():
     outside = sorted(name for name in package_modules() if layer(name) is None)
     assert outside == sorted(OUTSIDE_LAYERS)
+
+
+def test_every_core_module_is_in_one_of_cores_folders():
+    core = [name for name in package_modules() if layer(name) == "core"]
+    assert {core_folder(name) for name in core} == {None, *CORE_FOLDERS}
+    assert [name for name in core if core_folder(name) is None] == ["lightning_ckpt.core"]
+
+
+def test_violations_names_an_upward_import_inside_core_and_passes_downward_ones():
+    modules = set(package_modules())
+
+    def edges(module: str, source: str) -> set[str]:
+        return imported_names(module, source) & modules - {module}
+
+    # Upward: checkpoint -> measure (top level), checkpoint -> plan (in a function), measure -> plan (relative).
+    upward = {
+        "lightning_ckpt.core.checkpoint.offload": edges(
+            "lightning_ckpt.core.checkpoint.offload",
+            "from lightning_ckpt.core.measure.profiling import report_held\n"
+            "def f():\n    from lightning_ckpt.core.plan import planner\n"),
+        "lightning_ckpt.core.measure.costs": edges("lightning_ckpt.core.measure.costs",
+                                                   "from ..plan.solver import held_peak\n"),
+    }
+    assert violations(upward) == [
+        "lightning_ckpt.core.checkpoint.offload -> lightning_ckpt.core.measure.profiling",
+        "lightning_ckpt.core.checkpoint.offload -> lightning_ckpt.core.plan",
+        "lightning_ckpt.core.checkpoint.offload -> lightning_ckpt.core.plan.planner",
+        "lightning_ckpt.core.measure.costs -> lightning_ckpt.core.plan.solver",
+    ]
+    # Downward and within a folder: plan -> measure and checkpoint, measure -> checkpoint, checkpoint -> checkpoint.
+    downward = {
+        "lightning_ckpt.core.plan.planner": edges(
+            "lightning_ckpt.core.plan.planner",
+            "from lightning_ckpt.core.measure import layer_costs\n"
+            "from ..checkpoint.wrapping import apply_checkpointing\nfrom .solver import solve\n"),
+        "lightning_ckpt.core.measure.profiling": edges(
+            "lightning_ckpt.core.measure.profiling",
+            "from lightning_ckpt.core.checkpoint.storages import storage_key\n"),
+        "lightning_ckpt.core.checkpoint.compress": edges(
+            "lightning_ckpt.core.checkpoint.compress", "from lightning_ckpt.core.checkpoint import offload\n"),
+    }
+    assert all(downward.values()) and violations(downward) == []
 
 
 # What plain-PyTorch code may import: Python's standard library, torch and the core's two small helpers.
@@ -177,7 +250,7 @@ def test_outside_core_imports_rejects_every_lightning_package_and_anything_unlis
     source = ("import math, torch.nn\nfrom . import wrapping\nimport psutil\n"
               "from lightning_fabric.utilities.rank_zero import rank_zero_warn\n"
               "def f():\n    import pytorch_lightning\n    import lightning.pytorch\n    import yaml\n")
-    assert outside_core_imports("lightning_ckpt.core.budget", source) == [
+    assert outside_core_imports("lightning_ckpt.core.plan.budget", source) == [
         "lightning.pytorch", "lightning_fabric.utilities.rank_zero", "lightning_fabric.utilities.rank_zero.rank_zero_warn",
         "pytorch_lightning", "yaml"]
 
@@ -185,7 +258,7 @@ def test_outside_core_imports_rejects_every_lightning_package_and_anything_unlis
 def test_the_core_imports_only_the_standard_library_torch_numpy_and_psutil():
     modules = package_modules()
     core = [name for name in modules if layer(name) == "core"]
-    assert "lightning_ckpt.core.placement" in core and "lightning_ckpt.core.planner" in core
+    assert "lightning_ckpt.core.checkpoint.placement" in core and "lightning_ckpt.core.plan.planner" in core
     for name in core:
         outside = outside_core_imports(name, modules[name].read_text())
         assert outside == [], f"{name} imports {outside}: core may import only torch, numpy, psutil and the stdlib"
@@ -245,7 +318,8 @@ def test_the_configs_and_readme_name_paths_that_this_test_loads():
 
 
 def test_load_path_fails_for_a_path_that_does_not_exist():
-    assert load_path("lightning_ckpt.core.wrapping.apply_checkpointing") is lightning_ckpt.apply_checkpointing
+    assert (load_path("lightning_ckpt.core.checkpoint.wrapping.apply_checkpointing")
+            is lightning_ckpt.apply_checkpointing)
     for missing in ("lightning_ckpt.callback.GradientCheckpointing", "lightning_ckpt.demos.NoSuchModel"):
         with pytest.raises((ImportError, AttributeError)):
             load_path(missing)
@@ -274,3 +348,31 @@ def test_the_strategy_names_and_the_console_script_resolve():
     name, target = (part.strip().strip('"') for part in scripts.split("="))
     module, function = target.split(":")
     assert name == "lightning-ckpt" and callable(getattr(importlib.import_module(module), function))
+
+
+# ------------------------------------------------------------------------------------------------
+# The tests' layout
+# ------------------------------------------------------------------------------------------------
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def test_the_test_folders_mirror_the_package_and_the_helpers_stay_on_top():
+    files = sorted(TESTS_DIR.rglob("*.py"))
+    folders = {path.parent.relative_to(TESTS_DIR) for path in files} - {Path(".")}
+    assert Path("core/plan") in folders and Path("callbacks") in folders
+    assert [str(f) for f in sorted(folders) if not (PACKAGE_DIR / f).is_dir()] == []
+    nested = [path for path in files if path.parent != TESTS_DIR]
+    assert all(path.name.startswith("test_") for path in nested), [str(p) for p in nested]
+    names = [path.name for path in files]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_a_test_file_imports_other_test_files_only_from_its_own_folder():
+    found = 0
+    for path in sorted(TESTS_DIR.rglob("test_*.py")):
+        for name in imported_names("", path.read_text()):
+            if name.split(".")[0].startswith("test_"):
+                found += 1
+                assert (path.parent / f"{name.split('.')[0]}.py").is_file(), f"{path.relative_to(TESTS_DIR)}: {name}"
+    assert found  # test_budget_cycle's costs by hand from test_cost_fit, say

@@ -1,6 +1,6 @@
 """Griffe extension for the API reference: the Sphinx roles of the package's docstrings become links.
 
-The docstrings name other objects as Sphinx does (``:class:`~lightning_ckpt.core.planner.CheckpointPlan```,
+The docstrings name other objects as Sphinx does (``:class:`~lightning_ckpt.core.plan.planner.CheckpointPlan```,
 ``:func:`plan_checkpointing```), which Markdown would show as they are. This turns each into a cross-reference to the
 object's entry in the reference when the reference has one (a public, documented object of the package), and into
 code otherwise (torch's functions, private helpers). Docstrings in the source stay as they are.

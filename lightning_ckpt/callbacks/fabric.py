@@ -34,7 +34,7 @@ from torch import nn
 
 from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointing
 from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
-from lightning_ckpt.core.planner import CheckpointPlan
+from lightning_ckpt.core.plan.planner import CheckpointPlan
 
 #: ``loss_fn(module, batch) -> loss``: the loss of a batch computed from the unwrapped module (used on fake tensors).
 LossFn = Callable[[nn.Module, Any], torch.Tensor]

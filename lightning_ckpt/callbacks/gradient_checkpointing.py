@@ -1,5 +1,5 @@
 """GradientCheckpointing: the Lightning callback. It only decides *when*; selection and wrapping decide what and how,
-and :mod:`~lightning_ckpt.core.budget` holds the memory-budget arithmetic (ranks combined, ``"auto"``, the report).
+and :mod:`~lightning_ckpt.core.plan.budget` holds the memory-budget arithmetic (ranks combined, ``"auto"``, the report).
 
 Also here: finding the callback on a Trainer, and refusing a Lightning strategy that would checkpoint as well.
 """
@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import psutil
 
-from lightning_ckpt.core.budget import (
+from lightning_ckpt.core.plan.budget import (
     AutoBudget,
     RankMeasurement,
     combine_costs,
@@ -36,14 +36,14 @@ from lightning_ckpt.core.budget import (
     plan_table,
     static_bytes,
 )
-from lightning_ckpt.core.budget_cycle import BatchSize, BudgetCycle, batch_size_of
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.memory_stats import device_peak_bytes, device_total_bytes, reset_device_peaks
-from lightning_ckpt.core.longest import batch_of_length, longest_length, measure_fake_step, sequence_length_of
-from lightning_ckpt.core.offload import release_all
-from lightning_ckpt.core.placement import check_checkpointing_placement, fsdp2
-from lightning_ckpt.core.profiling import SavedTensorCounter, format_bytes
-from lightning_ckpt.core.planner import (
+from lightning_ckpt.core.checkpoint.offload import release_all
+from lightning_ckpt.core.checkpoint.placement import check_checkpointing_placement, fsdp2
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.measure.longest import batch_of_length, longest_length, measure_fake_step, sequence_length_of
+from lightning_ckpt.core.measure.memory_stats import device_peak_bytes, device_total_bytes, reset_device_peaks
+from lightning_ckpt.core.measure.profiling import SavedTensorCounter, format_bytes
+from lightning_ckpt.core.plan.budget_cycle import BatchSize, BudgetCycle, batch_size_of
+from lightning_ckpt.core.plan.planner import (
     CheckpointPlan,
     ChunkedHead,
     HeadCount,
@@ -53,8 +53,9 @@ from lightning_ckpt.core.planner import (
     head_and_loss_bytes,
     make_plan,
 )
-from lightning_ckpt.core.selection import class_path, parse_memory_budget, resolve_layer_classes, validate_every_n_layers
-from lightning_ckpt.core.chunked_loss import (
+from lightning_ckpt.core.checkpoint.selection import (class_path, parse_memory_budget, resolve_layer_classes,
+                                                      validate_every_n_layers)
+from lightning_ckpt.core.checkpoint.chunked_loss import (
     DEFAULT_CHUNK_TOKENS,
     LossNotChunkable,
     chunk_causal_lm_loss,
@@ -62,9 +63,9 @@ from lightning_ckpt.core.chunked_loss import (
     losses_kept_whole,
     unchunk_causal_lm_loss,
 )
-from lightning_ckpt.core.compress import Compress
-from lightning_ckpt.core.tiling import apply_tiling, tile_classes, token_wise_modules, validate_tile_tokens
-from lightning_ckpt.core.wrapping import (
+from lightning_ckpt.core.checkpoint.compress import Compress
+from lightning_ckpt.core.checkpoint.tiling import apply_tiling, tile_classes, token_wise_modules, validate_tile_tokens
+from lightning_ckpt.core.checkpoint.wrapping import (
     CheckpointOptions,
     Mode,
     apply_checkpointing,
@@ -163,7 +164,7 @@ class GradientCheckpointing(Callback):
             a model that changes its logits before the loss (Gemma 2's ``final_logit_softcapping``).
         tile_mlp: ``True``: each decoder layer's MLP and norms (and the final norm) run over tiles of tokens, each tile
             under checkpoint, so that only one tile's intermediates are alive at a time (ALST's TiledMLP;
-            :mod:`~lightning_ckpt.core.tiling`), in every layer, checkpointed or not: Transformers' Llama, Mistral,
+            :mod:`~lightning_ckpt.core.checkpoint.tiling`), in every layer, checkpointed or not: Transformers' Llama, Mistral,
             Qwen2/3, Phi3, Gemma/2/3 decoder layers, litgpt's ``Block``, the demo GPT; ``tile_cls`` names the class for
             a model of your own. ``False``: whole. ``None``: whole for now (a budget's plan will choose it).
         tile_tokens: with ``tile_mlp``: tokens per tile along the sequence; ``None``: ``ceil(length / hidden)`` tiles
@@ -187,8 +188,8 @@ class GradientCheckpointing(Callback):
     sizes measured (a + b tokens + c tokens x length, 2% over) where the fit is trusted, else from a measuring step
     (fully checkpointed while its costs are recorded: the first three sizes, a size 16x past all measured, or a bucket
     whose predicted plan held more than planned); the plan is used for the batches it covers, and a short batch so
-    runs the cheaper plan its own size allows (:mod:`~lightning_ckpt.core.budget_cycle`). ``callback.plan`` holds the latest batch's
-    :class:`~lightning_ckpt.core.planner.CheckpointPlan` (and ``checkpointed_layers`` its choice), ``callback.plans``
+    runs the cheaper plan its own size allows (:mod:`~lightning_ckpt.core.plan.budget_cycle`). ``callback.plan`` holds the latest batch's
+    :class:`~lightning_ckpt.core.plan.planner.CheckpointPlan` (and ``checkpointed_layers`` its choice), ``callback.plans``
     every bucket's. The plans are saved in Lightning checkpoints with the fit: a resumed run applies them without
     measuring those sizes again, and predicts new sizes from the fit. Under DDP and FSDP2 every rank measures its own batch, the per-layer
     costs are combined with their maximum over ranks, and every rank solves the same plan. Under FSDP2 each layer
@@ -295,7 +296,7 @@ class GradientCheckpointing(Callback):
     @property
     def plans(self) -> dict[int, CheckpointPlan]:
         """With ``memory_budget``: each batch-size bucket (tokens, or samples, rounded up to a power of two: a batch
-        of 4 x 100 tokens is in bucket 512) and its plan; see :mod:`~lightning_ckpt.core.budget_cycle`."""
+        of 4 x 100 tokens is in bucket 512) and its plan; see :mod:`~lightning_ckpt.core.plan.budget_cycle`."""
         return dict(self._cycle.plans)
 
     @property
@@ -492,7 +493,7 @@ class GradientCheckpointing(Callback):
                            " is measured on its next batch.")
 
     def _plan_longest(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        """Before the first step: plan for ``batch`` at the longest length (:mod:`~lightning_ckpt.core.longest`),
+        """Before the first step: plan for ``batch`` at the longest length (:mod:`~lightning_ckpt.core.measure.longest`),
         measured on fake tensors; an impossible budget raises here, before anything is trained."""
         if self._first_auto() or self._cycle.plans or self._settings["max_length"] == 0:
             return  # "auto" needs a real step's static memory first; a resumed run has its plans; 0 turns it off
@@ -965,7 +966,7 @@ _KEEPS_PLAN = {
 
 
 #: The chunk a measuring step runs the LM head in when the plan chooses it; smaller chunks (down to
-#: :data:`~lightning_ckpt.core.planner.MIN_CHUNK_TOKENS`) are priced from it on fake tensors of the head alone. A
+#: :data:`~lightning_ckpt.core.plan.planner.MIN_CHUNK_TOKENS`) are priced from it on fake tensors of the head alone. A
 #: budget that only smaller chunks reach is exceeded on measuring steps, by at most what they free (as offload's is).
 _MEASURED_CHUNK = DEFAULT_CHUNK_TOKENS
 #: Chunks of more tokens than any batch has: the head and loss whole, through lm_loss.
@@ -989,7 +990,7 @@ class _HeadRun:
     @functools.cached_property
     def alone(self) -> list[tuple[int, int]]:
         """Each head and loss alone as the step ran them: saved and backward-peak bytes on fake tensors
-        (:func:`~lightning_ckpt.core.planner.head_and_loss_bytes`), once, when another chunk is priced."""
+        (:func:`~lightning_ckpt.core.plan.planner.head_and_loss_bytes`), once, when another chunk is priced."""
         return [head_and_loss_bytes(head, self.tokens, self.chunk, self.count.dtypes) for head in self.count.heads]
 
 
@@ -1020,7 +1021,7 @@ def _chunked_head(strategy: Strategy, run: _HeadRun, chunk: int) -> ChunkedHead:
 
 
 def _combine_over_ranks(strategy: Strategy, measured: RankMeasurement, figures: list[int]) -> tuple[RankMeasurement, list[int]]:
-    """Every rank's costs and ``figures`` gathered and combined (:func:`~lightning_ckpt.core.budget.combine_costs`)."""
+    """Every rank's costs and ``figures`` gathered and combined (:func:`~lightning_ckpt.core.plan.budget.combine_costs`)."""
     row = pack_costs(measured, figures, offload_min_bytes(strategy.root_device))
     local = torch.tensor(row, dtype=torch.int64, device=strategy.root_device)
     return combine_costs(strategy.all_gather(local).reshape(-1, local.numel()), measured)

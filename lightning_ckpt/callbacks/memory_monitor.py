@@ -9,7 +9,7 @@ Example::
     trainer.fit(model)  # logs memory/*, throughput/*, time/step_sec, compute/*; prints a summary at the end
 
 The callback decides when to measure, gather and log; what it measures and computes (the probes, the reduction over
-ranks, the memory breakdown) is in :mod:`lightning_ckpt.core.memory_stats`, plain PyTorch.
+ranks, the memory breakdown) is in :mod:`lightning_ckpt.core.measure.memory_stats`, plain PyTorch.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_ckpt.callbacks.gradient_checkpointing import find_checkpointing_callback
-from lightning_ckpt.core.memory_stats import (
+from lightning_ckpt.core.measure.memory_stats import (
     ActivationProbe,
     FlopProbe,
     PeakProbe,
@@ -44,7 +44,7 @@ from lightning_ckpt.core.memory_stats import (
     synchronize,
     tokens_in_batch,
 )
-from lightning_ckpt.core.profiling import tensor_bytes
+from lightning_ckpt.core.measure.profiling import tensor_bytes
 
 #: FLOPs are counted on a logging step at least this many optimizer steps after the last counted one.
 FLOP_COUNT_EVERY = 100
@@ -66,7 +66,7 @@ class MemoryMonitor(Callback):
       that ``GradientCheckpointing(offload=True)`` keeps in host memory instead.
     - ``memory/activation_peak_gib``: the step's activation peak, forward and backward (recomputes and activation
       gradients included, parameters' gradients not), the figure a ``memory_budget`` bounds. Counted by
-      :class:`~lightning_ckpt.core.memory_stats.PeakProbe`, a Python dispatch mode that slows the step it counts: on
+      :class:`~lightning_ckpt.core.measure.memory_stats.PeakProbe`, a Python dispatch mode that slows the step it counts: on
       each batch larger (its main tensor's shape, padding included) than every earlier one, on the second optimizer step (the first
       runs a budget's measuring) and on the steps that count FLOPs (below); logging steps in between repeat the last
       count.
@@ -75,7 +75,7 @@ class MemoryMonitor(Callback):
       validation excluded.
     - ``compute/recompute_flops_share``: the FLOPs that checkpointing recomputes over all FLOPs of the step's forward
       and backward (0 without checkpointing; optimizer step excluded), counted by
-      :class:`~lightning_ckpt.core.memory_stats.RecomputeCostMode` as the planner counts them. Counting puts every op through a Python dispatch mode, which slows that step (and runs a
+      :class:`~lightning_ckpt.core.measure.memory_stats.RecomputeCostMode` as the planner counts them. Counting puts every op through a Python dispatch mode, which slows that step (and runs a
       compiled model eagerly for it), so it runs on logging steps only, never the first step, and at most once every
       :data:`FLOP_COUNT_EVERY` optimizer steps; logging steps in between repeat the last count. No other step is
       touched.

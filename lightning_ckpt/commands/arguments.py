@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from lightning_ckpt.core.device_profile import PRESET_NAMES
-from lightning_ckpt.core.selection import parse_memory_budget
+from lightning_ckpt.core.checkpoint.selection import parse_memory_budget
+from lightning_ckpt.core.measure.device_profile import PRESET_NAMES
 
 __all__ = [
     "add_config_argument",
@@ -28,7 +28,7 @@ __all__ = [
 
 
 def parse_budget_arg(text: str) -> float | int | str:
-    """``--memory-budget`` text as :func:`~lightning_ckpt.core.selection.parse_memory_budget` takes it.
+    """``--memory-budget`` text as :func:`~lightning_ckpt.core.checkpoint.selection.parse_memory_budget` takes it.
 
     Example::
 

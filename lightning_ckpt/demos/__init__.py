@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ckpt.core.chunked_loss import chunk_loss_of, lm_loss
+from lightning_ckpt.core.checkpoint.chunked_loss import chunk_loss_of, lm_loss
 
 
 class CausalSelfAttention(nn.Module):

@@ -15,8 +15,8 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_ckpt.core.placement import check_checkpointing_placement
-from lightning_ckpt.core.wrapping import is_checkpointed
+from lightning_ckpt.core.checkpoint.placement import check_checkpointing_placement
+from lightning_ckpt.core.checkpoint.wrapping import is_checkpointed
 from lightning_ckpt.strategies.common import (
     _apply_callback,
     _CleanExitLauncher,

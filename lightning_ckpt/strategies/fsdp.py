@@ -27,8 +27,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lightning_ckpt.callbacks.gradient_checkpointing import find_checkpointing_callback
-from lightning_ckpt.core.placement import check_checkpointing_placement, fsdp2, fsdp_units
-from lightning_ckpt.core.selection import layer_classes, select_layers
+from lightning_ckpt.core.checkpoint.placement import check_checkpointing_placement, fsdp2, fsdp_units
+from lightning_ckpt.core.checkpoint.selection import layer_classes, select_layers
 from lightning_ckpt.strategies.common import (
     _apply_callback,
     _CleanExitLauncher,

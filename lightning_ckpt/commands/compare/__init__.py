@@ -18,9 +18,9 @@ the run without checkpointing with a 95% bootstrap interval
 reported as within noise, never as a gain.
 
 Next to each measured slowdown is the one the planner's time model predicts
-(:func:`~lightning_ckpt.core.planner.predict_seconds`) for the layers that variant checkpointed: from one measured
+(:func:`~lightning_ckpt.core.plan.planner.predict_seconds`) for the layers that variant checkpointed: from one measured
 step of the config's model (per-layer bytes, FLOPs and ops, as ``lightning-ckpt plan`` measures it) and a
-:class:`~lightning_ckpt.core.device_profile.DeviceProfile`: by default the device the runs use, measured
+:class:`~lightning_ckpt.core.measure.device_profile.DeviceProfile`: by default the device the runs use, measured
 (``DeviceProfile.measure``), or a preset with ``--device h100-sxm``. Nothing else is run for it.
 
 Example::
@@ -99,7 +99,7 @@ from lightning_ckpt.commands.compare.variants import (
     compress_of,
     planned_settings,
 )
-from lightning_ckpt.core.memory_stats import ACTIVATIONS, STEP_SEC
+from lightning_ckpt.core.measure.memory_stats import ACTIVATIONS, STEP_SEC
 
 __all__ = ["main"]
 

@@ -21,8 +21,8 @@ from lightning_ckpt.commands.compare.stats import (
 )
 from lightning_ckpt.commands.compare.variants import BASELINE, DESCRIPTIONS, MIN_COSINE, PLANNED
 from lightning_ckpt.commands.plot_labels import LEADER, place_labels
-from lightning_ckpt.core.memory_stats import GIB
-from lightning_ckpt.core.profiling import binary_unit, format_bytes
+from lightning_ckpt.core.measure.memory_stats import GIB
+from lightning_ckpt.core.measure.profiling import binary_unit, format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -46,7 +46,7 @@ def format_ms(value: float) -> str:
 
 def format_gib(value: Optional[float]) -> str:
     """A memory figure in GiB (as the monitor logs them) in the binary unit that fits it
-    (:func:`~lightning_ckpt.core.profiling.format_bytes`); ``"n/a"`` for ``None`` or NaN.
+    (:func:`~lightning_ckpt.core.measure.profiling.format_bytes`); ``"n/a"`` for ``None`` or NaN.
 
     Example::
 
@@ -220,7 +220,7 @@ def _variant_json(r: VariantResult, base: VariantResult) -> dict[str, Any]:
 def plot(c: Comparison, path: Path) -> Optional[Figure]:
     """Memory against median step time, one labelled point per variant with its step-time interquartile range as
     horizontal error bars, saved as a PNG; memory in the binary unit of the largest figure
-    (:func:`~lightning_ckpt.core.profiling.binary_unit`), each variant's label placed clear of the others
+    (:func:`~lightning_ckpt.core.measure.profiling.binary_unit`), each variant's label placed clear of the others
     (:func:`~lightning_ckpt.commands.plot_labels.place_labels`). Returns the figure (``None`` without matplotlib)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -31,7 +31,7 @@ from lightning_ckpt.commands.compare.variants import (
     is_callback,
     planned_settings,
 )
-from lightning_ckpt.core.memory_stats import STEP_SEC
+from lightning_ckpt.core.measure.memory_stats import STEP_SEC
 
 PERTURB_ENV = "LIGHTNING_CKPT_COMPARE_PERTURB_GRAD"
 CALLBACK_PATH = "lightning_ckpt.GradientCheckpointing"
@@ -174,8 +174,8 @@ class FirstStepRecorder(Callback):
 def run_worker(variant_dir: Path) -> None:
     """Train one variant from ``variant_dir/config.yaml`` and write ``variant_dir/result.json`` (rank zero)."""
     from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointing
-    from lightning_ckpt.commands.cli_builder import run_cli
     from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
+    from lightning_ckpt.commands.cli_builder import run_cli
 
     with warnings.catch_warnings():
         # The worker's own command line (`--worker DIR`) is not for LightningCLI; the config comes as `args` on
@@ -231,7 +231,7 @@ def measure_time_model(config: Path, device: Optional[str] = None) -> TimeModel:
     """Measure one step of ``config``'s model as ``lightning-ckpt plan`` does
     (:func:`~lightning_ckpt.commands.plan.measure.measure`) and get the profile ``device`` names (a preset, or
     ``None``/``"auto"``: the device the step runs on, measured with
-    :meth:`~lightning_ckpt.core.device_profile.DeviceProfile.measure`)."""
+    :meth:`~lightning_ckpt.core.measure.device_profile.DeviceProfile.measure`)."""
     from lightning_ckpt.commands.plan.measure import build, device_profile, measure
 
     built = build(config, fake=False)

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from lightning_ckpt.commands.compare.variants import PLANNED, VARIANTS, compress_of
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.memory_stats import (
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.measure.memory_stats import (
     ACTIVATION_PEAK,
     ACTIVATIONS,
     ACTIVATIONS_OFFLOADED,
@@ -27,8 +27,8 @@ from lightning_ckpt.core.memory_stats import (
     STEP_SEC,
     TOKENS_PER_SEC,
 )
-from lightning_ckpt.core.planner import predict_seconds
-from lightning_ckpt.core.timing import price_source
+from lightning_ckpt.core.plan.planner import predict_seconds
+from lightning_ckpt.core.measure.timing import price_source
 
 if TYPE_CHECKING:
     from lightning_ckpt.commands.plan.measure import Measurement
@@ -199,7 +199,7 @@ class VariantResult:
     mismatch: Optional[str] = None
     error: Optional[str] = None
     timed_memory_gib: Optional[float] = None  # the memory of memory_gib over the timed steps only
-    #: What the variant checkpointed, as :func:`~lightning_ckpt.core.planner.predict_seconds` takes it.
+    #: What the variant checkpointed, as :func:`~lightning_ckpt.core.plan.planner.predict_seconds` takes it.
     layer_modes: dict[str, str] = field(default_factory=dict)
     kept_ops: dict[str, list[int]] = field(default_factory=dict)
     offload: Union[bool, list[str]] = False  # True: every checkpointed layer's inputs; a plan: the layers it offloads
@@ -385,7 +385,7 @@ class TimeModel:
 
 def predict_variants(results: Sequence[VariantResult], model: TimeModel) -> list[str]:
     """Set each variant's predicted step time and its ratio to no checkpointing's, from the layers it checkpointed
-    (:func:`~lightning_ckpt.core.planner.predict_seconds`). Returns what could not be predicted, and why: a variant
+    (:func:`~lightning_ckpt.core.plan.planner.predict_seconds`). Returns what could not be predicted, and why: a variant
     whose layers the measured step does not have is left without a prediction."""
     costs, outside = model.measurement.costs, model.measurement.outside_ops
     known = {c.name for c in costs}

@@ -5,7 +5,7 @@ what it predicts from the measurements :mod:`~lightning_ckpt.commands.plan.predi
 :mod:`~lightning_ckpt.commands.plan.report`.
 
 One training step of a LightningCLI config's model and data is measured with every matched layer fully
-checkpointed (:func:`~lightning_ckpt.core.planner.measure_layer_costs`): each layer's activation bytes
+checkpointed (:func:`~lightning_ckpt.core.plan.planner.measure_layer_costs`): each layer's activation bytes
 un-checkpointed, fully and selectively checkpointed, and its recompute FLOPs. From those numbers alone (no
 further runs) it predicts the activations and extra FLOPs of the standard settings (none, every 4th, every
 2nd, every layer, selective everywhere) and of the plan for ``--memory-budget``, and adds the static memory
@@ -36,7 +36,7 @@ to bfloat16): PyTorch built without CUDA cannot run autograd on fake CUDA tensor
 shape and dtype rules, and the report says which attention kernel ran and how the target's may differ.
 
 The datamodule is built with real tensors (data is cheap, and its values steer the branches a step takes, see
-:mod:`lightning_ckpt.core.fake_values`); weights are not initialised under fake tensors (Transformers'
+:mod:`lightning_ckpt.core.measure.fake_values`); weights are not initialised under fake tensors (Transformers'
 ``no_init_weights``), and modules may be moved (PEFT's adapters). A model that fake tensors still cannot build (its own
 code reads a value of its weights) is measured with real tensors instead, its size first checked on the meta device, and stdout says why; with
 ``--fake`` or without the config's accelerator it is an error that says where to run instead.
@@ -73,19 +73,19 @@ Example::
 
 With ``--device`` (a preset such as ``h100-sxm``, or ``auto``: the accelerator the step runs on, measured) the
 plan minimises the predicted step time on that device, and every setting gets its predicted step time
-(:func:`~lightning_ckpt.core.planner.predict_seconds`). ``--offload auto|true|false`` (default: the config's
+(:func:`~lightning_ckpt.core.plan.planner.predict_seconds`). ``--offload auto|true|false`` (default: the config's
 ``GradientCheckpointing`` offload) plans with offload; ``auto`` (which needs ``--device``) lets the plan choose per
 layer what lives in host memory, shown in the per-layer table (``+offload``) and in ``plan.json``'s ``offloaded``.
 ``--compress bf16|fp8|none`` (default: the config's ``GradientCheckpointing`` compress) counts every setting's
-checkpointed layers with their inputs held compressed (:meth:`~lightning_ckpt.core.costs.LayerCost.compressed`).
+checkpointed layers with their inputs held compressed (:meth:`~lightning_ckpt.core.measure.costs.LayerCost.compressed`).
 ``--tile-mlp true|false`` (default: the config's ``GradientCheckpointing`` tile_mlp) measures every step with each
-layer's MLP and norms (and the final norm) over tiles of tokens (:func:`~lightning_ckpt.core.tiling.apply_tiling`), so
+layer's MLP and norms (and the final norm) over tiles of tokens (:func:`~lightning_ckpt.core.checkpoint.tiling.apply_tiling`), so
 every setting and the plan's longest length are with tiles; ``plan.json``'s ``tile_mlp`` says so. The tiles' second
 forward is not in the settings' recompute FLOPs.
 ``--chunk-loss auto|true|false`` (default: the config's ``GradientCheckpointing`` chunk_loss, else ``auto``): for a
-model whose loss :func:`~lightning_ckpt.core.chunked_loss.chunk_causal_lm_loss` can chunk (Transformers
+model whose loss :func:`~lightning_ckpt.core.checkpoint.chunked_loss.chunk_causal_lm_loss` can chunk (Transformers
 ``*ForCausalLM``, litgpt's ``GPT``, the demo GPT), the step is measured a second time with the LM head and loss in
-chunks of tokens (:func:`~lightning_ckpt.core.planner.measure_chunked_head`); the plan then runs them chunked
+chunks of tokens (:func:`~lightning_ckpt.core.plan.planner.measure_chunked_head`); the plan then runs them chunked
 (``true``), never (``false``) or where that is cheaper or the only way to the budget (``auto``), and the Settings
 table gets ``every_layer_chunked`` (every layer full, the head and loss chunked).
 
@@ -200,10 +200,10 @@ from lightning_ckpt.commands.plan.predictions import (
     setting_rows,
 )
 from lightning_ckpt.commands.plan.report import LengthResult, LongestPlan, PlanResult, plot, render, report_data
-from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
-from lightning_ckpt.core.longest import length_limit
-from lightning_ckpt.core.planner import CheckpointPlan, Offload
-from lightning_ckpt.core.tiling import apply_tiling
+from lightning_ckpt.core.checkpoint.tiling import apply_tiling
+from lightning_ckpt.core.measure.device_profile import PRESET_NAMES, DeviceProfile
+from lightning_ckpt.core.measure.longest import length_limit
+from lightning_ckpt.core.plan.planner import CheckpointPlan, Offload
 
 __all__ = ["main"]
 

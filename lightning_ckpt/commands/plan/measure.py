@@ -36,16 +36,17 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointing
 from lightning_ckpt.commands.cli_builder import run_cli
-from lightning_ckpt.core.budget import host_memory_share
-from lightning_ckpt.core.compress import Compress
-from lightning_ckpt.core.device_profile import PRESET_NAMES, DeviceProfile
-from lightning_ckpt.core.fake_values import real_branches
-from lightning_ckpt.core.longest import batch_of_length as core_batch_of_length
-from lightning_ckpt.core.longest import length_limit, sequence_length_of
-from lightning_ckpt.core.op_curve import OpRecord
-from lightning_ckpt.core.chunked_loss import DEFAULT_CHUNK_TOKENS, chunk_loss_of, chunked_models
-from lightning_ckpt.core.planner import PLAN_MODES, ChunkedHead, LayerCost, Offload, measure_chunked_head, measure_step
-from lightning_ckpt.core.profiling import storage_key, tensor_bytes
+from lightning_ckpt.core.checkpoint.chunked_loss import DEFAULT_CHUNK_TOKENS, chunk_loss_of, chunked_models
+from lightning_ckpt.core.checkpoint.compress import Compress
+from lightning_ckpt.core.measure.device_profile import PRESET_NAMES, DeviceProfile
+from lightning_ckpt.core.measure.fake_values import real_branches
+from lightning_ckpt.core.measure.longest import batch_of_length as core_batch_of_length
+from lightning_ckpt.core.measure.longest import length_limit, sequence_length_of
+from lightning_ckpt.core.measure.op_curve import OpRecord
+from lightning_ckpt.core.measure.profiling import storage_key, tensor_bytes
+from lightning_ckpt.core.plan.budget import host_memory_share
+from lightning_ckpt.core.plan.planner import (PLAN_MODES, ChunkedHead, LayerCost, Offload, measure_chunked_head,
+                                              measure_step)
 from lightning_ckpt.strategies import CheckpointingFSDPStrategy
 from lightning_ckpt.strategies.fsdp import cpu_offload_policy, mixed_precision_policy, unit_parameters
 
@@ -382,7 +383,7 @@ def _import_module(name: str) -> Any:
 
 class _RealDataCLI(LightningCLI):
     """LightningCLI whose datamodule is made with real tensors when the model is made under fake ones: data is
-    cheap to build, its values decide the branches a step takes (:mod:`~lightning_ckpt.core.fake_values`), and a
+    cheap to build, its values decide the branches a step takes (:mod:`~lightning_ckpt.core.measure.fake_values`), and a
     datamodule that reads its own tensors in ``__init__`` (``.item()``, ``.tolist()``) cannot be built on fake
     tensors."""
 
@@ -520,7 +521,7 @@ def batch_of_size(loader: Any, size: int) -> Any:
 
 
 def batch_of_length(batch: Any, length: int) -> Any:
-    """``batch`` at sequence length ``length``: :func:`lightning_ckpt.core.longest.batch_of_length`, with ``--lengths``'
+    """``batch`` at sequence length ``length``: :func:`lightning_ckpt.core.measure.longest.batch_of_length`, with ``--lengths``'
     errors for a batch without token ids or a length under 1.
 
     Example::
@@ -594,7 +595,7 @@ class Measurement:
 
 def measure(built: Built, batch_size: Optional[int] = None, length: Optional[int] = None) -> Measurement:
     """One fully checkpointed training step at ``batch_size`` (default: the loader's; see
-    :func:`~lightning_ckpt.core.planner.measure_layer_costs`), with ``length`` its sequence length (default: the
+    :func:`~lightning_ckpt.core.plan.planner.measure_layer_costs`), with ``length`` its sequence length (default: the
     loader's; another cut or tiled by :func:`batch_of_length`, within :func:`check_length`)."""
     if batch_size is None:
         batch_size = loader_batch_size(built.loader)
@@ -637,8 +638,8 @@ def measure(built: Built, batch_size: Optional[int] = None, length: Optional[int
 
 def chunk_size(built: Built) -> Optional[int]:
     """The tokens a chunk the plan measures the chunked LM head and loss with: the model's own chunk size if it has
-    one, else :data:`~lightning_ckpt.core.chunked_loss.DEFAULT_CHUNK_TOKENS`; ``None`` when ``built.chunk_loss`` is
-    ``False`` or the model has no loss :func:`~lightning_ckpt.core.chunked_loss.chunk_causal_lm_loss` can chunk.
+    one, else :data:`~lightning_ckpt.core.checkpoint.chunked_loss.DEFAULT_CHUNK_TOKENS`; ``None`` when ``built.chunk_loss`` is
+    ``False`` or the model has no loss :func:`~lightning_ckpt.core.checkpoint.chunked_loss.chunk_causal_lm_loss` can chunk.
 
     Example::
 
@@ -718,7 +719,7 @@ class HostMemory:
 
 def this_machine_host_memory() -> int:
     """Half of this machine's available memory: the planner's ``host_memory`` when not told
-    (:func:`~lightning_ckpt.core.budget.host_memory_share` for one device)."""
+    (:func:`~lightning_ckpt.core.plan.budget.host_memory_share` for one device)."""
     return host_memory_share(psutil.virtual_memory().available, 1)
 
 
@@ -761,7 +762,7 @@ def gathered_bytes(module: nn.Module, layer_cls: Any = None, precision: Optional
 def sharded_bytes(tensors: Iterable[Optional[torch.Tensor]], shards: int) -> int:
     """Bytes one device holds of ``tensors`` when each is split along its first dimension over ``shards`` devices,
     as ``fully_shard`` splits parameters: rows padded to a multiple of ``shards`` (the largest share); 0-d tensors
-    whole; each storage once. With ``shards=1``: :func:`~lightning_ckpt.core.profiling.tensor_bytes`.
+    whole; each storage once. With ``shards=1``: :func:`~lightning_ckpt.core.measure.profiling.tensor_bytes`.
 
     Example::
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from lightning_ckpt.core.compress import Compress
-from lightning_ckpt.core.cost_fit import fit_peak  # noqa: F401 (plan --lengths fits with it; it lives in core)
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.offload import DEFAULT_MIN_BYTES
-from lightning_ckpt.core.planner import (
+from lightning_ckpt.core.checkpoint.compress import Compress
+from lightning_ckpt.core.measure.cost_fit import fit_peak  # noqa: F401 (plan --lengths fits with it; it lives in core)
+from lightning_ckpt.core.checkpoint.offload import DEFAULT_MIN_BYTES
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.plan.planner import (
     CheckpointPlan,
     ChunkedHead,
     LayerCost,
@@ -94,7 +94,7 @@ class SettingRow:
 
 
 def as_planned(costs: Sequence[LayerCost], device: Optional[DeviceProfile]) -> list[LayerCost]:
-    """``costs`` as :func:`~lightning_ckpt.core.planner.make_plan` plans them: with a device profile, measured on
+    """``costs`` as :func:`~lightning_ckpt.core.plan.planner.make_plan` plans them: with a device profile, measured on
     the CPU or on fake tensors but planned for the profile's device, every layer's inputs can move to host memory
     (``offloadable_bytes`` is ``full_bytes``). Every setting's figures use them, so the plan's row is the plan's.
 
@@ -134,7 +134,7 @@ class PlanSettings:
     device: Optional[DeviceProfile] = None
     compress: Optional[Compress] = None
     #: The LM head and loss in chunks (``measured.chunked``): ``True`` always, ``False`` never, ``None`` where the
-    #: plan is cheaper or only reaches the budget with them (:func:`~lightning_ckpt.core.planner.make_plan`).
+    #: plan is cheaper or only reaches the budget with them (:func:`~lightning_ckpt.core.plan.planner.make_plan`).
     chunk_loss: Optional[bool] = None
     #: Bytes of host memory offloaded activations may take (the planner's ``host_memory``; ``None``: half of this
     #: machine's available memory): ``--host-memory`` less what CPU offload keeps there.
@@ -174,7 +174,7 @@ class PlanSettings:
 
 
 #: The planner's words when the device could hold a plan but host memory cannot hold what it would offload
-#: (:func:`~lightning_ckpt.core.planner.make_plan`'s error).
+#: (:func:`~lightning_ckpt.core.plan.planner.make_plan`'s error).
 HOST_MEMORY_SHORT = "needs more than `host_memory="
 
 
@@ -195,7 +195,7 @@ def host_memory_short(plan_error: Optional[str]) -> bool:
 def host_bytes(costs: Sequence[LayerCost], layers: Mapping[str, str], moved: Union[bool, Sequence[str]],
                kept_ops: Mapping[str, Sequence[int]] = MappingProxyType({})) -> int:
     """Bytes the layer modes ``layers`` keep in host memory: ``moved`` is ``True`` (every checkpointed layer's
-    inputs offloaded), ``False``, or the names of the offloaded layers (as :func:`~lightning_ckpt.core.planner.predict`
+    inputs offloaded), ``False``, or the names of the offloaded layers (as :func:`~lightning_ckpt.core.plan.planner.predict`
     takes it). What moves is what the offload engine moves (tensors of its ``min_bytes`` or more).
 
     Example::
@@ -337,7 +337,7 @@ def planner_front(main: Measurement, offload: Offload, lowest: int, points: int 
     Example::
 
         >>> from lightning_ckpt.commands.plan.measure import Measurement
-        >>> from lightning_ckpt.core.planner import LayerCost
+        >>> from lightning_ckpt.core.plan.planner import LayerCost
         >>> costs = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
         ...                    full_flops=50, selective_flops=5) for i in range(4)]
         >>> front = planner_front(Measurement(8, costs, 100), False, 230, 4)  # peaks of 230, 320, 410 and 500 B

@@ -15,11 +15,11 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_ckpt.commands.plan.measure import PLANNING_TRAINER, Built, HostMemory, Measurement, StaticMemory
 from lightning_ckpt.commands.plan.predictions import SETTINGS, SettingRow, host_memory_short
 from lightning_ckpt.commands.plot_labels import LEADER, place_labels
-from lightning_ckpt.core.device_profile import DeviceProfile
-from lightning_ckpt.core.op_curve import describe
-from lightning_ckpt.core.planner import CheckpointPlan, make_option
-from lightning_ckpt.core.profiling import binary_unit, format_bytes
-from lightning_ckpt.core.timing import price_source
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.core.measure.op_curve import describe
+from lightning_ckpt.core.measure.profiling import binary_unit, format_bytes
+from lightning_ckpt.core.plan.planner import CheckpointPlan, make_option
+from lightning_ckpt.core.measure.timing import price_source
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -643,7 +643,7 @@ def plot(data: Mapping[str, Any], path: Path) -> Optional[Figure]:
     plan's offload; with offload, its plans that offload circled) and the chosen plan as a star; saved as a PNG. With
     ``--lengths`` (``data["lengths"]``) a second panel draws each setting's peak against the sequence length, one line
     per setting. Returns the figure (``None`` without matplotlib). Points are in bytes and FLOPs (or seconds); byte
-    axes are labelled in binary units as :func:`~lightning_ckpt.core.profiling.format_bytes` writes them, and each
+    axes are labelled in binary units as :func:`~lightning_ckpt.core.measure.profiling.format_bytes` writes them, and each
     point's label is placed where it overlaps no other label
     (:func:`~lightning_ckpt.commands.plot_labels.place_labels`).
     """
@@ -714,7 +714,7 @@ def _point_label(setting: Mapping[str, Any], offload: object) -> str:
 
 def _byte_axis(axis: Any) -> None:
     """Ticks at round multiples of the binary unit of the axis's largest figure, labelled by
-    :func:`~lightning_ckpt.core.profiling.format_bytes` (``512.0 MiB``, ``1.0 GiB``)."""
+    :func:`~lightning_ckpt.core.measure.profiling.format_bytes` (``512.0 MiB``, ``1.0 GiB``)."""
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     class BinaryLocator(MaxNLocator):

@@ -1,0 +1,72 @@
+"""Timing one layer on the device it runs on: its forward and backward plainly, fully checkpointed and selectively
+checkpointed, interleaved, medians. What the planner prices a layer's choice by when it was measured here
+(:func:`~lightning_ckpt.core.measure.timing.extra_seconds`), instead of a roofline from FLOPs and bytes. Plain PyTorch.
+
+The runs are timed with every outer dispatch mode (op recorders, FLOP counters) and saved-tensor hook (byte
+counters) set aside, so they cost what a training step's layer costs, not what a measuring step's does. On an
+accelerator each run is synchronized before the clock is read.
+
+Example::
+
+    >>> from torch import nn
+    >>> layer, x = nn.Linear(64, 64), torch.randn(8, 64, requires_grad=True)
+    >>> def run(mode: str) -> None:
+    ...     torch.autograd.grad(layer(x).sum(), [x])
+    >>> times = time_modes(run, ("plain", "full"), torch.device("cpu"))
+    >>> sorted(times), all(ns > 0 for ns in times.values())
+    (['full', 'plain'], True)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["TIMING_ROUNDS", "time_modes"]
+
+#: Rounds of each mode a layer is timed in: the median is taken. Three keep a measuring step's extra cost near nine
+#: forward and backward runs of one layer (five, with a warm-up run of each, cost twice as much: a second on a 60-step
+#: CPU run of the long-tailed benchmark, where the plans gained nothing from the steadier figures).
+TIMING_ROUNDS = 3
+
+
+def time_modes(run: Callable[[str], None], modes: Sequence[str], device: torch.device,
+               rounds: int = TIMING_ROUNDS, warm_up: bool = False) -> dict[str, int]:
+    """Nanoseconds of ``run(mode)`` for each of ``modes`` on ``device``: the median of ``rounds`` runs each,
+    interleaved and in alternately reversed order (so a slow spell of a shared machine falls on every mode alike);
+    with ``warm_up``, after one untimed run of each (the measuring step's re-run of a layer has warmed it already)."""
+    if rounds < 1:
+        raise ValueError(f"`rounds={rounds!r}` must be 1 or more: the number of timed runs of each mode.")
+    samples: dict[str, list[int]] = {mode: [] for mode in modes}
+    with _undisturbed():
+        for mode in modes if warm_up else ():
+            run(mode)
+        for i in range(rounds):
+            for mode in modes if i % 2 == 0 else reversed(modes):
+                _synchronize(device)
+                start = time.perf_counter_ns()
+                run(mode)
+                _synchronize(device)
+                samples[mode].append(time.perf_counter_ns() - start)
+    return {mode: int(statistics.median(ns)) for mode, ns in samples.items()}
+
+
+@contextmanager
+def _undisturbed() -> Iterator[None]:
+    """No outer dispatch mode, and saved tensors kept as they are, whatever counters the caller runs under."""
+    with _disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        yield
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,361 @@
+"""Times from the device (issue 40): layers timed in the measuring step, and plans priced by those times.
+
+Timings are never asserted as absolute figures: a fake clock gives known answers for the arithmetic, and real
+timings are only checked to be there (or absent) where they must be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lightning_ckpt.core.measure.layer_timing as layer_timing
+import lightning_ckpt.core.measure.layer_costs as measure_module
+from lightning_ckpt import DeviceProfile
+from lightning_ckpt.core.plan.budget import RankMeasurement
+from lightning_ckpt.core.plan.budget_cycle import BatchSize, BudgetCycle
+from lightning_ckpt.core.measure.cost_fit import CostFit
+from lightning_ckpt.core.measure.costs import LayerCost
+from lightning_ckpt.core.measure.layer_timing import time_modes
+from lightning_ckpt.core.measure.op_curve import OpRecord
+from lightning_ckpt.core.plan.planner import make_plan, measure_step, plan_checkpointing, predict_seconds
+from lightning_ckpt.core.measure.timing import extra_seconds, layer_seconds, priced_by_time, seconds_per_flop, step_seconds
+from lightning_ckpt.demos import Block, BlockStack
+
+CPU = torch.device("cpu")
+
+
+def cost(**times: int) -> LayerCost:
+    """A layer of 100 B un-checkpointed, 10 B full, 40 B selective; 110 FLOPs recomputed full, 10 selective."""
+    return LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+                     full_flops=110, selective_flops=10, **times)
+
+
+class FakeClock:
+    """``time.perf_counter_ns`` for layer_timing: each ``run(mode)`` advances it by the next of that mode's
+    durations, so medians are known answers."""
+
+    def __init__(self, durations: dict[str, list[int]]) -> None:
+        self.now = 0
+        self.durations = {mode: list(ns) for mode, ns in durations.items()}
+        self.calls: list[str] = []
+
+    def perf_counter_ns(self) -> int:
+        return self.now
+
+    def run(self, mode: str) -> None:
+        self.calls.append(mode)
+        self.now += self.durations[mode].pop(0)
+
+
+# ------------------------------------------------------------------------------------------------ time_modes
+
+
+def test_each_mode_gets_the_median_of_its_timed_runs(monkeypatch):
+    # 3 rounds; a median, not a mean: 900 is an outlier
+    clock = FakeClock({"plain": [100, 900, 120], "full": [300, 310, 290]})
+    monkeypatch.setattr(layer_timing.time, "perf_counter_ns", clock.perf_counter_ns)
+    assert time_modes(clock.run, ("plain", "full"), CPU) == {"plain": 120, "full": 300}
+    # interleaved, each round in the reverse order of the one before
+    assert clock.calls == ["plain", "full", "full", "plain", "plain", "full"]
+
+
+def test_a_warm_up_run_of_each_mode_is_not_counted(monkeypatch):
+    clock = FakeClock({"plain": [10**9, 100, 900, 120], "full": [10**9, 300, 310, 290]})
+    monkeypatch.setattr(layer_timing.time, "perf_counter_ns", clock.perf_counter_ns)
+    assert time_modes(clock.run, ("plain", "full"), CPU, rounds=3, warm_up=True) == {"plain": 120, "full": 300}
+    assert clock.calls == ["plain", "full", "plain", "full", "full", "plain", "plain", "full"]
+
+
+def test_rounds_must_be_one_or_more():
+    with pytest.raises(ValueError, match=r"`rounds=0` must be 1 or more"):
+        time_modes(lambda mode: None, ("plain",), CPU, rounds=0)
+
+
+class _Counting(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_runs_escape_outer_dispatch_modes_and_saved_tensor_hooks():
+    """A measuring step runs under op recorders and byte counters; the timed runs must cost what a training step's
+    layer costs, so neither sees them."""
+    x = torch.randn(4, 4, requires_grad=True)
+    packed = []
+
+    def run(mode: str) -> None:
+        torch.autograd.grad((x.sin() * x).sum(), [x])
+
+    with _Counting() as counting, torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                                           lambda t: t):
+        (x * 2).sum()  # seen: the mode and hooks work out here
+        before_ops, before_packs = counting.ops, len(packed)
+        time_modes(run, ("plain",), CPU, rounds=2)
+    assert before_ops > 0 and counting.ops == before_ops
+    assert len(packed) == before_packs
+
+
+# ------------------------------------------------------------------------------------------------ LayerCost
+
+
+def test_measured_seconds_of_each_choice():
+    timed = cost(full_ns=3000, selective_ns=1000)
+    assert timed.measured_seconds("none") == 0.0
+    assert timed.measured_seconds("full") == 3e-6 and timed.measured_seconds("selective") == 1e-6
+    ops = (OpRecord("aten.mm.default", 30, 100, 0), OpRecord("aten.relu.default", 10, 10, 0))
+    timed = replace(timed, ops=ops)
+    # keeping the mm (recomputing 10 FLOPs) is the selective point; keeping nothing is full
+    assert timed.measured_seconds("ops", keep=[0]) == pytest.approx(1e-6)
+    assert timed.measured_seconds("ops", keep=[]) == pytest.approx(3e-6)
+    # without a selective time: between nothing and full, by FLOPs (keep relu: 100 of 110 FLOPs)
+    assert replace(timed, selective_ns=0).measured_seconds("ops", keep=[1]) == pytest.approx(3e-6 * 100 / 110)
+    untimed = cost()
+    assert untimed.measured_seconds("full") is None and untimed.measured_seconds("selective") is None
+    assert untimed.measured_seconds("ops", keep=[0]) is None
+    assert cost(full_ns=3000).measured_seconds("selective") is None
+
+
+def test_times_are_left_out_of_equality_but_kept_in_the_state():
+    assert cost(full_ns=5, plain_ns=7, selective_ns=9) == cost()
+    assert LayerCost(**dict(cost(full_ns=5).__dict__)).full_ns == 5  # as a state_dict restores it
+
+
+# ------------------------------------------------------------------------------------------------ prices
+
+
+def test_a_profile_measured_here_prices_by_the_times_a_preset_by_its_rates():
+    timed = cost(plain_ns=9000, full_ns=3000, selective_ns=1000)
+    here = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9, layer_times=True)
+    rates = replace(here, layer_times=False)
+    assert extra_seconds(timed, "full", (), here) == 3e-6
+    assert extra_seconds(timed, "selective", (), here) == 1e-6
+    assert extra_seconds(timed, "full", (), rates) == pytest.approx(110 / 1e9)  # no ops: FLOPs at matmul_flops
+    # a layer's forward: a third of its measured forward and backward here; its FLOPs at the rate elsewhere
+    assert layer_seconds(timed, here) == pytest.approx(3e-6) and layer_seconds(timed, rates) == pytest.approx(110e-9)
+    # compressed inputs add their passes to the measured time too
+    assert extra_seconds(replace(timed, codec_bytes=2000), "full", (), here) == pytest.approx(3e-6 + 2e-6)
+
+
+def test_without_a_profile_a_timed_layer_is_priced_by_its_times_alone():
+    timed = cost(full_ns=3000, selective_ns=1000)
+    assert extra_seconds(timed, "full", (), None) == 3e-6
+    assert extra_seconds(timed, "none", (), None) == 0.0
+    # selective not timed (not asked for): at full's measured rate per FLOP, 10 of 110
+    assert extra_seconds(cost(full_ns=3300), "selective", (), None) == pytest.approx(3.3e-6 * 10 / 110)
+
+
+def test_priced_by_time_needs_every_called_layer_timed_or_a_profile():
+    timed, untimed = cost(full_ns=10), cost()
+    assert priced_by_time([timed, replace(timed, name="b")], None)
+    assert not priced_by_time([timed, replace(untimed, name="b")], None)
+    assert priced_by_time([timed, replace(untimed, name="b", calls=0)], None)  # never called: holds nothing
+    assert not priced_by_time([], None) and not priced_by_time([replace(timed, calls=0)], None)
+    assert priced_by_time([untimed], DeviceProfile.preset("h100-sxm"))
+
+
+def test_seconds_per_flop_is_the_layers_measured_recompute_rate():
+    assert seconds_per_flop([cost(full_ns=2200), replace(cost(full_ns=0), name="b")]) == pytest.approx(2.2e-6 / 110)
+    assert seconds_per_flop([cost()]) == 0.0
+
+
+def test_step_seconds_scales_the_ops_outside_the_layers_as_the_layers_measured():
+    here = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9, layer_times=True)
+    ops = (OpRecord("aten.mm.default", 0, 10**6, 0),)
+    layer = replace(cost(), full_flops=10**6, ops=ops)
+    outside = [OpRecord("aten.mm.default", 0, 2 * 10**6, 0)]
+    # rated: the layer 3 ms a step, the outside 6 ms; the layer measured 6 ms, twice its rate: the outside 12 ms
+    assert step_seconds([replace(layer, plain_ns=6_000_000)], outside, here) == pytest.approx(0.018)
+    # a layer not timed, or a preset: the rates alone
+    assert step_seconds([layer], outside, here) == pytest.approx(0.009)
+    assert step_seconds([replace(layer, plain_ns=6_000_000)], outside, replace(here, layer_times=False)) == \
+        pytest.approx(0.009)
+
+
+def test_a_layer_whose_selective_option_measures_slower_than_full_is_planned_full():
+    """The prices decide: by FLOPs (or rates) selective is cheaper (10 FLOPs against 110) and fits; measured slower
+    than full on this device, the plan checkpoints the layer fully instead."""
+    layers = [replace(cost(), name=f"l{i}", transient_bytes=100) for i in range(4)]
+    budget = 250  # at most one "none" (100 B): with two, 100 + 100 + 40 + l3's backward peak of 100 is over
+    def choices(plan) -> set[str]:
+        return set(plan.layers.values())
+
+    assert choices(make_plan(layers, 0, budget)) == {"selective", "none"}  # l3's own bytes are in its backward peak
+    slow = [replace(c, full_ns=3000, selective_ns=8000) for c in layers]
+    assert choices(make_plan(slow, 0, budget)) == {"full", "none"}
+    here = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9, layer_times=True)
+    assert choices(make_plan(slow, 0, budget, device=here)) == {"full", "none"}
+    # the same times on a preset are not this device's: its rates price them, and selective wins again
+    assert "selective" in choices(make_plan(slow, 0, budget, device=replace(here, layer_times=False)))
+    # and where selective measures faster, it is kept
+    fast = [replace(c, full_ns=3000, selective_ns=1000) for c in layers]
+    assert "selective" in choices(make_plan(fast, 0, budget))
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+def small_model(dropout: float = 0.0) -> tuple[BlockStack, torch.Tensor]:
+    torch.manual_seed(0)
+    return BlockStack(32, 32, [Block(32, 4, dropout=dropout) for _ in range(3)]), torch.randint(0, 32, (4, 16))
+
+
+def test_the_measuring_step_times_each_distinct_layer_as_its_extra_over_plain(monkeypatch):
+    calls = []
+
+    def fake_times(run, modes, device, rounds=3):
+        calls.append(tuple(modes))
+        return {"plain": 1000, "full": 1500, "selective": 900}
+
+    monkeypatch.setattr(measure_module, "time_modes", fake_times)
+    model, x = small_model()
+    measured = measure_step(model, lambda: model(x).sum(), Block)
+    # identical blocks share one re-run, and its times; a selective run faster than plain counts 1 ns, not 0
+    assert calls == [("plain", "full", "selective")]
+    assert [(c.plain_ns, c.full_ns, c.selective_ns) for c in measured.costs] == [(1000, 500, 1)] * 3
+    only_full = measure_step(model, lambda: model(x).sum(), Block, modes=("full",))
+    assert calls[-1] == ("plain", "full") and only_full.costs[0].selective_ns == 0
+
+
+def test_a_layer_called_twice_sums_its_times(monkeypatch):
+    monkeypatch.setattr(measure_module, "time_modes",
+                        lambda run, modes, device, rounds=3: {"plain": 1000, "full": 1400, "selective": 1200})
+    torch.manual_seed(0)
+    block = Block(32, 4)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    model = nn.Sequential(block)
+    measured = measure_step(model, lambda: block(block(x)).sum(), Block)
+    assert measured.costs[0].calls == 2
+    assert (measured.costs[0].plain_ns, measured.costs[0].full_ns, measured.costs[0].selective_ns) == (2000, 800, 400)
+
+
+def test_real_timings_are_there_and_change_nothing_else():
+    model, x = small_model(dropout=0.1)
+    torch.manual_seed(5)
+    timed = measure_step(model, lambda: model(x).sum(), Block)
+    rng_after = torch.get_rng_state()
+    torch.manual_seed(5)
+    untimed = measure_step(model, lambda: model(x).sum(), Block, time_layers=False)
+    assert torch.equal(rng_after, torch.get_rng_state())  # the timed runs drew nothing from the step's RNG
+    assert all(c.plain_ns > 0 and c.full_ns > 0 and c.selective_ns > 0 for c in timed.costs)
+    assert all(c.plain_ns == c.full_ns == c.selective_ns == 0 for c in untimed.costs)
+    # every byte, FLOP and op record the same, and the bytes outside the layers too
+    assert [c.__dict__ | {"plain_ns": 0, "full_ns": 0, "selective_ns": 0} for c in timed.costs] == \
+        [c.__dict__ for c in untimed.costs]
+    assert (timed.outside_bytes, timed.head_bytes, timed.outside_ops) == \
+        (untimed.outside_bytes, untimed.head_bytes, untimed.outside_ops)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fake_tensors_are_not_timed(monkeypatch):
+    monkeypatch.setattr(measure_module, "time_modes", lambda *a, **k: pytest.fail("timed a fake tensor"))
+    with FakeTensorMode():
+        model, x = small_model()
+        measured = measure_step(model, lambda: model(x).sum(), Block)
+    assert all(c.full_ns == 0 for c in measured.costs) and measured.costs[0].full_bytes > 0
+
+
+def test_plan_checkpointing_prices_by_the_times_unless_told_not_to(monkeypatch):
+    """Selective measured slower than full: the timed plan checkpoints fully where the FLOPs plan keeps matmuls."""
+    monkeypatch.setattr(measure_module, "time_modes",
+                        lambda run, modes, device, rounds=3: {"plain": 1000, "full": 1500, "selective": 9000})
+    model, x = small_model()
+    by_flops = plan_checkpointing(model, lambda: model(x).sum(), 0.9, Block, modes=("full", "selective"),
+                                  time_layers=False)
+    by_time = plan_checkpointing(model, lambda: model(x).sum(), 0.9, Block, modes=("full", "selective"))
+    assert "selective" in by_flops.layers.values() and "selective" not in by_time.layers.values()
+    assert "full" in by_time.layers.values()
+    assert all(c.full_ns == 500 for c in by_time.costs) and all(c.full_ns == 0 for c in by_flops.costs)
+
+
+def test_predicted_step_time_on_the_profile_measured_here_adds_the_measured_extras(monkeypatch):
+    monkeypatch.setattr(measure_module, "time_modes",
+                        lambda run, modes, device, rounds=3: {"plain": 3_000_000, "full": 4_000_000,
+                                                              "selective": 5_000_000})
+    model, x = small_model()
+    measured = measure_step(model, lambda: model(x).sum(), Block)
+    here = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9, layer_times=True)
+    names = [c.name for c in measured.costs]
+    full, base = predict_seconds(measured.costs, measured.outside_ops, {names[0]: "full"}, here)
+    selective, _ = predict_seconds(measured.costs, measured.outside_ops, dict.fromkeys(names, "selective"), here)
+    assert full - base == pytest.approx(1e-3) and selective - base == pytest.approx(3 * 2e-3)
+    assert base == pytest.approx(step_seconds(measured.costs, measured.outside_ops, here))
+    assert base > 3 * 3e-3  # the three layers' 3 ms each, and the ops outside them
+
+
+# ------------------------------------------------------------------------------------------------ fitting
+
+
+def test_a_fit_is_trusted_whatever_its_loose_columns_do():
+    sizes = [(64, 16), (128, 16), (256, 16)]
+    rows = [[10 * t, noise] for (t, _), noise in zip(sizes, (5, 900, 40))]  # bytes linear; a time all over
+    strict, loose = CostFit(), CostFit()
+    for (t, n), row in zip(sizes, rows):
+        strict.add(t, n, row)
+        loose.add(t, n, row, loose=[1])
+    assert not strict.trusted(200, 16) and loose.trusted(200, 16)
+    assert loose.predict(128, 16, margin=0.0)[0] == 1280  # the bytes as measured
+    predicted_time = loose.predict(200, 16, margin=0.0)[1]
+    assert 5 <= predicted_time <= 900  # between the measured sizes' times: the monotone bounds hold for it too
+
+
+def test_a_budget_cycle_fits_the_times_loosely():
+    cycle = BudgetCycle()
+    for i, tokens in enumerate((64, 128, 256)):
+        size = BatchSize(tokens, 16)
+        cycle.begin(size)
+        layer = replace(cost(), none_bytes=tokens * 10, full_bytes=tokens, selective_bytes=tokens * 4,
+                        full_flops=tokens * 100, selective_flops=tokens * 10,
+                        full_ns=(7, 5000, 30)[i], plain_ns=tokens, selective_ns=tokens)
+        cycle.planned(make_plan([layer], 0, 10**9), RankMeasurement([layer], 0))
+    assert cycle.fit.trusted(200, 16)
+    predicted = cycle.predict(BatchSize(200, 16))
+    assert predicted is not None and predicted.costs[0].plain_ns >= 128
+
+
+def test_a_budget_cycle_saved_before_the_times_measures_again():
+    cycle = BudgetCycle()
+    layer = cost(full_ns=10)
+    for tokens in (64, 128, 256):
+        cycle.begin(BatchSize(tokens, 16))
+        cycle.planned(make_plan([layer], 0, 10**9), RankMeasurement([layer], 0))
+    state = cycle.state_dict()
+    state["fit"]["rows"] = [row[:12] + row[15:] for row in state["fit"]["rows"]]  # one layer's row without times
+    for costs in [state["fit"]["template"]["costs"]]:
+        for c in costs:
+            del c["plain_ns"], c["full_ns"], c["selective_ns"]
+    restored = BudgetCycle()
+    restored.load_state_dict(state)
+    assert restored.template is None and restored.fit.rows == []  # nothing misread: those sizes are measured anew
+    assert restored.predict(BatchSize(200, 16)) is None and len(restored.plans) == 3  # the plans themselves kept
+
+
+def test_without_a_profile_the_chunked_head_is_priced_at_the_layers_measured_rate():
+    """The head's second forward (20 FLOPs) at the layers' measured recompute rate (5,000 ns for 50 FLOPs: 100 ns a
+    FLOP) is 2,000 ns: cheaper than one selective layer measured at 9,000 ns, dearer than one at 1,000 ns. By FLOPs,
+    the selective layer (5 FLOPs) always wins."""
+    from lightning_ckpt.core.plan.planner import ChunkedHead
+
+    layers = [LayerCost(f"l{i}", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+                        full_flops=50, selective_flops=5) for i in range(4)]
+    head = ChunkedHead(chunk_tokens=256, outside_bytes=300, head_bytes=100, head_peak_bytes=50, flops=20)
+
+    def plan(costs):  # a budget one selective layer reaches (2,140 B of 2,200) and the chunked head does (750 B)
+        return make_plan(costs, outside_bytes=1000, memory_budget=2150, head_bytes=600, head_peak_bytes=800,
+                         chunked=head, chunk_loss=None)
+
+    by_flops = plan(layers)
+    assert by_flops.chunk_tokens is None and list(by_flops.layers.values()).count("selective") == 1
+    slow = plan([replace(c, full_ns=5000, selective_ns=9000) for c in layers])
+    assert slow.chunk_tokens == 256 and set(slow.layers.values()) == {"none"}
+    fast = plan([replace(c, full_ns=5000, selective_ns=1000) for c in layers])
+    assert fast.chunk_tokens is None and list(fast.layers.values()).count("selective") == 1
