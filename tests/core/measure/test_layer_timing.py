@@ -24,7 +24,14 @@ from lightning_ckpt.core.measure.costs import LayerCost
 from lightning_ckpt.core.measure.layer_timing import time_modes
 from lightning_ckpt.core.measure.op_curve import OpRecord
 from lightning_ckpt.core.plan.planner import make_plan, measure_step, plan_checkpointing, predict_seconds
-from lightning_ckpt.core.measure.timing import extra_seconds, layer_seconds, priced_by_time, seconds_per_flop, step_seconds
+from lightning_ckpt.core.measure.timing import (
+    extra_seconds,
+    layer_seconds,
+    price_source,
+    priced_by_time,
+    seconds_per_flop,
+    step_seconds,
+)
 from lightning_ckpt.demos import Block, BlockStack
 
 CPU = torch.device("cpu")
@@ -70,6 +77,22 @@ def test_a_warm_up_run_of_each_mode_is_not_counted(monkeypatch):
     monkeypatch.setattr(layer_timing.time, "perf_counter_ns", clock.perf_counter_ns)
     assert time_modes(clock.run, ("plain", "full"), CPU, rounds=3, warm_up=True) == {"plain": 120, "full": 300}
     assert clock.calls == ["plain", "full", "plain", "full", "full", "plain", "plain", "full"]
+
+
+def test_one_round_is_one_timed_run_of_each_mode(monkeypatch):
+    clock = FakeClock({"plain": [70], "full": [90]})
+    monkeypatch.setattr(layer_timing.time, "perf_counter_ns", clock.perf_counter_ns)
+    assert time_modes(clock.run, ("plain", "full"), CPU, rounds=1) == {"plain": 70, "full": 90}
+
+
+def test_an_accelerator_is_synchronized_around_each_timed_run_and_the_cpu_never(monkeypatch):
+    synced = []
+    monkeypatch.setattr(layer_timing.torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    time_modes(lambda mode: None, ("plain", "full"), CPU, rounds=2)
+    assert synced == []
+    gpu = torch.device("cuda", 1)
+    time_modes(lambda mode: None, ("plain", "full"), gpu, rounds=2)
+    assert synced == [gpu] * 8  # before and after each of 2 x 2 runs, on the device the layer is on
 
 
 def test_rounds_must_be_one_or_more():
@@ -359,3 +382,70 @@ def test_without_a_profile_the_chunked_head_is_priced_at_the_layers_measured_rat
     assert slow.chunk_tokens == 256 and set(slow.layers.values()) == {"none"}
     fast = plan([replace(c, full_ns=5000, selective_ns=1000) for c in layers])
     assert fast.chunk_tokens is None and list(fast.layers.values()).count("selective") == 1
+
+
+# ------------------------------------------------------------------------------------------------ the edges
+
+
+def exactly(seconds: float):
+    """Equal but for float rounding: a nanosecond is 1e-9 s exactly, not 1.000000001e-9 (pytest's default absolute
+    tolerance, 1e-12 s, would take microseconds as equal)."""
+    return pytest.approx(seconds, rel=1e-12, abs=0)
+
+
+def test_prices_convert_nanoseconds_exactly():
+    here = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9, layer_times=True)
+    assert seconds_per_flop([cost(full_ns=2200)]) == exactly(2.2e-6 / 110)
+    assert layer_seconds(cost(plain_ns=9000), here) == exactly(3e-6)
+    assert extra_seconds(cost(full_ns=3300), "selective", (), None) == exactly(3.3e-6 * 10 / 110)
+    layer = replace(cost(plain_ns=6_000_000), full_flops=10**6, ops=(OpRecord("aten.mm.default", 0, 10**6, 0),))
+    assert step_seconds([layer], [], here) == exactly(0.006)
+
+
+def test_an_op_level_choice_is_priced_by_what_it_keeps():
+    ops = (OpRecord("aten.mm.default", 30, 100, 0), OpRecord("aten.relu.default", 10, 10, 0))
+    timed = replace(cost(full_ns=3000, selective_ns=1000), ops=ops)
+    here = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9, layer_times=True)
+    assert extra_seconds(timed, "ops", [0], here) == pytest.approx(1e-6)  # keeps the mm: the selective point
+    assert extra_seconds(timed, "ops", [1], here) == pytest.approx(1e-6 + 2e-6 * 90 / 100)  # keeps the relu
+
+
+def test_a_single_flop_layer_untimed_selective_is_priced_at_full_rate():
+    one = LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+                    full_flops=1, selective_flops=1, full_ns=1000)
+    assert extra_seconds(one, "selective", (), None) == exactly(1e-6)
+
+
+def test_rates_price_selective_by_the_cheap_ops_it_recomputes_and_compression_adds_its_passes():
+    ops = (OpRecord("aten.mm.default", 64, 10**6, 96), OpRecord("aten.gelu.default", 64, 16, 128))
+    layer = LayerCost("a", "Block", none_bytes=128, full_bytes=32, selective_bytes=96, offloadable_bytes=0,
+                      full_flops=10**6 + 16, selective_flops=16, ops=ops)
+    rates = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e9, host_bandwidth=1e9, op_overhead=1e-6)
+    # the gelu again (128 B at 1 GB/s, 1 us launch), and 1 us for each op under the policy: the forward's two and
+    # the two its recompute replays (both may be recomputed)
+    assert round(1e9 * extra_seconds(layer, "selective", (), rates)) == 128 + 1000 + 4 * 1000
+    # compressed inputs: both passes of 2,000 B at the memory bandwidth, on top
+    assert round(1e9 * extra_seconds(replace(layer, codec_bytes=2000), "selective", (), rates)) == 5128 + 2000
+
+
+def test_timed_layers_without_op_records_take_the_outside_at_its_rates():
+    here = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9, layer_times=True)
+    outside = [OpRecord("aten.mm.default", 0, 10**6, 0)]  # 3 ms rated; nothing to scale it by
+    assert step_seconds([cost(plain_ns=2_000_000)], outside, here) == exactly(0.005)
+
+
+def test_the_price_source_says_what_priced_the_plan():
+    timed, untimed = [cost(full_ns=900)], [cost()]
+    here = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9, name="measured cpu",
+                         layer_times=True)
+    preset = DeviceProfile.preset("h100-sxm")
+    assert price_source(timed, None) == "the times each layer took here in the measuring step"
+    assert price_source(untimed, None) == "recompute FLOPs"
+    assert price_source(timed, here) == ("the times each layer took on measured cpu in the measuring step,"
+                                         " measured cpu's rates for the rest")
+    assert price_source(untimed, here) == "measured cpu's rates"  # fake tensors: nothing timed
+    assert price_source(untimed, preset) == "preset h100-sxm's datasheet rates"
+    assert price_source(timed, preset) == ("preset h100-sxm's datasheet rates (the layers' times here are not that"
+                                           " device's)")
+    assert price_source(timed, replace(here, layer_times=False, name="custom")) == (
+        "custom's rates (the layers' times here are not that device's)")
