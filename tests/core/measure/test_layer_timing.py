@@ -449,3 +449,49 @@ def test_the_price_source_says_what_priced_the_plan():
                                            " device's)")
     assert price_source(timed, replace(here, layer_times=False, name="custom")) == (
         "custom's rates (the layers' times here are not that device's)")
+
+
+def test_measured_seconds_where_selective_recomputes_everything_or_one_flop_less():
+    ops = (OpRecord("aten.mm.default", 30, 1, 0), OpRecord("aten.relu.default", 10, 10, 0))
+    # selective recomputes every FLOP full does (the mm is 0 FLOPs away): an "ops" point is taken at full's time
+    flat = LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+                     full_flops=10, selective_flops=10, full_ns=3000, selective_ns=1000,
+                     ops=(OpRecord("aten.relu.default", 10, 10, 0),))
+    assert flat.measured_seconds("ops", keep=[]) == exactly(3e-6)
+    # one FLOP between the selective point and full: keeping the mm (1 FLOP) is the selective point exactly
+    one = LayerCost("a", "Block", none_bytes=100, full_bytes=10, selective_bytes=40, offloadable_bytes=0,
+                    full_flops=11, selective_flops=10, full_ns=3000, selective_ns=1000, ops=ops)
+    assert one.measured_seconds("ops", keep=[0]) == exactly(1e-6)
+    assert one.measured_seconds("ops", keep=[]) == exactly(3e-6)
+    assert one.measured_seconds("full") == exactly(3e-6) and one.measured_seconds("selective") == exactly(1e-6)
+    # keeping more than the matmul (its relu too) recomputes less than selective does: no cheaper than selective
+    assert one.measured_seconds("ops", keep=[0, 1]) == exactly(1e-6)
+
+
+def test_the_cycle_finds_each_layer_s_times_in_its_row():
+    from lightning_ckpt.core.plan.budget_cycle import _row, _times
+
+    layers = [cost(plain_ns=11, full_ns=12, selective_ns=13), replace(cost(plain_ns=21, full_ns=22, selective_ns=23),
+                                                                      name="b")]
+    measured = RankMeasurement(layers, 0)
+    row = _row(measured)
+    assert _times(measured) == [12, 13, 14, 29, 30, 31]  # 15 integers and 2 bytes to move per layer
+    assert [row[i] for i in _times(measured)] == [11, 12, 13, 21, 22, 23]
+
+
+def test_a_resumed_cycle_trusts_its_fit_whatever_the_times_did():
+    cycle = BudgetCycle()
+    for tokens, noise in ((64, 7), (128, 5000), (256, 30)):
+        cycle.begin(BatchSize(tokens, 16))
+        layer = replace(cost(), none_bytes=tokens * 10, full_bytes=tokens, full_ns=noise, plain_ns=noise)
+        cycle.planned(make_plan([layer], 0, 10**9), RankMeasurement([layer], 0))
+    assert cycle.fit.trusted(200, 16)
+    restored = BudgetCycle()
+    restored.load_state_dict(cycle.state_dict())
+    assert restored.fit.trusted(200, 16) and restored.predict(BatchSize(200, 16)) is not None
+
+
+def test_a_cycle_state_without_plans_loads_as_empty():
+    restored = BudgetCycle()
+    restored.load_state_dict({})
+    assert restored.plans == {} and restored.template is None
