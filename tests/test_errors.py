@@ -1051,7 +1051,7 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
     "commands.plan._build_without_fake": (
         2, "main prints them as 'plan: …' with exit status 2; test_configs asserts the --fake one on the ViT config (the"
            " other needs a model too large for this machine that fake tensors cannot build)"),
-    "commands.plan.measure.build": (
+    "commands.plan.build.build": (
         1, "the command plans with fake tensors when the accelerator is missing; only `build` called alone raises it"
            " (test_plan_command)"),
     "strategies.fsdp._check_units_offloaded": (

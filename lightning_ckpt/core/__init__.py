@@ -8,7 +8,9 @@ costs), which may import :mod:`~lightning_ckpt.core.checkpoint` (how to checkpoi
 - :mod:`~lightning_ckpt.core.checkpoint.wrapping`: apply and remove checkpointing, identity-preserving;
 - :mod:`~lightning_ckpt.core.checkpoint.layer_state`: buffers a layer updates in forward, restored for the recompute;
 - :mod:`~lightning_ckpt.core.checkpoint.policies`: selective checkpointing (which op outputs are kept);
-- :mod:`~lightning_ckpt.core.checkpoint.offload`: saved tensors in pinned host memory, on side streams;
+- :mod:`~lightning_ckpt.core.checkpoint.offload`: saved tensors in pinned host memory, on side streams
+  (:mod:`~lightning_ckpt.core.checkpoint.host_pool`, :mod:`~lightning_ckpt.core.checkpoint.streams`,
+  :mod:`~lightning_ckpt.core.checkpoint.saved_copies`);
 - :mod:`~lightning_ckpt.core.checkpoint.tiling`: a layer's MLP over tiles of tokens, each under checkpoint
   (``tile_mlp``);
 - :mod:`~lightning_ckpt.core.checkpoint.placement`: checkpointing inside FSDP units, never around them;

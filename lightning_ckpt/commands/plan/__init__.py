@@ -23,7 +23,7 @@ peak, recompute FLOPs and, with ``--device``, step time) and each setting's peak
 the shape measured (batch x length). With ``--device-memory`` and 2 or more lengths, each setting's peak is fitted
 over the length (a quadratic through 3 or more lengths, for attention's ``T^2`` terms; a line through 2) and the
 largest length it fits is printed beside the largest batch (static memory plus the fitted peak). So is the plan's
-own longest length: the least peak its settings (:func:`plan_settings`: offload, compression, the chunked LM head and
+own longest length: the least peak its settings (:func:`~lightning_ckpt.commands.plan.planning.plan_settings`: offload, compression, the chunked LM head and
 loss) reach at each length, fitted alike; the step is measured again at that length and the plan made there for the
 device memory less static memory, with its predicted step time.
 
@@ -43,7 +43,7 @@ code reads a value of its weights) is measured with real tensors instead, its si
 
 Static memory is one device's share. The command launches no process: the trainer is built for one device
 without a strategy, and the configured ``trainer.strategy``, ``devices`` and ``num_nodes`` only say how static
-memory is divided (:func:`~lightning_ckpt.commands.plan.measure.sharding_of`). Under the package's ``fsdp_ckpt``,
+memory is divided (:func:`~lightning_ckpt.commands.plan.sharding.sharding_of`). Under the package's ``fsdp_ckpt``,
 Lightning's ``FSDPStrategy`` (by its ``sharding_strategy``) or ``ModelParallelStrategy`` (a name, or a
 ``class_path`` with ``init_args``), each device holds its share of the parameters, gradients and optimizer state
 over the data-parallel devices (devices x num_nodes for ``fsdp_ckpt`` and full sharding), rows padded as
@@ -51,7 +51,7 @@ over the data-parallel devices (devices x num_nodes for ``fsdp_ckpt`` and full s
 
 Under ``fsdp_ckpt``'s CPU offload (``--trainer.strategy=fsdp_ckpt_cpu_offload``, or ``cpu_offload: true`` in its
 ``init_args``) that share is in host memory, and the device holds the buffers and what FSDP2 gathers there
-(:func:`~lightning_ckpt.commands.plan.measure.gathered_bytes`): the root units' parameters (kept from their forward to
+(:func:`~lightning_ckpt.commands.plan.static_memory.gathered_bytes`): the root units' parameters (kept from their forward to
 the end of the backward) and two blocks' (one computing, the next prefetched), in the dtype they are gathered in
 (bfloat16 under ``bf16-mixed``), and the gradients of the roots and of one block; no optimizer state. One device
 (``--trainer.devices=1``) can then be planned as ALST's one-GPU runs are.
@@ -156,7 +156,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -171,39 +170,22 @@ from lightning_ckpt.commands.arguments import (
     parse_budget_arg,
     parse_bytes_arg,
 )
-from lightning_ckpt.commands.plan.measure import (
-    Built,
-    HostMemory,
-    Measurement,
-    StaticMemory,
-    accelerator_available,
-    build,
-    check_length,
-    configured_accelerator,
-    device_profile,
-    loader_batch_size,
-    static_memory,
-    this_machine_host_memory,
-    would_not_fit,
-)
-# Aliased: bound here as `measure`, the function would hide the submodule `lightning_ckpt.commands.plan.measure`.
+# Aliased: bound here as `build`, `static_memory` and `measure`, the functions would hide the submodules
+# `lightning_ckpt.commands.plan.build`, `.static_memory` and `.measure`.
+from lightning_ckpt.commands.plan.build import Built, accelerator_available, configured_accelerator
+from lightning_ckpt.commands.plan.build import build as build_from
+from lightning_ckpt.commands.plan.measure import Measurement, check_length, device_profile, loader_batch_size
 from lightning_ckpt.commands.plan.measure import measure as measure_at
-from lightning_ckpt.commands.plan.predictions import (
-    CALLBACK_MODES,
-    PlanSettings,
-    SettingRow,
-    fit_peak,
-    host_memory_short,
-    largest_length,
-    planner_front,
-    setting_choices,
-    setting_rows,
-)
-from lightning_ckpt.commands.plan.report import LengthResult, LongestPlan, PlanResult, plot, render, report_data
+from lightning_ckpt.commands.plan.plan_files import plot, report_data
+from lightning_ckpt.commands.plan.planning import _across_lengths, _plan_longest, _rows, host_memory_of, plan_settings
+from lightning_ckpt.commands.plan.predictions import planner_front
+from lightning_ckpt.commands.plan.report import render
+from lightning_ckpt.commands.plan.result import PlanResult
+from lightning_ckpt.commands.plan.static_memory import static_memory as static_memory_of
+from lightning_ckpt.commands.plan.static_memory import would_not_fit
 from lightning_ckpt.core.checkpoint.tiling import apply_tiling
 from lightning_ckpt.core.measure.device_profile import PRESET_NAMES, DeviceProfile
 from lightning_ckpt.core.measure.longest import length_limit
-from lightning_ckpt.core.plan.planner import CheckpointPlan, Offload
 
 __all__ = ["main"]
 
@@ -353,7 +335,7 @@ def _build(args: argparse.Namespace) -> Built:
                   " on the CPU (no memory allocated).", flush=True)
         fake = True
     try:
-        built = build(args.config, fake=True, cli_args=args.cli_args)
+        built = build_from(args.config, fake=True, cli_args=args.cli_args)
     except Exception as err:  # whatever the model's own code raises under fake tensors
         built = _build_without_fake(args, fake, err)
     else:
@@ -362,7 +344,7 @@ def _build(args: argparse.Namespace) -> Built:
                   " memory; measuring with fake tensors (no memory allocated).", flush=True)
             fake = True
         if not fake:
-            built = build(args.config, fake=False, cli_args=args.cli_args, seed_banner=False)
+            built = build_from(args.config, fake=False, cli_args=args.cli_args, seed_banner=False)
     if args.offload is not None:
         built.offload = {"true": True, "false": False, "auto": "auto"}[args.offload]
     if args.compress is not None:
@@ -385,13 +367,13 @@ def _build_without_fake(args: argparse.Namespace, fake: bool, err: Exception) ->
     if fake:
         raise ValueError(f"the model cannot be built under fake tensors ({why}), which --fake or a missing"
                          " accelerator needs; run plan without --fake on a machine that has the config's accelerator")
-    sized = build(args.config, fake=False, meta=True, cli_args=args.cli_args, seed_banner=False)
+    sized = build_from(args.config, fake=False, meta=True, cli_args=args.cli_args, seed_banner=False)
     if would_not_fit(sized):
         raise ValueError(f"the model cannot be built under fake tensors ({why}) and its weights, gradients and"
                          " optimizer state would not fit this machine's memory; run plan on a machine with more memory")
     print(f"plan: the model cannot be built under fake tensors ({why}); measuring with real tensors (its size"
           " checked on the meta device first).", flush=True)
-    return build(args.config, fake=False, cli_args=args.cli_args, seed_banner=False)
+    return build_from(args.config, fake=False, cli_args=args.cli_args, seed_banner=False)
 
 
 @dataclass
@@ -421,30 +403,6 @@ def _measure(built: Built, batch_size: int, length: Optional[int] = None) -> Mea
     return replace(m, costs=[c.compressed(built.compress) for c in m.costs])
 
 
-def plan_settings(built: Built, profile: Optional[DeviceProfile], host: Optional[HostMemory] = None) -> PlanSettings:
-    """The settings every plan of the command is made with: the one place they are gathered (offload, compression,
-    the chunked LM head and loss, and the host memory offloaded activations may take, :attr:`HostMemory.for_offload`;
-    ``None``: the planner's default, half of this machine's available memory)."""
-    return PlanSettings(offload=built.offload, device=profile, compress=built.compress, chunk_loss=built.chunk_loss,
-                        host_memory=None if host is None else host.for_offload, tile_mlp=built.tile_mlp,
-                        modes=("full",) if built.reentrant else CALLBACK_MODES)
-
-
-def host_memory_of(given: Optional[int], static: StaticMemory) -> HostMemory:
-    """The host memory the command plans with: ``--host-memory`` when ``given``, else this machine's
-    (:func:`~lightning_ckpt.commands.plan.measure.this_machine_host_memory`), less what ``static`` keeps there under
-    CPU offload.
-
-    Example::
-
-        >>> from lightning_ckpt.commands.plan.measure import StaticMemory
-        >>> host_memory_of(2**30, StaticMemory(0, 0, 0, "AdamW", host_weights=2**28))
-        HostMemory(total=1073741824, given=True, static=268435456)
-    """
-    total = given if given is not None else this_machine_host_memory()
-    return HostMemory(total, given is not None, static.host_total)
-
-
 def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profile: Optional[DeviceProfile],
              measure_length: Optional[Callable[[int], Measurement]] = None) -> PlanResult:
     """The plan for the budget, every setting's predictions, the planner's front and, with ``--lengths``, the same
@@ -453,7 +411,7 @@ def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profil
     config_budget = built.memory_budget if built.memory_budget not in (None, "auto") else None
     budget = args.memory_budget if args.memory_budget is not None else config_budget or DEFAULT_BUDGET
     main_m, other = measured.main, measured.other
-    static = static_memory(built)  # its optimizer step changes the weights: after every measurement but the longest
+    static = static_memory_of(built)  # its optimizer step changes the weights: after every measurement but the longest
     host = host_memory_of(getattr(args, "host_memory", None), static)
     settings = plan_settings(built, profile, host)
     plan, plan_error = settings.plan(main_m, budget)
@@ -470,85 +428,6 @@ def _compute(args: argparse.Namespace, built: Built, measured: _Measured, profil
         if room is not None and len(measured.at_lengths) >= 2 and measure_length is not None:
             _plan_longest(result, room, settings, measure_length, length_limit(built.module))
     return result
-
-
-def _rows(measured: Measurement, plan: Optional[CheckpointPlan], offload: Offload, profile: Optional[DeviceProfile],
-          other: Optional[Measurement] = None, room: Optional[int] = None) -> list[SettingRow]:
-    """Every standard setting's predictions on ``measured``, and the plan's when there is one."""
-    names = [c.name for c in measured.costs]
-    return setting_rows(measured, setting_choices(names, plan, measured.chunked is not None), offload, other, room,
-                        plan.kept_ops if plan is not None else {}, profile, plan.offloaded if plan is not None else (),
-                        plan_chunked=plan is not None and plan.chunk_tokens is not None)
-
-
-def _across_lengths(result: PlanResult, at_lengths: Sequence[Measurement], room: Optional[int],
-                    settings: PlanSettings) -> None:
-    """Fill ``result``'s plan, settings and least reachable peak (``settings``'s) at each length and, with 2 or more
-    lengths, the fit of each standard setting's peak, and of that least peak, over the length and (with ``room``)
-    the largest length each fits."""
-    offload, profile = result.built.offload, result.profile
-    for m in at_lengths:
-        plan, error = settings.plan(m, result.budget)
-        assert m.length is not None  # measured at a length: the batch has token ids
-        result.lengths.append(LengthResult(m.length, m.batch_size, plan, error, _rows(m, plan, offload, profile),
-                                           settings.least_peak(m)))
-    if len(at_lengths) < 2:
-        return
-    result.length_fit = "quadratic" if len(at_lengths) >= 3 else "linear"
-    lengths = [at.length for at in result.lengths]
-    for name in (r.name for r in result.rows if r.name != "plan"):
-        peaks = [next(r.peak_bytes for r in at.rows if r.name == name) for at in result.lengths]
-        result.largest_length[name] = None if room is None else largest_length(fit_peak(lengths, peaks), room)
-    least = fit_peak(lengths, [at.least_peak_bytes for at in result.lengths])
-    result.largest_length["plan"] = None if room is None else largest_length(least, room)
-
-
-#: Tries at the plan's longest length: each measures the step again where the last fell short.
-_LONGEST_TRIES = 6
-
-
-def _plan_longest(result: PlanResult, room: int, settings: PlanSettings,
-                  measure_length: Callable[[int], Measurement], limit: Optional[tuple[str, int]]) -> None:
-    """The plan at the longest length its settings fit (``result.largest_length["plan"]``, from the fitted least
-    peak), planned for ``room`` (device memory less static memory) on the step measured again at that length. Where
-    the fit promised too much, the length shrinks by what the least peak there overshoots (or by 1% where the least
-    peak fits but the planner found no plan: no plan fit the host memory, or its knapsack's rounding), and is
-    measured again, up to :data:`_LONGEST_TRIES` times, each shrink's reason kept in ``LongestPlan.shortened``;
-    ``result.largest_length["plan"]`` ends as the length the plan was made at, except where the model's ``limit``
-    capped it (the plan is then made at the limit, and the fitted length stays, as every setting's does)."""
-    fitted = result.largest_length.get("plan")
-    if fitted is None or fitted < 1:
-        return
-    length = fitted if limit is None else min(fitted, limit[1])
-    longest = LongestPlan(fitted, length, result.main.batch_size, None, None, capped=limit if length < fitted else None)
-    for _ in range(_LONGEST_TRIES):
-        measured = measure_length(length)
-        longest.length, longest.least_peak_bytes = length, settings.least_peak(measured)
-        longest.plan, longest.plan_error = settings.plan(measured, room)
-        if longest.plan is not None or length <= 1:
-            break
-        # Past the room: shrink by what the least peak overshoots. Within it, the planner still found no plan (the host
-        # memory is short, or its knapsack's rounding): 1% shorter.
-        longest.shortened.append(_why_shorter(longest.least_peak_bytes, room, longest.plan_error))
-        length = max(1, min(length - max(1, length // 100), math.floor(length * room / longest.least_peak_bytes)))
-    result.longest = longest
-    if longest.plan is not None and longest.capped is None:  # capped: the fit's length stays, as every setting's
-        result.largest_length["plan"] = longest.length
-
-
-def _why_shorter(least_peak_bytes: int, room: int, plan_error: Optional[str]) -> str:
-    """Why no plan was made at a length: ``"overshot"`` (the least peak is over the room: the fit promised too much),
-    ``"host_memory"`` (the device could hold it, but no plan fits the host memory for offload) or ``"no_plan"`` (the
-    planner found none within the room all the same).
-
-    Example::
-
-        >>> _why_shorter(120, 100, "least reachable"), _why_shorter(90, 100, "needs more than `host_memory=5`")
-        ('overshot', 'host_memory')
-    """
-    if least_peak_bytes > room:
-        return "overshot"
-    return "host_memory" if host_memory_short(plan_error) else "no_plan"
 
 
 def _write(result: PlanResult, out_dir: Path) -> None:

@@ -1,8 +1,8 @@
 """How to checkpoint: selecting layers, wrapping them, and what a checkpointed layer does with what it saves.
 
 Selection (:mod:`~lightning_ckpt.core.checkpoint.selection`), wrapping
-(:mod:`~lightning_ckpt.core.checkpoint.wrapping`), layer state, selective policies, offload to host memory (and the CPU
-stand-in for device streams), compressed checkpoints, the LM head and loss in chunks, tiles of tokens, placement inside
+(:mod:`~lightning_ckpt.core.checkpoint.wrapping`), layer state, selective policies, offload to host memory (its engine and hooks,
+its host pool, its streams and the CPU stand-in for them, saved tensors copied once), compressed checkpoints, the LM head and loss in chunks, tiles of tokens, placement inside
 FSDP units, the log lines said once, and the storage helpers these share
 (:mod:`~lightning_ckpt.core.checkpoint.storages`).
 

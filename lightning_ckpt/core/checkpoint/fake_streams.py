@@ -1,6 +1,6 @@
 """A CPU stand-in for an accelerator's streams, so the offload engine's scheduling is tested without one.
 
-:class:`FakeStreams` implements :class:`~lightning_ckpt.core.checkpoint.offload.Streams` on the CPU: "device" tensors are CPU
+:class:`FakeStreams` implements :class:`~lightning_ckpt.core.checkpoint.streams.Streams` on the CPU: "device" tensors are CPU
 tensors and every copy runs late, in a shuffled order, wherever the stream rules allow. A rule the engine breaks that
 real hardware would not report (a missing wait, a tensor freed under its copy) raises :class:`FakeStreamError`. The
 offload tests and ``benchmarks/bench_offload.py --cpu-smoke`` run the engine on it.
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt.core.checkpoint.offload import pinned_size
+from lightning_ckpt.core.checkpoint.host_pool import pinned_size
 
 __all__ = ["FakeStreamError", "FakeStreams"]
 
@@ -64,7 +64,7 @@ class FakeStreams:
       :class:`FakeStreamError`, at the copy or at the next call into the fake;
     - queuing a copy that touches memory a queued copy still uses, without waiting for it, raises it too;
     - host buffers model torch's caching host allocator: a dropped buffer stays pinned (``pinned_bytes``) until
-      ``empty_host_cache``, and sizes are rounded up as :func:`~lightning_ckpt.core.checkpoint.offload.pinned_size` says.
+      ``empty_host_cache``, and sizes are rounded up as :func:`~lightning_ckpt.core.checkpoint.host_pool.pinned_size` says.
 
     Example::
 

@@ -13,19 +13,25 @@ device in backward. The copies run on a side stream so that they overlap compute
   event only when it needs the tensor, and the engine holds the copy's destination until the copy is done,
   even when backward stops early (an exception, ``autograd.grad`` over part of the graph);
 - a storage that several layers save (a mask, Transformers' ``position_embeddings``) is copied once each way
-  (:class:`SavedCopies` finds the first copy while the tensor is alive and unchanged);
+  (:class:`~lightning_ckpt.core.checkpoint.saved_copies.SavedCopies` finds the first copy while the tensor is alive
+  and unchanged);
 - tensors come back with their own strides (channels-last stays channels-last);
-- host buffers come from a :class:`HostPool` that is reused across steps and grows to the largest step; what it
+- host buffers come from a :class:`~lightning_ckpt.core.checkpoint.host_pool.HostPool` that is reused across steps and grows to the largest step; what it
   drops, and what :func:`release_all` frees, is unpinned (not left in torch's caching host allocator);
 - tensors under ``min_bytes`` (default 1 MiB), parameters and tensors on other devices stay where they are.
 
-Scheduling talks to a small stream/event interface (:class:`Streams`): :class:`DeviceStreams` for CUDA
-(or any device module with streams and events) and :class:`~lightning_ckpt.core.checkpoint.fake_streams.FakeStreams`,
+Scheduling talks to a small stream/event interface (:class:`~lightning_ckpt.core.checkpoint.streams.Streams`):
+:class:`~lightning_ckpt.core.checkpoint.streams.DeviceStreams` for CUDA (or any device module with streams and events) and :class:`~lightning_ckpt.core.checkpoint.fake_streams.FakeStreams`,
 which runs copies on the CPU late and in a shuffled order, so the same logic is tested on machines without an
 accelerator.
 One engine is shared per device (:func:`default_engine`); :func:`use_engine` puts another in
 charge, and :func:`release_all` drops every pooled host buffer (call it at teardown). Plain PyTorch;
 nothing here imports Lightning.
+
+This module holds the engine and the hooks; the host pool (:mod:`~lightning_ckpt.core.checkpoint.host_pool`), the
+streams (:mod:`~lightning_ckpt.core.checkpoint.streams`) and the copies found again
+(:mod:`~lightning_ckpt.core.checkpoint.saved_copies`) have their own modules, their names importable from here too.
+About 500 lines: :class:`OffloadEngine` (some 240) keeps packing, unpacking and retiring under one lock.
 
 Example::
 
@@ -50,17 +56,21 @@ import functools
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, Optional, Protocol, TypeVar, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from lightning_ckpt.core.checkpoint.host_pool import HostPool, _Buffer, pinned_size
+from lightning_ckpt.core.checkpoint.saved_copies import SavedCopies, view_key
 from lightning_ckpt.core.checkpoint.storages import report_held
+from lightning_ckpt.core.checkpoint.streams import DeviceStreams, Streams
 
+# HostPool, pinned_size (host_pool.py), SavedCopies, view_key (saved_copies.py), DeviceStreams and Streams
+# (streams.py) live in their own modules; they are named here too, where they were before issue 43.
 __all__ = ["DEFAULT_LAG", "DEFAULT_MIN_BYTES", "DeviceStreams", "HostPool", "OffloadEngine", "OffloadStats",
            "OffloadToHost", "SavedCopies", "Streams", "default_engine", "engine_for", "is_parameter", "next_group",
            "pack_saved", "pinned_size", "release_all", "unpack_saved", "use_engine", "view_key"]
@@ -70,211 +80,6 @@ DEFAULT_MIN_BYTES = 1 << 20
 
 DEFAULT_LAG = 2
 """A forward copy may still run while this many later checkpointed layers start; then the compute stream waits."""
-
-# ----------------------------------------------------------------------------------------------------------------
-# The stream/event interface
-
-
-class Streams(Protocol):
-    """What the engine needs from a device: a compute stream, one side stream for copies, and events.
-
-    ``after`` lists events the side stream must reach before it starts a copy; the returned event marks the copy's
-    end. ``wait`` makes the compute stream wait for an event (the host does not block); ``done`` asks without waiting.
-    ``host_size`` is what pinning ``nbytes`` really takes (the allocator's rounding), and ``empty_host_cache`` gives
-    pinned memory that nothing uses back to the system.
-    """
-
-    def offloadable(self, tensor: torch.Tensor) -> bool: ...
-
-    def host_size(self, nbytes: int) -> int: ...
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor: ...
-
-    def empty_host_cache(self) -> None: ...
-
-    def empty_device(self, like: torch.Tensor, device: torch.device) -> torch.Tensor: ...
-
-    def record(self) -> Any: ...
-
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Any]) -> Any: ...
-
-    def to_device(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Any]) -> Any: ...
-
-    def wait(self, event: Any) -> None: ...
-
-    def done(self, event: Any) -> bool: ...
-
-    def synchronize(self) -> None: ...
-
-
-def pinned_size(nbytes: int) -> int:
-    """Bytes that torch's caching host allocator pins for ``nbytes``: it rounds every request up to a power of two.
-
-    Example::
-
-        >>> pinned_size(1000), pinned_size(1024), pinned_size(1025)
-        (1024, 1024, 2048)
-    """
-    return 1 << max(nbytes - 1, 0).bit_length()
-
-
-def _empty_host_cache() -> None:
-    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-    if empty is not None:
-        empty()
-    elif hasattr(torch._C, "_host_emptyCache"):  # torch < 2.8
-        torch._C._host_emptyCache()
-
-
-class DeviceStreams:
-    """Copies on a side stream of an accelerator that has streams and events (CUDA, or its peers in ``torch``).
-
-    Example::
-
-        streams = DeviceStreams("cuda:0")
-    """
-
-    def __init__(self, device: Union[str, torch.device]) -> None:
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self._module = torch.get_device_module(self.device.type)
-        # A device without streams (MPS) copies in line on its one queue, as offload did before side streams.
-        self._side = self._module.Stream(self.device) if hasattr(self._module, "Stream") else None
-
-    def offloadable(self, tensor: torch.Tensor) -> bool:
-        return tensor.device == self.device
-
-    def host_size(self, nbytes: int) -> int:
-        return pinned_size(nbytes)
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def empty_host_cache(self) -> None:
-        # A pinned tensor that dies goes back to torch's caching host allocator and stays pinned until this call
-        # (blocks whose copies are still running are kept by the allocator until their events complete).
-        _empty_host_cache()
-
-    def empty_device(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # Allocated on the compute stream: the tensor is the compute stream's once the copy is done, so autograd may
-        # free it there without `record_stream`. The side stream waits for an event recorded after this allocation
-        # (see `OffloadEngine._start_to_device`), so kernels still using the recycled block finish before the copy.
-        # The engine holds it until the copy's event is done, even if its handle dies first (`_landing`).
-        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
-
-    def record(self) -> Any:
-        if self._side is None:
-            return None
-        event = self._module.Event()
-        event.record(self._module.current_stream(self.device))
-        return event
-
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Any]) -> Any:
-        if self._side is None:
-            dst.copy_(src)
-            return None
-        for event in after:
-            if event is not None:
-                self._side.wait_event(event)
-        with self._module.stream(self._side):
-            dst.copy_(src, non_blocking=True)
-            event = self._module.Event()
-            event.record(self._side)
-        return event
-
-    to_host = _copy
-    to_device = _copy
-
-    def wait(self, event: Any) -> None:
-        if event is not None:
-            self._module.current_stream(self.device).wait_event(event)
-
-    def done(self, event: Any) -> bool:
-        return event is None or bool(event.query())
-
-    def synchronize(self) -> None:
-        if self._side is not None:
-            self._side.synchronize()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The host buffer pool
-
-
-@dataclass(eq=False)
-class _Buffer:
-    data: torch.Tensor  # uint8, at least the requested bytes
-    size: int  # what it really pins (the allocator's rounding)
-    last_event: Any = None  # the end of the last copy that touched it
-
-
-class HostPool:
-    """Reusable host buffers: a buffer freed in one step serves the same-sized tensor in the next.
-
-    The pool never holds more bytes than the most it ever had in use at once (the largest step): when a request fits
-    no free buffer, free buffers are dropped, oldest first, until the new one fits under that bound. Sizes are counted
-    as ``round_size`` says the allocator really pins them; after dropping buffers the pool calls ``empty_cache`` so
-    that the dropped memory is unpinned, not kept by the allocator's cache.
-
-    Example::
-
-        >>> pool = HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
-        >>> a = pool.take(1000); pool.give(a); b = pool.take(1000)
-        >>> a is b, pool.allocated_bytes, pool.allocations
-        (True, 1024, 1)
-    """
-
-    GRANULE = 512
-
-    def __init__(self, allocate: Callable[[int], torch.Tensor], round_size: Optional[Callable[[int], int]] = None,
-                 empty_cache: Optional[Callable[[], None]] = None) -> None:
-        self._allocate = allocate
-        self._round = round_size or (lambda n: -(-n // self.GRANULE) * self.GRANULE)
-        self._empty_cache = empty_cache or (lambda: None)
-        self._free: list[_Buffer] = []
-        self.allocated_bytes = 0
-        self.in_use_bytes = 0
-        self.peak_in_use_bytes = 0
-        self.allocations = 0
-        self._all: list[weakref.ref[torch.Tensor]] = []
-
-    def take(self, nbytes: int) -> _Buffer:
-        size = self._round(max(nbytes, 1))
-        fits = [b for b in self._free if size <= b.size <= 2 * size]
-        if fits:
-            buffer = min(fits, key=lambda b: b.size)
-            self._free.remove(buffer)
-        else:
-            bound = max(self.peak_in_use_bytes, self.in_use_bytes + size)
-            dropped = False
-            while self._free and self.allocated_bytes + size > bound:
-                self.allocated_bytes -= self._free.pop(0).size
-                dropped = True
-            if dropped:
-                self._empty_cache()
-            buffer = _Buffer(self._allocate(size), size)
-            self._all.append(weakref.ref(buffer.data))
-            self.allocated_bytes += size
-            self.allocations += 1
-        self.in_use_bytes += buffer.size
-        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
-        return buffer
-
-    def give(self, buffer: _Buffer) -> None:
-        self.in_use_bytes -= buffer.size
-        self._free.append(buffer)
-
-    def clear(self) -> None:
-        """Drop and unpin the free buffers (buffers still held for a backward return here when it is done with them)."""
-        self.allocated_bytes -= sum(b.size for b in self._free)
-        self._free.clear()
-        self.peak_in_use_bytes = self.in_use_bytes
-        self._empty_cache()
-
-    def live_buffers(self) -> int:
-        """How many buffers this pool ever allocated are still alive anywhere."""
-        return sum(ref() is not None for ref in self._all)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -372,7 +177,7 @@ class OffloadEngine:
       dict is empty once no graph holds a handle.
     - ``_previous``: group -> the latest earlier group whose inputs lie behind its own in the autograd graph, i.e. the
       layer backward reaches next in the same graph; set at pack, it goes with the group's ``_groups`` entry.
-    - ``_shared``: the handle of each view packed (:class:`SavedCopies`), so that a later save of the same view,
+    - ``_shared``: the handle of each view packed (:class:`~lightning_ckpt.core.checkpoint.saved_copies.SavedCopies`), so that a later save of the same view,
       still alive and unchanged, shares that handle's host copy. An entry goes when its handle dies, or is replaced by
       a later pack of the same view. Empty once no graph holds a handle.
     - ``_newest``: the largest group packed so far (``-1`` before any); it only grows.
@@ -384,7 +189,7 @@ class OffloadEngine:
       save of the same view, one less per unpack.
 
     Args:
-        streams: the device's streams (:class:`DeviceStreams`) or the CPU fake
+        streams: the device's streams (:class:`~lightning_ckpt.core.checkpoint.streams.DeviceStreams`) or the CPU fake
             (:class:`~lightning_ckpt.core.checkpoint.fake_streams.FakeStreams`).
         min_bytes: tensors smaller than this stay on the device.
         lag: how many later checkpointed layers may start before the compute stream waits for a forward copy.
@@ -583,80 +388,6 @@ class OffloadEngine:
             if handle.ready is not None and not self.streams.done(handle.ready[1]):
                 self._landing.append(handle.ready)  # a prefetch still writes into it: held until it lands
             self.pool.give(handle.buffer)
-
-
-def view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """What identifies the view ``tensor`` is of its storage: the same elements in the same layout. Unlike
-    :func:`~lightning_ckpt.core.checkpoint.storages.storage_key`, which all views of a storage share, two views with other
-    offsets, shapes, strides or dtypes get two keys: each is copied on its own.
-
-    Example::
-
-        >>> x = torch.zeros(4, 4)
-        >>> view_key(x) == view_key(x.view(4, 4)) != view_key(x[1:])
-        True
-    """
-    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-            tuple(tensor.stride()), tensor.dtype)
-
-
-_V = TypeVar("_V")
-
-
-class SavedCopies(Generic[_V]):
-    """The copy made of each saved view (:func:`view_key`), found again while the tensor is alive and unchanged, so
-    that a tensor saved by several layers (a mask, a rotary table) is copied and held once.
-
-    Entries hold their copies weakly; a copy's entry goes when the copy dies (unless a newer one replaced it). A view
-    whose storage was freed (its address may be reused) or changed in place since (its version) gets nothing.
-    Thread-safe: backward may run on autograd's threads.
-
-    Example::
-
-        >>> copies = SavedCopies()
-        >>> x = torch.zeros(4)
-        >>> copy = x.clone()
-        >>> copies.put(x, copy)
-        >>> copies.get(x) is copy, copies.get(x[1:])
-        (True, None)
-        >>> _ = x.add_(1)  # changed in place: the copy is stale
-        >>> copies.get(x), len(copies)
-        (None, 1)
-        >>> del copy
-        >>> len(copies)
-        0
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[tuple[Any, ...], tuple[StorageWeakRef, int, weakref.ref[_V]]] = {}
-        # Reentrant: a copy's death (and so `_drop`) can come from garbage collection while the lock is held.
-        self._lock = threading.RLock()
-
-    def get(self, tensor: torch.Tensor) -> Optional[_V]:
-        """The copy put for ``tensor``'s view, if it is alive and the view's storage alive and unchanged since."""
-        with self._lock:
-            entry = self._entries.get(view_key(tensor))
-        if entry is None:
-            return None
-        storage, version, ref = entry
-        copy = ref()
-        return None if copy is None or storage.expired() or version != tensor._version else copy
-
-    def put(self, tensor: torch.Tensor, copy: _V) -> None:
-        """Remember ``copy`` (weakly) as ``tensor``'s, as the tensor is now."""
-        key = view_key(tensor)
-        ref = weakref.ref(copy, functools.partial(self._drop, key))
-        with self._lock:
-            self._entries[key] = (StorageWeakRef(tensor.untyped_storage()), tensor._version, ref)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def _drop(self, key: tuple[Any, ...], ref: weakref.ref[_V]) -> None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry[2] is ref:  # not a newer copy put under the same key since
-                del self._entries[key]
 
 
 def _latest_tagged(start: Any, group: int) -> Optional[int]:

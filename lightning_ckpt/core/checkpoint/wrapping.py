@@ -5,6 +5,9 @@ A checkpointed layer keeps its class, its ``state_dict`` keys and its parameter 
 ``torch.utils.checkpoint.checkpoint``. Module hooks (FSDP's among them) stay outside the checkpoint,
 so they are not run again during recomputation. Plain PyTorch; nothing here imports Lightning.
 
+About 520 lines: :func:`apply_checkpointing` and :func:`remove_checkpointing` with the checks they share (caches,
+tiles, nesting, offload) and the forward they install (:class:`CheckpointedForward`).
+
 Example::
 
     >>> import torch.nn as nn

@@ -6,6 +6,9 @@ reduction over ranks of an already-gathered ``[world_size, n]`` tensor, and the 
 Nothing here imports Lightning (as ``lightning.fabric.utilities.throughput`` holds the arithmetic of
 ``ThroughputMonitor``).
 
+Over 500 lines: everything the callback computes is one plain-PyTorch module it imports; its parts (reads, probes,
+reduction, summary) are small functions on their own.
+
 Example::
 
     >>> gathered = metrics_vector({HOST_RSS: 1.0, SAMPLES_PER_SEC: 10.0}).repeat(2, 1)  # two ranks alike

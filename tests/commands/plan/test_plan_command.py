@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from lightning_ckpt.commands.cli import main as cli_main
 from lightning_ckpt.commands.plan import main as plan_main
 from lightning_ckpt.commands.plan import measure as plan_measure
+from lightning_ckpt.commands.plan import static_memory as plan_static  # where would_not_fit looks up _available_memory
 from lightning_ckpt.commands.plan.measure import (
     Built,
     batch_of_length,
@@ -304,9 +305,9 @@ def test_fake_run_equals_real_run_in_bytes_and_flops(real_report, tmp_path, caps
 def test_fake_build_allocates_no_parameter_memory_and_is_chosen_when_the_model_would_not_fit(monkeypatch):
     built = build(TINY, fake=True)
     assert all(isinstance(p, FakeTensor) for p in built.module.parameters())
-    monkeypatch.setattr(plan_measure, "_available_memory", lambda device: 10**12)
+    monkeypatch.setattr(plan_static, "_available_memory", lambda device: 10**12)
     assert not would_not_fit(built)
-    monkeypatch.setattr(plan_measure, "_available_memory", lambda device: 10**6)  # weights alone are 216 KB; x4 > 0.8 MB
+    monkeypatch.setattr(plan_static, "_available_memory", lambda device: 10**6)  # weights alone are 216 KB; x4 > 0.8 MB
     assert would_not_fit(built)
 
 

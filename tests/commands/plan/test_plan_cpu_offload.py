@@ -268,6 +268,6 @@ def test_with_an_optimizer_that_cannot_be_built_the_offloaded_shares_are_still_c
 
 
 def test_only_a_cpu_offload_that_is_understood_and_on_counts_as_asked():
-    from lightning_ckpt.commands.plan.measure import _cpu_offload_asked
+    from lightning_ckpt.commands.plan.sharding import _cpu_offload_asked
 
     assert [_cpu_offload_asked(v) for v in (True, False, None, "nonsense", 3)] == [True, False, False, False, False]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import lightning_ckpt.core.checkpoint.host_pool as host_pool
 import lightning_ckpt.core.checkpoint.offload as offload
 import lightning_ckpt.core.checkpoint.wrapping as wrapping
 from helpers import BATCH, SEQ, VOCAB, WIDTH, LiveStorages, loss_and_grads, tiny_transformer, tokens
@@ -684,7 +685,7 @@ def test_accelerator_a_skipped_wait_changes_the_gradients():
 def test_accelerator_released_pool_leaves_nothing_pinned():
     """What the pool pins is what torch's host allocator reports, and after release nothing of it is left pinned."""
     gc.collect()
-    offload._empty_host_cache()
+    host_pool._empty_host_cache()
     before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     idx = accelerator_tokens()
     model = accelerator_model(offloaded=True)

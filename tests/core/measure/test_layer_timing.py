@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_ckpt.core.measure.layer_timing as layer_timing
-import lightning_ckpt.core.measure.layer_costs as measure_module
+import lightning_ckpt.core.measure.rerun as measure_module  # where a re-run looks up time_modes
 from lightning_ckpt import DeviceProfile
 from lightning_ckpt.core.plan.budget import RankMeasurement
 from lightning_ckpt.core.plan.budget_cycle import BatchSize, BudgetCycle

@@ -1,6 +1,6 @@
 """A measuring step re-runs each distinct layer once: identical layers called alike reuse its figures.
 
-Each measured layer is re-run plainly and backpropagated to its inputs (``measure._rerun``). Layers of one class
+Each measured layer is re-run plainly and backpropagated to its inputs (``rerun._rerun``). Layers of one class
 with the same configuration, weights' shapes, training flags and arguments' shapes measure the same, so only the
 first is re-run; every case here checks that the figures are exactly those of re-running every layer (the reuse
 switched off), and that a layer differing in any one of these gets its own.
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ckpt.core.measure import layer_costs as measure
+from lightning_ckpt.core.measure import rerun, rerun_key
 from lightning_ckpt.core.measure.costs import LayerCost
 from lightning_ckpt.core.measure.layer_costs import measure_step
 
@@ -115,7 +116,7 @@ def measured(model: nn.Module, layer_cls: type[nn.Module], reuse: bool, monkeypa
              step: Optional[Callable[[], torch.Tensor]] = None) -> tuple[list[LayerCost], int]:
     """The layers' costs from one measuring step (default: a :class:`Stack`'s), and how many backward measurements
     (re-runs) it took; ``reuse=False``: every layer re-run."""
-    backward_bytes = measure._backward_bytes
+    backward_bytes = rerun._backward_bytes
     runs = 0
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -123,9 +124,9 @@ def measured(model: nn.Module, layer_cls: type[nn.Module], reuse: bool, monkeypa
         runs += 1
         return backward_bytes(*args, **kwargs)
 
-    measure._names_read.cache_clear()  # what a class's code reads, cached per process: read anew for each case
+    rerun_key._names_read.cache_clear()  # what a class's code reads, cached per process: read anew for each case
     with monkeypatch.context() as patch:
-        patch.setattr(measure, "_backward_bytes", counting)
+        patch.setattr(rerun, "_backward_bytes", counting)
         if not reuse:
             patch.setattr(measure, "_rerun_key", lambda *args: None)
         if step is None:
@@ -338,8 +339,8 @@ def test_transformers_decoder_layers_are_rerun_once_per_kind(family, monkeypatch
 
 
 def key(layer: nn.Module, *args: object, **kwargs: object) -> object:
-    measure._names_read.cache_clear()
-    return measure._rerun_key(layer, args, kwargs, set())
+    rerun_key._names_read.cache_clear()
+    return rerun_key._rerun_key(layer, args, kwargs, set())
 
 
 X = torch.ones(2, WIDTH)
@@ -392,7 +393,7 @@ def test_the_key_tells_apart_what_changes_the_forward_and_nothing_else():
 
 def test_values_in_a_key():
     def values(*leaves: object, by_identity: bool = True) -> object:
-        return measure._values_key(leaves, {}, set(), by_identity)
+        return rerun_key._values_key(leaves, {}, set(), by_identity)
 
     class Plain(nn.Module):
         pass
@@ -413,16 +414,16 @@ def test_values_in_a_key():
 
 
 def test_plain_data_and_stateless_modules():
-    assert measure._plain_data({1: "a", "b": (2.0, None, [True])})
-    assert not measure._plain_data({object(): 1}) and not measure._plain_data({1: object()})
-    assert not measure._plain_data([1, object()]) and not measure._plain_data((nn.ReLU(),))
-    assert measure._stateless_module(nn.Tanh())
+    assert rerun_key._plain_data({1: "a", "b": (2.0, None, [True])})
+    assert not rerun_key._plain_data({object(): 1}) and not rerun_key._plain_data({1: object()})
+    assert not rerun_key._plain_data([1, object()]) and not rerun_key._plain_data((nn.ReLU(),))
+    assert rerun_key._stateless_module(nn.Tanh())
     with_buffer, with_child, with_param, with_attr = nn.Module(), nn.Module(), nn.Module(), nn.Module()
     with_buffer.register_buffer("b", torch.ones(1))
     with_child.c = nn.Tanh()
     with_param.p = nn.Parameter(torch.ones(1))
     with_attr.scale = 2
-    assert not any(map(measure._stateless_module, (with_buffer, with_child, with_param, with_attr, object())))
+    assert not any(map(rerun_key._stateless_module, (with_buffer, with_child, with_param, with_attr, object())))
 
 
 def test_the_names_code_reads():
@@ -431,7 +432,7 @@ def test_the_names_code_reads():
             return self.hidden  # type: ignore[attr-defined]
         return getattr(self, "by_literal"), inner(), "not an identifier!"
 
-    names = measure._code_names(outer.__code__)
+    names = rerun_key._code_names(outer.__code__)
     assert {"hidden", "by_literal"} <= names and "not an identifier!" not in names and "getattr" in names
 
 
@@ -450,19 +451,19 @@ def test_what_a_re_runs_backward_starts_from_and_goes_to():
     block = Block(WIDTH, 4, 0.0)
     x = torch.randn(2, 16, WIDTH, requires_grad=True)
     out = block(x)
-    seed, wrt = measure._backward_seed(block, [x], out)
+    seed, wrt = rerun._backward_seed(block, [x], out)
     assert seed is not None and wrt == [x]  # an input that needs a gradient: to it alone
     apply_tiling(nn.ModuleDict({"b": block}), tile_tokens=4)  # its norms and MLP over tiles: their weights too,
     block.ln2.bias = _Sharded(block.ln2.bias.detach())  # less a sharded one
     tiled = [p for name in ("ln1", "ln2", "mlp") for p in block.get_submodule(name).parameters()
              if not isinstance(p, _Sharded)]
-    assert [id(t) for t in measure._backward_seed(block, [x], block(x))[1]] == [id(t) for t in [x, *tiled]]
+    assert [id(t) for t in rerun._backward_seed(block, [x], block(x))[1]] == [id(t) for t in [x, *tiled]]
     frozen = x.detach()  # a frozen input (PEFT): to the layer's trainable weights, less a sharded or frozen one
     block.attn.qkv.weight = _Sharded(block.attn.qkv.weight.detach())
     block.ln1.weight.requires_grad_(False)
-    seed, wrt = measure._backward_seed(block, [frozen], block(frozen))
+    seed, wrt = rerun._backward_seed(block, [frozen], block(frozen))
     expected = [p for p in block.parameters() if p.requires_grad and not isinstance(p, _Sharded)]
     assert seed is not None and [id(p) for p in wrt] == [id(p) for p in expected]
-    assert measure._backward_seed(block, [x], block(x).detach()) == (None, [x, *[p for p in tiled if p.requires_grad]])
+    assert rerun._backward_seed(block, [x], block(x).detach()) == (None, [x, *[p for p in tiled if p.requires_grad]])
     with torch.no_grad():  # nothing needs a gradient at all
-        assert measure._backward_seed(nn.Linear(2, 2).requires_grad_(False), [frozen], torch.ones(2))[0] is None
+        assert rerun._backward_seed(nn.Linear(2, 2).requires_grad_(False), [frozen], torch.ones(2))[0] is None
