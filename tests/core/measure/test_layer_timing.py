@@ -495,3 +495,15 @@ def test_a_cycle_state_without_plans_loads_as_empty():
     restored = BudgetCycle()
     restored.load_state_dict({})
     assert restored.plans == {} and restored.template is None
+
+
+def test_a_timed_layer_s_options_are_pruned_by_time_without_a_profile():
+    """Selective holds more than full and, measured, costs more: dominated, it is not offered. By FLOPs (10 against
+    110) it is cheaper, and stays."""
+    from lightning_ckpt.core.plan.solver import layer_options
+
+    slow = cost(full_ns=3000, selective_ns=8000)
+    assert [o.choice for o in layer_options(slow)] == ["none", "full"]
+    assert [o.seconds for o in layer_options(slow)] == [0.0, 3e-6]
+    assert [o.choice for o in layer_options(cost())] == ["none", "full", "selective"]
+    assert [o.seconds for o in layer_options(cost())] == [0.0, 0.0, 0.0]  # untimed, no profile: FLOPs only
