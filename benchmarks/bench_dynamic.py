@@ -128,20 +128,23 @@ class LitgptRecorder(RecordSteps, LightningModule):
 
 
 class TimedCheckpointing(GradientCheckpointing):
-    """The callback, timing its re-plans (measure + solve) and plan switches (re-wrapping the layers)."""
+    """The callback, timing its driver's re-plans (measure + solve) and plan switches (re-wrapping the layers)."""
 
     plan_seconds: list[float]
     switch_seconds: list[float]
 
-    def _make_plan(self, trainer: Any, pl_module: Any) -> None:
-        start = time.perf_counter()
-        super()._make_plan(trainer, pl_module)
-        self.plan_seconds.append(time.perf_counter() - start)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.driver._make_plan = self._timed(self.driver._make_plan, "plan_seconds")  # type: ignore[method-assign]
+        self.driver._reapply = self._timed(self.driver._reapply, "switch_seconds")  # type: ignore[method-assign]
 
-    def _reapply(self, pl_module: Any) -> None:
-        start = time.perf_counter()
-        super()._reapply(pl_module)
-        self.switch_seconds.append(time.perf_counter() - start)
+    def _timed(self, method: Any, seconds: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> None:
+            start = time.perf_counter()
+            method(*args, **kwargs)
+            getattr(self, seconds).append(time.perf_counter() - start)
+
+        return timed
 
 
 class StepClock(Callback):

@@ -183,7 +183,7 @@ def test_another_chunk_s_head_is_priced_from_the_measured_one_with_its_own_calls
     copy of the head's weight and bias ((2048 x 32 + 2048) x 4 B)."""
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    from lightning_ckpt.callbacks.gradient_checkpointing import _chunked_head, _HeadRun
+    from lightning_ckpt.core.plan.budget_driver import _chunked_head, _HeadRun
     from lightning_ckpt.core.plan.budget import RankMeasurement
     from lightning_ckpt.core.plan.planner import HeadCount
 
