@@ -94,7 +94,7 @@ class RecordSteps:
         self.measured: list[bool] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        measuring = self.callback is not None and self.callback._cycle.measuring is not None
+        measuring = self.callback is not None and self.callback.driver.cycle.measuring is not None
         self.measured.append(measuring)
         if measuring:  # the measuring step's own counters are active: a nested counter would hide them
             loss = loss_of(self, batch)
@@ -171,7 +171,7 @@ def run_per_size(data: list, budget: int) -> dict[str, Any]:
     model, clock = Recorder(callback), StepClock()
     trainer([callback, clock], len(data)).fit(model, DataLoader(data, batch_size=None))
     plans = {b: callback.plans[b] for b in callback.plans}
-    sizes = dict(callback._cycle.sizes)
+    sizes = dict(callback.driver.cycle.sizes)
     return {"held": model.held, "measured": model.measured, "seconds": clock.seconds, "plans": plans, "sizes": sizes,
             "plan_seconds": callback.plan_seconds, "switch_seconds": callback.switch_seconds}
 
@@ -287,7 +287,7 @@ def run_long_tailed(data: list, budget: Optional[int], peaks: bool, time_layers:
     trainer([callback, *extra], len(data)).fit(model, DataLoader(data, batch_size=None))
     selective = sum(m == "selective" for plan in callback.plans.values() for m in plan.layers.values())
     return {"seconds": time.perf_counter() - start, "held": model.held, "measured": model.measured,
-            "peaks": extra[0].peaks if peaks else [], "measured_steps": callback._cycle.measured_steps,
+            "peaks": extra[0].peaks if peaks else [], "measured_steps": callback.driver.cycle.measured_steps,
             "selective": selective}
 
 

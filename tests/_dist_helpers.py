@@ -577,7 +577,7 @@ def _fit_varying(strategy: Any, memory_budget: Optional[int], compress: Optional
     result: dict[str, Any] = {"seen": record.seen, "weights": full_weights(model), "initial": initial}
     if callback is not None:
         result["plans"] = {bucket: plan.state_dict() for bucket, plan in callback.plans.items()}
-        result.update(measured_steps=callback._cycle.measured_steps, predicted=sorted(callback._cycle.predicted))
+        result.update(measured_steps=callback.driver.cycle.measured_steps, predicted=sorted(callback.driver.cycle.predicted))
     return result
 
 

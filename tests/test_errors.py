@@ -367,7 +367,7 @@ CASES: dict[str, Case] = {
         lambda: GradientCheckpointing(memory_budget=0.5, every_n_layers=2), ValueError,
         "`memory_budget=0.5` and `every_n_layers=2`", "Pass one", "are two ways of choosing the checkpointed layers"),
     "unknown option": Case(
-        "callbacks.gradient_checkpointing.GradientCheckpointing._update_settings",
+        "callbacks.gradient_checkpointing._merged_settings",
         lambda: GradientCheckpointing().load_state_dict({"settings": {"every_n": 2}}), ValueError,
         "no option 'every_n'", "the options are layer_cls, every_n_layers", "GradientCheckpointing has no option"),
     # --- the callback in a Trainer

@@ -27,7 +27,6 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_ckpt.core.checkpoint.offload import release_all
 from lightning_ckpt.core.checkpoint.placement import check_checkpointing_placement
-from lightning_ckpt.core.plan.budget_cycle import BudgetCycle
 from lightning_ckpt.core.plan.budget_driver import BudgetDriver
 from lightning_ckpt.core.plan.planner import CheckpointPlan, Offload
 from lightning_ckpt.core.checkpoint.selection import (class_path, parse_memory_budget, resolve_layer_classes,
@@ -218,17 +217,14 @@ class GradientCheckpointing(Callback):
     ) -> None:
         if length_fn is not None and not callable(length_fn):
             raise TypeError(f"`length_fn` must be a function of the batch returning its tokens, got {length_fn!r}.")
-        settings = dict(layer_cls=layer_cls, every_n_layers=every_n_layers, offload=offload, mode=mode,
-                        memory_budget=memory_budget, use_reentrant=use_reentrant,
-                        preserve_rng_state=preserve_rng_state, checkpoint_kwargs=checkpoint_kwargs, compress=compress,
-                        max_length=max_length, chunk_loss=chunk_loss, tile_mlp=tile_mlp, tile_tokens=tile_tokens,
-                        tile_cls=tile_cls, time_layers=time_layers)
-        settings = {name: copy.copy(value) for name, value in settings.items()}
+        arguments = locals()
+        settings = {name: copy.copy(arguments[name]) for name in _SETTINGS}
         _validate(settings)
         self._settings: dict[str, Any] = settings  # the one place the options live; attributes read from it
         self.length_fn = length_fn
         #: The memory budget's plans and their cycle, driven by this callback's hooks (it reads ``_settings``).
-        self.driver = BudgetDriver(settings, info=rank_zero_info, warn=rank_zero_warn, report=self._report_plan)
+        self.driver = BudgetDriver(settings, info=rank_zero_info, warn=rank_zero_warn,
+                                   report=lambda line, table: _report_plan(self._trainer, line, table))
         self._module: Optional[pl.LightningModule] = None
         self._original_configure_model: Any = None
         self._trainer: Optional[pl.Trainer] = None  # the plan table's loggers and step
@@ -249,10 +245,6 @@ class GradientCheckpointing(Callback):
         """With ``memory_budget``: each batch-size bucket (tokens, or samples, rounded up to a power of two: a batch
         of 4 x 100 tokens is in bucket 512) and its plan; see :mod:`~lightning_ckpt.core.plan.budget_cycle`."""
         return dict(self.driver.cycle.plans)
-
-    @property
-    def _cycle(self) -> BudgetCycle:
-        return self.driver.cycle
 
     @property
     def measured_steps(self) -> int:
@@ -330,12 +322,6 @@ class GradientCheckpointing(Callback):
                            batch_idx: int) -> None:
         self.driver.end_batch(trainer.strategy, pl_module, trainer.global_step > self._start_step, trainer.optimizers)
 
-    def _report_plan(self, line: str, table: str) -> None:
-        trainer = self._trainer
-        rank_zero_info(line)
-        _send_plan_table(trainer.loggers if trainer is not None else [], table,
-                         trainer.global_step if trainer is not None else 0)
-
     # ------------------------------------------------------------------ end, state
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -370,12 +356,7 @@ class GradientCheckpointing(Callback):
 
     def _update_settings(self, changes: Mapping[str, Any]) -> None:
         """Validate ``changes`` with the other settings, then store them and re-apply to checkpointed layers."""
-        unknown = sorted(set(changes) - set(_SETTINGS))
-        if unknown:
-            raise ValueError(f"GradientCheckpointing has no option {', '.join(map(repr, unknown))}; the options are"
-                             f" {', '.join(_SETTINGS)}.")
-        settings = {**self._settings, **{name: copy.copy(value) for name, value in changes.items()}}
-        _validate(settings)
+        settings = _merged_settings(self._settings, changes)
         if settings == self._settings:
             return
         if self.plan is not None and _PLAN_SETTINGS & {k for k in settings if settings[k] != self._settings[k]}:
@@ -434,6 +415,17 @@ def check_lightning_strategy(strategy: Strategy) -> None:
             " Lightning: `DeepSpeedStrategy(partition_activations=True, cpu_checkpointing=True,"
             " contiguous_memory_optimization=True)`). Or keep the callback and shard with `strategy='fsdp_ckpt'`."
         )
+
+
+def _merged_settings(settings: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` with ``changes`` (copies), validated together."""
+    unknown = sorted(set(changes) - set(_SETTINGS))
+    if unknown:
+        raise ValueError(f"GradientCheckpointing has no option {', '.join(map(repr, unknown))}; the options are"
+                         f" {', '.join(_SETTINGS)}.")
+    merged = {**settings, **{name: copy.copy(value) for name, value in changes.items()}}
+    _validate(merged)
+    return merged
 
 
 def _validate(settings: Mapping[str, Any]) -> None:
@@ -524,6 +516,12 @@ def _loss_of(output: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"training_step returned {type(output).__name__}, not a loss")
     return loss
+
+
+def _report_plan(trainer: Optional[pl.Trainer], line: str, table: str) -> None:
+    """A new plan's line in the log (info), its table to the trainer's loggers (:func:`_send_plan_table`)."""
+    rank_zero_info(line)
+    _send_plan_table(trainer.loggers if trainer is not None else [], table, trainer.global_step if trainer else 0)
 
 
 def _send_plan_table(loggers: Sequence[Any], table: str, step: int) -> None:

@@ -454,7 +454,7 @@ def test_auto_takes_the_measuring_step_s_activation_peak_off_the_step_s_peak_not
     assert (measured.held_bytes, measured.peak_bytes) == (258, 1_258)
     callback = GradientCheckpointing(memory_budget="auto", compress="fp8")
     callback.driver.measured = measured
-    callback._cycle.begin(BatchSize(64, 16))
+    callback.driver.cycle.begin(BatchSize(64, 16))
     trainer = SimpleNamespace(strategy=OneRank(), optimizers=[], is_global_zero=False)
     callback.driver._make_plan(trainer.strategy, None, trainer.optimizers)
     assert (callback.driver.auto.other_peak_bytes, callback.plan.budget_bytes) == (742, 4_258)
