@@ -224,7 +224,7 @@ class GradientCheckpointing(Callback):
         self.length_fn = length_fn
         #: The memory budget's plans and their cycle, driven by this callback's hooks (it reads ``_settings``).
         self.driver = BudgetDriver(settings, info=rank_zero_info, warn=rank_zero_warn,
-                                   report=lambda line, table: _report_plan(self._trainer, line, table))
+                                   report=functools.partial(_report_plan, self))  # picklable, for spawn
         self._module: Optional[pl.LightningModule] = None
         self._original_configure_model: Any = None
         self._trainer: Optional[pl.Trainer] = None  # the plan table's loggers and step
@@ -333,6 +333,7 @@ class GradientCheckpointing(Callback):
     def _end(self) -> None:
         self.driver.end()
         self.remove()
+        self._trainer = None
         if self._settings["offload"]:
             release_all()  # the pinned host buffers pooled for offload
 
@@ -518,8 +519,10 @@ def _loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
-def _report_plan(trainer: Optional[pl.Trainer], line: str, table: str) -> None:
-    """A new plan's line in the log (info), its table to the trainer's loggers (:func:`_send_plan_table`)."""
+def _report_plan(callback: GradientCheckpointing, line: str, table: str) -> None:
+    """A new plan's line in the log (info), its table to the loggers of the callback's trainer
+    (:func:`_send_plan_table`)."""
+    trainer = callback._trainer
     rank_zero_info(line)
     _send_plan_table(trainer.loggers if trainer is not None else [], table, trainer.global_step if trainer else 0)
 
