@@ -94,7 +94,7 @@ class RecordSteps:
         self.measured: list[bool] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        measuring = self.callback is not None and self.callback._cycle.measuring is not None
+        measuring = self.callback is not None and self.callback.driver.cycle.measuring is not None
         self.measured.append(measuring)
         if measuring:  # the measuring step's own counters are active: a nested counter would hide them
             loss = loss_of(self, batch)
@@ -128,20 +128,23 @@ class LitgptRecorder(RecordSteps, LightningModule):
 
 
 class TimedCheckpointing(GradientCheckpointing):
-    """The callback, timing its re-plans (measure + solve) and plan switches (re-wrapping the layers)."""
+    """The callback, timing its driver's re-plans (measure + solve) and plan switches (re-wrapping the layers)."""
 
     plan_seconds: list[float]
     switch_seconds: list[float]
 
-    def _make_plan(self, trainer: Any, pl_module: Any) -> None:
-        start = time.perf_counter()
-        super()._make_plan(trainer, pl_module)
-        self.plan_seconds.append(time.perf_counter() - start)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.driver._make_plan = self._timed(self.driver._make_plan, "plan_seconds")  # type: ignore[method-assign]
+        self.driver._reapply = self._timed(self.driver._reapply, "switch_seconds")  # type: ignore[method-assign]
 
-    def _reapply(self, pl_module: Any) -> None:
-        start = time.perf_counter()
-        super()._reapply(pl_module)
-        self.switch_seconds.append(time.perf_counter() - start)
+    def _timed(self, method: Any, seconds: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> None:
+            start = time.perf_counter()
+            method(*args, **kwargs)
+            getattr(self, seconds).append(time.perf_counter() - start)
+
+        return timed
 
 
 class StepClock(Callback):
@@ -168,7 +171,7 @@ def run_per_size(data: list, budget: int) -> dict[str, Any]:
     model, clock = Recorder(callback), StepClock()
     trainer([callback, clock], len(data)).fit(model, DataLoader(data, batch_size=None))
     plans = {b: callback.plans[b] for b in callback.plans}
-    sizes = dict(callback._cycle.sizes)
+    sizes = dict(callback.driver.cycle.sizes)
     return {"held": model.held, "measured": model.measured, "seconds": clock.seconds, "plans": plans, "sizes": sizes,
             "plan_seconds": callback.plan_seconds, "switch_seconds": callback.switch_seconds}
 
@@ -284,7 +287,7 @@ def run_long_tailed(data: list, budget: Optional[int], peaks: bool, time_layers:
     trainer([callback, *extra], len(data)).fit(model, DataLoader(data, batch_size=None))
     selective = sum(m == "selective" for plan in callback.plans.values() for m in plan.layers.values())
     return {"seconds": time.perf_counter() - start, "held": model.held, "measured": model.measured,
-            "peaks": extra[0].peaks if peaks else [], "measured_steps": callback._cycle.measured_steps,
+            "peaks": extra[0].peaks if peaks else [], "measured_steps": callback.driver.cycle.measured_steps,
             "selective": selective}
 
 

@@ -487,12 +487,18 @@ class _RecordingBudgetCallback(GradientCheckpointing):
     local_none_bytes: list[int] = []
     local_outside_bytes = 0
 
-    def _stop_measuring(self, loss: Any = None) -> bool:
-        stopped = super()._stop_measuring(loss)
-        if stopped and self._measured is not None:
-            self.local_none_bytes = [c.none_bytes for c in self._measured.costs]
-            self.local_outside_bytes = self._measured.outside_bytes
-        return stopped
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        stop_measuring = self.driver._stop_measuring
+
+        def _stop_measuring(loss: Any = None) -> bool:
+            stopped = stop_measuring(loss)
+            if stopped and self.driver.measured is not None:
+                self.local_none_bytes = [c.none_bytes for c in self.driver.measured.costs]
+                self.local_outside_bytes = self.driver.measured.outside_bytes
+            return stopped
+
+        self.driver._stop_measuring = _stop_measuring  # type: ignore[method-assign]
 
 
 class RecordCheckpointedPerBatch(Callback):
@@ -571,7 +577,7 @@ def _fit_varying(strategy: Any, memory_budget: Optional[int], compress: Optional
     result: dict[str, Any] = {"seen": record.seen, "weights": full_weights(model), "initial": initial}
     if callback is not None:
         result["plans"] = {bucket: plan.state_dict() for bucket, plan in callback.plans.items()}
-        result.update(measured_steps=callback._cycle.measured_steps, predicted=sorted(callback._cycle.predicted))
+        result.update(measured_steps=callback.driver.cycle.measured_steps, predicted=sorted(callback.driver.cycle.predicted))
     return result
 
 

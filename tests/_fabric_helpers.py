@@ -72,7 +72,7 @@ def fabric_loop(fabric: Fabric, ckpt: Optional[dict[str, Any]], rank: int = 0, c
         calls[0] = 0
         with (checkpointing.step(ids) if checkpointing is not None else _nothing()):
             record["seen"].append(checkpointed_names(module))
-            record["measuring"].append(checkpointing is not None and checkpointing.callback._cycle.measuring is not None)
+            record["measuring"].append(checkpointing is not None and checkpointing.callback.driver.cycle.measuring is not None)
             counter = CollectiveCounter() if count_collectives else None
             probe.start()
             if counter is not None:
@@ -94,7 +94,7 @@ def fabric_loop(fabric: Fabric, ckpt: Optional[dict[str, Any]], rank: int = 0, c
         fabric.save(save_to, state)
     result: dict[str, Any] = {**record, "weights": full_weights(module)}
     if checkpointing is not None:
-        cycle = checkpointing.callback._cycle
+        cycle = checkpointing.callback.driver.cycle
         result.update(plans={bucket: plan.state_dict() for bucket, plan in checkpointing.plans.items()},
                       measured_steps=cycle.measured_steps, predicted=sorted(cycle.predicted),
                       state=checkpointing.state_dict())

@@ -284,7 +284,7 @@ CASES: dict[str, Case] = {
         ValueError, "`max_length=100` is longer than the model can take: its block_size is 8",
         "Pass max_length=8 or less", "is longer than the model can take"),
     "budget out of reach at the longest length": Case(
-        "callbacks.gradient_checkpointing.GradientCheckpointing._plan_longest",
+        "core.plan.budget_driver.BudgetDriver.plan_longest",
         lambda: fit_tiny_gpt(GradientCheckpointing(memory_budget="1KiB", max_length=8), length=4), ValueError,
         "length 8, from max_length", "pass `max_length=` its longest length",
         "Planned before the first step for the longest sequences the run may see"),
@@ -367,17 +367,17 @@ CASES: dict[str, Case] = {
         lambda: GradientCheckpointing(memory_budget=0.5, every_n_layers=2), ValueError,
         "`memory_budget=0.5` and `every_n_layers=2`", "Pass one", "are two ways of choosing the checkpointed layers"),
     "unknown option": Case(
-        "callbacks.gradient_checkpointing.GradientCheckpointing._update_settings",
+        "callbacks.gradient_checkpointing._merged_settings",
         lambda: GradientCheckpointing().load_state_dict({"settings": {"every_n": 2}}), ValueError,
         "no option 'every_n'", "the options are layer_cls, every_n_layers", "GradientCheckpointing has no option"),
     # --- the callback in a Trainer
     "budget auto on the CPU": Case(
-        "callbacks.gradient_checkpointing.GradientCheckpointing._prepare",
+        "core.plan.budget_driver.BudgetDriver.prepare",
         lambda: setup_callback(GradientCheckpointing(memory_budget="auto"), cpu_trainer()), ValueError,
         "`memory_budget='auto'`", "Pass a fraction of the un-checkpointed activation memory (`memory_budget=0.5`)",
         "plans for the accelerator's memory, but this run is on the CPU"),
     "offload auto on the CPU": Case(
-        "callbacks.gradient_checkpointing._measure_device",
+        "core.plan.budget_driver._measure_device",
         lambda: setup_callback(GradientCheckpointing(memory_budget=0.5, offload="auto"), cpu_trainer()), ValueError,
         "`offload='auto'`", "Pass offload=False on the CPU, or run on a GPU", "this run is on the CPU, where nothing is"
         " offloaded"),
@@ -1037,7 +1037,7 @@ NOT_A_USER_ERROR: dict[str, tuple[int, str]] = {
         1, "caught where it is raised: a training_step without a loss (manual optimization) is not measured at the"
            " longest length, as any step fake tensors cannot run (test_longest)"),
     "core.plan.solver.solve": (1, "make_plan turns it into the 'least reachable' message (case 'budget out of reach')"),
-    "callbacks.gradient_checkpointing.GradientCheckpointing._make_plan": (
+    "core.plan.budget_driver.BudgetDriver._make_plan": (
         1, "make_plan's 'least reachable' message (case 'budget out of reach') with the batch size appended; the size"
            " is asserted in test_budget_cycle's out-of-reach test"),
     "core.plan.budget_cycle.BudgetCycle.planned": (

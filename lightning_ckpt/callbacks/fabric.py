@@ -1,9 +1,10 @@
 """FabricCheckpointing: the callbacks' checkpointing, memory budget and monitor in a Lightning Fabric loop.
 
-Fabric has no Trainer to call hooks, so this class calls them: it runs the very :class:`GradientCheckpointing` (and,
-when asked, :class:`MemoryMonitor`) the Trainer runs, at the same moments of the loop, through a small view of the
-Fabric that answers what those callbacks read from a Trainer (the strategy's collectives and device, the loggers,
-the step). There is no second copy of the budget cycle, the planner, the rank agreement or the probes.
+Fabric has no Trainer to call hooks, so this class drives the memory budget itself: the very
+:class:`~lightning_ckpt.core.plan.budget_driver.BudgetDriver` the :class:`GradientCheckpointing` callback drives (its
+settings, plans and state held by one such callback), at the same moments of the loop, with the Fabric's strategy as
+its ranks. There is no second copy of the budget cycle, the planner, the rank agreement or the probes. The
+:class:`MemoryMonitor`, a Lightning callback, reads the step and the loggers through a small view of the Fabric.
 
 Example::
 
@@ -22,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional, Union
 
@@ -30,10 +32,13 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointing
+from lightning_ckpt.callbacks.gradient_checkpointing import GradientCheckpointing, _send_plan_table
 from lightning_ckpt.callbacks.memory_monitor import MemoryMonitor
+from lightning_ckpt.core.checkpoint.placement import check_checkpointing_placement
+from lightning_ckpt.core.plan.budget_driver import BudgetDriver
 from lightning_ckpt.core.plan.planner import CheckpointPlan
 
 #: ``loss_fn(module, batch) -> loss``: the loss of a batch computed from the unwrapped module (used on fake tensors).
@@ -91,13 +96,20 @@ class FabricCheckpointing:
             raise TypeError(f"`monitor` must be True, False or a MemoryMonitor, got {monitor!r}.")
         check_fabric_strategy(fabric.strategy)
         self.fabric = fabric
-        #: The :class:`GradientCheckpointing` that does the work (its plans, settings and state).
-        self.callback = _FabricCheckpointingCallback(fabric, loss_fn, **options)
+        #: The :class:`GradientCheckpointing` whose settings, plans and state this loop uses (never a Trainer's).
+        self.callback = GradientCheckpointing(**options)
+        #: The :class:`~lightning_ckpt.core.plan.budget_driver.BudgetDriver` that runs the budget, the callback's.
+        self.driver: BudgetDriver = self.callback.driver
+        self.driver.report = self._report_plan
         #: The :class:`MemoryMonitor` whose figures are logged, or ``None``.
         self.monitor: Optional[MemoryMonitor] = MemoryMonitor() if monitor is True else (monitor or None)
-        self._view = _FabricTrainerView(fabric, [self.callback])
+        self._loss_fn = loss_fn
+        self._view = _MonitorView(self) if self.monitor is not None else None
         self._module: Optional[nn.Module] = None
         self._batch_idx = 0
+        self._global_step = 0
+        self._start_step = 0
+        self._optimizers: list[torch.optim.Optimizer] = []
 
     # ------------------------------------------------------------------ what it decided
 
@@ -126,7 +138,7 @@ class FabricCheckpointing:
     @property
     def global_step(self) -> int:
         """The steps run through :meth:`step` (restored by :meth:`load_state_dict`)."""
-        return self._view.global_step
+        return self._global_step
 
     # ------------------------------------------------------------------ the loop
 
@@ -142,7 +154,8 @@ class FabricCheckpointing:
             raise RuntimeError("FabricCheckpointing.setup was already called; use one FabricCheckpointing per model.")
         set_up = isinstance(model, _FabricModule)
         module = model.module if set_up else model
-        self.callback._prepare(self._view)
+        strategy = self.fabric.strategy
+        self.driver.prepare(strategy, len(getattr(strategy, "parallel_devices", None) or [None]))
         self.callback._attach(module)
         self._module = module
         if set_up:
@@ -152,8 +165,9 @@ class FabricCheckpointing:
         self._track(optimizers)
         # After the strategy wrapped or sharded the model: a layer checkpointed twice (a `parallelize_fn` that wraps
         # it in torch's CheckpointWrapper) is refused, as the callback does under the Trainer.
-        self.callback.on_fit_start(self._view, module)  # type: ignore[arg-type]
-        self.callback.on_train_start(self._view, module)  # type: ignore[arg-type]
+        check_checkpointing_placement(module)
+        self._start_step = self._global_step
+        self.driver.start()
         if self.monitor is not None:
             self.monitor.on_train_start(self._view, module)  # type: ignore[arg-type]
         return result
@@ -179,22 +193,27 @@ class FabricCheckpointing:
         module = self._module
         if module is None:
             raise RuntimeError("Call `FabricCheckpointing.setup(model)` before the first `step`.")
-        view, idx = self._view, self._batch_idx
+        view, idx, strategy = self._view, self._batch_idx, self.fabric.strategy
         try:
-            self.callback.on_train_batch_start(view, module, batch, idx)  # type: ignore[arg-type]
+            if self._loss_fn is None and self.driver.longest_due and self.callback.max_length:
+                # given, and not 0 (which turns the longest batch off)
+                rank_zero_warn("FabricCheckpointing: `max_length` needs `loss_fn=` to measure the longest batch before"
+                               " the first step; without it the budget is checked on each batch as it comes.")
+            self.driver.begin_batch(strategy, module, batch, self.callback.length_fn,
+                                    None if self._loss_fn is None else functools.partial(self._loss_step, module))
             if self.monitor is not None:
                 self.monitor.on_train_batch_start(view, module, batch, idx)  # type: ignore[arg-type]
             yield self
             # Before the step counts: "auto" makes its first plan a step after the first optimizer step, as under the
             # Trainer, since only then the optimizer state it must leave room for exists.
-            self.callback.on_train_batch_end(view, module, None, batch, idx)  # type: ignore[arg-type]
+            self.driver.end_batch(strategy, module, self._global_step > self._start_step, self._optimizers)
         except BaseException as err:
-            self.callback.on_exception(view, module, err)  # type: ignore[arg-type]
+            self.callback._end()
             if self.monitor is not None:
                 self.monitor.on_exception(view, module, err)  # type: ignore[arg-type]
             self._module = None
             raise
-        view.global_step += 1
+        self._global_step += 1
         self._batch_idx += 1
         if self.monitor is not None:
             self.monitor.on_before_optimizer_step(view, module, None)  # type: ignore[arg-type]
@@ -205,7 +224,7 @@ class FabricCheckpointing:
         solved here (an impossible budget raises before any gradient), and the monitor counts the bytes held."""
         if self._module is not None:
             with _as_in_fabric_backward():  # a measuring step's own backward of the head: not the loop's
-                self.callback.on_before_backward(self._view, self._module, loss)  # type: ignore[arg-type]
+                self.driver.after_forward(self.fabric.strategy, self._module, loss)
             if self.monitor is not None:
                 self.monitor.on_before_backward(self._view, self._module, loss)  # type: ignore[arg-type]
         self.fabric.backward(loss, *args, **kwargs)
@@ -219,22 +238,38 @@ class FabricCheckpointing:
         if self.monitor is not None:
             self.monitor.on_train_end(self._view, module)  # type: ignore[arg-type]
             self.monitor.teardown(self._view, module, "fit")  # type: ignore[arg-type]
-        self.callback.teardown(self._view, module, "fit")  # type: ignore[arg-type]
+        self.callback._end()
 
     # ------------------------------------------------------------------ state, for fabric.save / fabric.load
 
     def state_dict(self) -> dict[str, Any]:
         """The callback's state (settings, plans per size) and the step count; ``fabric.save`` stores it."""
-        return {"checkpointing": self.callback.state_dict(), "global_step": self._view.global_step}
+        return {"checkpointing": self.callback.state_dict(), "global_step": self._global_step}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`: the sizes it planned are not measured again."""
         self.callback.load_state_dict(state_dict["checkpointing"])
-        self._view.global_step = int(state_dict.get("global_step", 0))
-        self.callback._start_step = self._view.global_step
+        self._global_step = self._start_step = int(state_dict.get("global_step", 0))
 
     def _track(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
-        self._view.optimizers.extend(o.optimizer if isinstance(o, _FabricOptimizer) else o for o in optimizers)
+        self._optimizers.extend(o.optimizer if isinstance(o, _FabricOptimizer) else o for o in optimizers)
+
+    @contextlib.contextmanager
+    def _loss_step(self, module: nn.Module) -> Iterator[Callable[[Any], torch.Tensor]]:
+        """The loss of a (fake) batch for the longest batch's plan: ``loss_fn`` under the Fabric's autocast."""
+        loss_fn = self._loss_fn
+        assert loss_fn is not None
+
+        def step(fake_batch: Any) -> torch.Tensor:
+            with self.fabric.autocast():
+                return loss_fn(module, fake_batch)
+
+        yield step
+
+    def _report_plan(self, line: str, table: str) -> None:
+        """A new plan's line to the log, its table to the first Fabric logger that takes text (else the log)."""
+        rank_zero_info(line)
+        _send_plan_table([_LogDict(self.fabric)] if self.fabric.loggers else [], table, self._global_step)
 
 
 @contextlib.contextmanager
@@ -274,45 +309,25 @@ def check_fabric_strategy(strategy: Strategy) -> None:
         )
 
 
-class _FabricCheckpointingCallback(GradientCheckpointing):
-    """The callback, computing the longest batch's loss with ``loss_fn`` instead of a ``training_step``."""
-
-    def __init__(self, fabric: Fabric, loss_fn: Optional[LossFn], **options: Any) -> None:
-        super().__init__(**options)
-        self._fabric = fabric
-        self._loss_fn = loss_fn
-
-    def _plan_longest(self, trainer: Any, pl_module: Any, batch: Any) -> None:
-        if self._loss_fn is None:
-            if self._settings["max_length"]:  # given, and not 0 (which turns the longest batch off)
-                rank_zero_warn("FabricCheckpointing: `max_length` needs `loss_fn=` to measure the longest batch before"
-                               " the first step; without it the budget is checked on each batch as it comes.")
-            return
-        super()._plan_longest(trainer, pl_module, batch)
-
-    @contextlib.contextmanager
-    def _longest_step(self, trainer: Any, pl_module: Any) -> Iterator[Callable[[Any], torch.Tensor]]:
-        loss_fn = self._loss_fn
-        assert loss_fn is not None
-
-        def step(fake_batch: Any) -> torch.Tensor:
-            with self._fabric.autocast():
-                return loss_fn(pl_module, fake_batch)
-
-        yield step
-
-
-class _FabricTrainerView:
-    """What :class:`GradientCheckpointing` and :class:`MemoryMonitor` read from a Trainer, answered by a Fabric."""
+class _MonitorView:
+    """What :class:`MemoryMonitor` (a Lightning callback) reads from a Trainer, answered by a Fabric and the
+    :class:`FabricCheckpointing` that runs it (its step, optimizers and checkpointing callback)."""
 
     log_every_n_steps = 50  # Lightning's default; MemoryMonitor(log_every_n_steps=...) overrides it
     sanity_checking = False
 
-    def __init__(self, fabric: Fabric, callbacks: list[Any]) -> None:
-        self.fabric = fabric
-        self.callbacks = callbacks
-        self.global_step = 0
-        self.optimizers: list[torch.optim.Optimizer] = []
+    def __init__(self, checkpointing: FabricCheckpointing) -> None:
+        self.checkpointing = checkpointing
+        self.fabric = checkpointing.fabric
+        self.callbacks = [checkpointing.callback]
+
+    @property
+    def global_step(self) -> int:
+        return self.checkpointing.global_step
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.checkpointing._optimizers
 
     @property
     def strategy(self) -> Strategy:

@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from helpers import two_ranks
 from lightning_ckpt import GradientCheckpointing
 import lightning_ckpt.callbacks.gradient_checkpointing as callback_module
+import lightning_ckpt.core.plan.budget_driver as driver_module
 from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
 from lightning_ckpt.core.checkpoint.offload import OffloadEngine, use_engine
 from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
@@ -147,7 +148,7 @@ def test_gradient_accumulation_measures_the_first_micro_batch_and_plans_from_the
     assert_same_weights(model, reference)
 
 
-class CountingRecorder(callback_module.LayerCostRecorder):
+class CountingRecorder(driver_module.LayerCostRecorder):
     uses = 0
 
     def __enter__(self):
@@ -156,7 +157,7 @@ class CountingRecorder(callback_module.LayerCostRecorder):
 
 
 def test_resume_applies_the_saved_plan_from_the_first_step_without_measuring(tmp_path, monkeypatch):
-    monkeypatch.setattr(callback_module, "LayerCostRecorder", CountingRecorder)
+    monkeypatch.setattr(driver_module, "LayerCostRecorder", CountingRecorder)
     first = GradientCheckpointing(memory_budget=0.5)
     saver = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2, save_top_k=-1)
     run(callbacks=[first, saver], max_steps=2, enable_checkpointing=True)
@@ -296,7 +297,7 @@ class FakeGather:
 def test_ranks_are_gathered_as_rows_and_combined():
     """The callback's part: this rank's row gathered with the others'; the arithmetic is tested in test_budget.py."""
     mine, other_row = two_ranks()
-    measured, figures = callback_module._combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])
+    measured, figures = driver_module._combine_over_ranks(FakeGather(torch.tensor(other_row)), mine, [1000, 40, 11])
     expected = combine_costs(torch.tensor([pack_costs(mine, [1000, 40, 11]), other_row]), mine)
     assert (measured, figures) == expected and figures == [900, 50, 11]
 
@@ -305,7 +306,7 @@ def test_offload_auto_plans_by_time_on_the_measured_device_and_trains_the_same(r
     """The accelerator's profile is measured in setup; here one with infinite host bandwidth stands in for it, and the
     fake engine for the copies: offload is then free, so the plan recomputes nothing and offloads instead."""
     profile = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e11, host_bandwidth=math.inf, name="stand-in")
-    monkeypatch.setattr(callback_module, "_measure_device", lambda trainer: (profile, 1 << 40))
+    monkeypatch.setattr(driver_module, "_measure_device", lambda ranks, num_devices: (profile, 1 << 40))
     # Every block's backward brings back all it saved, and the one before it is prefetched meanwhile: offloading
     # everything peaks at about 0.56 of the peak without checkpointing.
     callback = GradientCheckpointing(memory_budget=0.6, offload="auto")
@@ -428,6 +429,8 @@ def test_every_constructor_option_either_drops_the_plan_or_is_listed_as_keeping_
 
 class OneRank:
     root_device = torch.device("cpu")
+    world_size = 1
+    is_global_zero = False
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.unsqueeze(0)
@@ -442,17 +445,17 @@ def test_auto_takes_the_measuring_step_s_activation_peak_off_the_step_s_peak_not
     from lightning_ckpt.core.plan.budget import AutoBudget, RankMeasurement
     from lightning_ckpt.core.plan.budget_cycle import BatchSize
 
-    monkeypatch.setattr(callback_module, "device_total_bytes", lambda device: 10_000)
-    monkeypatch.setattr(callback_module, "static_bytes", lambda module, optimizers: 4_000)
-    monkeypatch.setattr(callback_module, "device_peak_bytes", lambda device: (6_000, 6_000))
+    monkeypatch.setattr(driver_module, "device_total_bytes", lambda device: 10_000)
+    monkeypatch.setattr(driver_module, "static_bytes", lambda module, optimizers: 4_000)
+    monkeypatch.setattr(driver_module, "device_peak_bytes", lambda device: (6_000, 6_000))
     cost = LayerCost("l0", "Block", none_bytes=1000, full_bytes=1000, selective_bytes=1000, offloadable_bytes=0,
                      full_flops=10, selective_flops=10, fp8_bytes=258)
     measured = RankMeasurement([cost], outside_bytes=0, compress="fp8")
     assert (measured.held_bytes, measured.peak_bytes) == (258, 1_258)
     callback = GradientCheckpointing(memory_budget="auto", compress="fp8")
-    callback._measured = measured
-    callback._cycle.begin(BatchSize(64, 16))
+    callback.driver.measured = measured
+    callback.driver.cycle.begin(BatchSize(64, 16))
     trainer = SimpleNamespace(strategy=OneRank(), optimizers=[], is_global_zero=False)
-    callback._make_plan(trainer, pl_module=None)
-    assert (callback._auto.other_peak_bytes, callback.plan.budget_bytes) == (742, 4_258)
-    assert callback._auto == AutoBudget(10_000, 4_000, 742) and callback.plans[64] is callback.plan
+    callback.driver._make_plan(trainer.strategy, None, trainer.optimizers)
+    assert (callback.driver.auto.other_peak_bytes, callback.plan.budget_bytes) == (742, 4_258)
+    assert callback.driver.auto == AutoBudget(10_000, 4_000, 742) and callback.plans[64] is callback.plan

@@ -190,7 +190,7 @@ def test_a_measuring_step_measures_the_head_s_backward_from_the_loss_given_to_ba
         ckpt.backward(loss_of(model, ids))
     # by hand: cross_entropy's backward holds the loss's gradient (4 B) with the gradients of the log-softmax and of
     # the logits, 32 tokens x 32 x 4 B each, at once
-    assert ckpt.callback._cycle.template.head_peak_bytes == 4 + 2 * 32 * VOCAB * 4
+    assert ckpt.callback.driver.cycle.template.head_peak_bytes == 4 + 2 * 32 * VOCAB * 4
 
 
 def test_a_state_saved_without_a_step_count_starts_at_step_0():
@@ -460,7 +460,7 @@ def litgpt_loop(fabric: Fabric, budget: Optional[int]) -> dict[str, Any]:
         calls[0] = 0
         with ckpt.step(batch) if ckpt is not None else contextlib.nullcontext():
             record["seen"].append(checkpointed_names(module))
-            record["measuring"].append(ckpt is not None and ckpt.callback._cycle.measuring is not None)
+            record["measuring"].append(ckpt is not None and ckpt.callback.driver.cycle.measuring is not None)
             probe.start()
             logits = model(batch["input_ids"])
             loss = chunked_cross_entropy(logits[..., :-1, :], batch["labels"][..., 1:])

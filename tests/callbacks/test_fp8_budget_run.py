@@ -63,7 +63,7 @@ class PeakPerStep(StepPeaks):
         self.callback, self.measuring, self.predicted = callback, [], []
 
     def on_train_batch_start(self, *args: Any) -> None:  # after the checkpointing callback's: its plan is applied
-        measuring = self.callback._cycle.measuring is not None
+        measuring = self.callback.driver.cycle.measuring is not None
         self.measuring.append(measuring)
         self.predicted.append(None if measuring else self.callback.plan.peak_bytes)
         super().on_train_batch_start(*args)

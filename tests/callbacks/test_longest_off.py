@@ -65,7 +65,7 @@ def test_max_length_0_runs_no_training_step_on_fake_tensors(caplog):
     assert torch.stack(model.losses).isfinite().all()  # the user's list reads after fit
     assert not any("fake tensors" in r.getMessage() for r in caplog.records)
     # every batch planned as it came: the plans are those of the sizes seen, none for length 32
-    assert sorted(plan_size.length for plan_size in callback._cycle.sizes.values()) == [8, 16]
+    assert sorted(plan_size.length for plan_size in callback.driver.cycle.sizes.values()) == [8, 16]
 
 
 def test_max_length_takes_0_and_refuses_a_negative_length():

@@ -135,7 +135,7 @@ def test_max_length_short_enough_lets_the_same_budget_run():
     assert trainer.global_step == 2 and model.calls == 3  # one fake step at length 24, then two real ones
     # The first real step measures its size with every layer checkpointed, as without the fake step before it.
     assert model.seen[1] == [f"model.blocks.{i}" for i in range(4)]
-    assert callback._cycle.sizes[128].length == 24 and callback._cycle.sizes[64].length == 16
+    assert callback.driver.cycle.sizes[128].length == 24 and callback.driver.cycle.sizes[64].length == 16
 
 
 def test_the_plan_for_the_longest_batch_is_kept_and_equals_one_from_a_real_measurement(caplog):
@@ -183,7 +183,7 @@ def test_a_resumed_run_has_its_plans_and_plans_the_longest_batch_no_more():
     resumed.load_state_dict(first.state_dict())
     trainer = fit(model, resumed)
     assert trainer.global_step == 2 and model.calls == 2  # two real steps, no fake one before them
-    assert resumed._cycle.measured_steps == 0  # both run the plan saved for their size
+    assert resumed.driver.cycle.measured_steps == 0  # both run the plan saved for their size
     assert {b: p.state_dict() for b, p in resumed.plans.items()} == {b: p.state_dict() for b, p in first.plans.items()}
 
 

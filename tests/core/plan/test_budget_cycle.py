@@ -292,7 +292,7 @@ class VaryingGPT(GPT):
 
     def training_step(self, batch, batch_idx):
         self.seen.append(checkpointed_names(self))
-        if self.callback is not None and self.callback._cycle.measuring is not None:
+        if self.callback is not None and self.callback.driver.cycle.measuring is not None:
             self.held.append(None)  # a measuring step: fully checkpointed, its own counters active
             return super().training_step(batch, batch_idx)
         with SavedTensorCounter(exclude=self.parameters()) as saved:
@@ -352,7 +352,7 @@ def test_a_byte_budget_holds_on_every_batch_and_short_batches_run_a_cheaper_plan
     # 64, in the same bucket of 256 tokens)
     measuring = [held is None for held in model.held]
     assert measuring == [True, True, True, False, False, False, False, False]
-    assert callback._cycle.predicted == {128} and callback._cycle.measured_steps == 3
+    assert callback.driver.cycle.predicted == {128} and callback.driver.cycle.measured_steps == 3
     assert sorted(callback.plans) == [32, 64, 128, 256]
     # the longest batches need checkpointing; the shortest run none at all: a short batch does not pay for a long one
     assert 0 < len(model.seen[3]) and model.seen[3] == model.seen[6]
@@ -402,11 +402,11 @@ def test_a_resumed_cycle_runs_every_size_it_has_a_plan_for_without_measuring():
     assert {b: p.state_dict() for b, p in resumed.plans.items()} == {
         b: p.state_dict() for b, p in callback.plans.items()}
     model = fit([resumed], lengths=[64, 8, 16, 24])
-    assert None not in model.held and resumed._cycle.measured_steps == 0  # none measured
+    assert None not in model.held and resumed.driver.cycle.measured_steps == 0  # none measured
     assert model.seen[1] == []
     # 24 (96 tokens, bucket 128) was never planned: predicted from the fit saved with the plans, and checked
-    assert resumed._cycle.fit.sizes == callback._cycle.fit.sizes == [(32, 8), (256, 64), (64, 16)]
-    assert resumed._cycle.predicted == resumed._cycle.checked == {128}
+    assert resumed.driver.cycle.fit.sizes == callback.driver.cycle.fit.sizes == [(32, 8), (256, 64), (64, 16)]
+    assert resumed.driver.cycle.predicted == resumed.driver.cycle.checked == {128}
 
 
 def test_an_out_of_reach_budget_at_a_new_size_names_the_batch_and_changes_nothing():
@@ -457,7 +457,7 @@ class PaddedLlama(LightningModule):
     def training_step(self, batch, batch_idx):
         if isinstance(batch["input_ids"], FakeTensor):  # planning the longest batch before the first step
             return self.model(**batch).loss
-        if self.callback is not None and self.callback._cycle.measuring is not None:
+        if self.callback is not None and self.callback.driver.cycle.measuring is not None:
             self.held.append(None)
             return self.model(**batch).loss
         with SavedTensorCounter(exclude=self.parameters()) as saved:
@@ -500,7 +500,7 @@ def test_a_transformers_llama_on_batches_padded_per_batch_holds_a_byte_budget_on
     trainer.fit(model, DataLoader(padded_batches(lengths), batch_size=None))
     # 16, 128, 32 measured; 64 (bucket 128) planned from their fit, its check passed (still a predicted plan)
     assert [h is None for h in model.held] == [True, True, True, False, False, False, False]
-    assert callback._cycle.predicted == {128} and callback._cycle.measured_steps == 3
+    assert callback.driver.cycle.predicted == {128} and callback.driver.cycle.measured_steps == 3
     assert all(h <= budget for h in model.held if h is not None), (model.held, budget)
     short, long = callback.plans[32], callback.plans[256]  # 2 x 16 and 2 x 128 tokens
     assert short.recompute_flops == 0 < long.recompute_flops  # the short batches recompute nothing
@@ -594,7 +594,7 @@ def test_a_predicted_plan_is_checked_on_its_first_step_only(monkeypatch):
     """Lengths 8, 16, 24 measured; 40 predicted (bucket 256) and checked on its step; 36 and 40 again run the same
     plan, sizes it covers, unchecked; 48 (bucket 256) is predicted anew and checkpoints alike: unchecked. One check in
     the run, not four (each check hooks every saved tensor)."""
-    import lightning_ckpt.callbacks.gradient_checkpointing as module
+    import lightning_ckpt.core.plan.budget_driver as module
 
     made = []
 
@@ -606,14 +606,14 @@ def test_a_predicted_plan_is_checked_on_its_first_step_only(monkeypatch):
     monkeypatch.setattr(module, "SavedTensorCounter", Counting)
     callback = GradientCheckpointing(memory_budget=10 * 2**20)
     fit([callback], lengths=[8, 16, 24, 40, 36, 40, 48], model=JumpingGPT(callback, False))
-    assert callback._cycle.predicted == callback._cycle.checked == {256}
-    assert callback._cycle.sizes[256] == BatchSize(192, 48)  # 48: predicted anew, checkpointing alike: not checked
+    assert callback.driver.cycle.predicted == callback.driver.cycle.checked == {256}
+    assert callback.driver.cycle.sizes[256] == BatchSize(192, 48)  # 48: predicted anew, checkpointing alike: not checked
     assert len(made) == 1
     # resumed from its state: the check passed before the save is not run again
     resumed = GradientCheckpointing(memory_budget=10 * 2**20)
     resumed.load_state_dict(callback.state_dict())
     fit([resumed], lengths=[40, 36], model=JumpingGPT(resumed, False))
-    assert len(made) == 1 and resumed._cycle.measured_steps == 0
+    assert len(made) == 1 and resumed.driver.cycle.measured_steps == 0
 
 
 @pytest.mark.parametrize("jump", [False, True])
@@ -624,8 +624,8 @@ def test_a_predicted_plan_whose_step_holds_more_than_planned_measures_its_bucket
     model = fit([callback], lengths=lengths, model=JumpingGPT(callback, jump))
     measuring = [held is None for held in model.held]
     if not jump:  # the fit was right: 36 runs the plan predicted for 40
-        assert measuring == [True, True, True, False, False, False] and callback._cycle.measured_steps == 3
-        assert callback._cycle.predicted == {256} and callback._cycle.remeasure == set()
+        assert measuring == [True, True, True, False, False, False] and callback.driver.cycle.measured_steps == 3
+        assert callback.driver.cycle.predicted == {256} and callback.driver.cycle.remeasure == set()
     else:  # 40 held 160 KiB more than planned: the check drops its plan, 36 is measured, then 40 (no fit any more)
-        assert measuring == [True, True, True, False, True, True] and callback._cycle.measured_steps == 5
-        assert callback._cycle.predicted == set() and not callback._cycle.fit.trusted(160, 40)
+        assert measuring == [True, True, True, False, True, True] and callback.driver.cycle.measured_steps == 5
+        assert callback.driver.cycle.predicted == set() and not callback.driver.cycle.fit.trusted(160, 40)

@@ -131,7 +131,7 @@ def test_a_budget_only_the_chunked_head_reaches_at_the_longest_length_is_accepte
     callback, peaks = GradientCheckpointing(memory_budget=budget), StepPeaks()
     fit(callback, peaks, lengths=(32, LENGTH, 48))
     assert callback.plans[BATCH * LENGTH].chunk_tokens == DEFAULT_CHUNK_TOKENS  # planned before the first step
-    assert callback._cycle.measured_steps == 2  # the fake step at 64, the real one at 32; 48 runs 64's plan
+    assert callback.driver.cycle.measured_steps == 2  # the fake step at 64, the real one at 32; 48 runs 64's plan
     assert peaks.chunks == [DEFAULT_CHUNK_TOKENS] * 3
     assert max(peaks.peaks) <= budget, (peaks.peaks, budget)
     # chunk_loss=True: the longest batch is measured with the head chunked, as the run computes it (it was measured
@@ -183,7 +183,7 @@ def test_another_chunk_s_head_is_priced_from_the_measured_one_with_its_own_calls
     copy of the head's weight and bias ((2048 x 32 + 2048) x 4 B)."""
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    from lightning_ckpt.callbacks.gradient_checkpointing import _chunked_head, _HeadRun
+    from lightning_ckpt.core.plan.budget_driver import _chunked_head, _HeadRun
     from lightning_ckpt.core.plan.budget import RankMeasurement
     from lightning_ckpt.core.plan.planner import HeadCount
 
