@@ -27,19 +27,23 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["TIMING_ROUNDS", "time_modes"]
+__all__ = ["TIMING_ROUNDS", "TIMING_SECONDS", "time_modes"]
 
-#: Rounds of each mode a layer is timed in: the median is taken. Three keep a measuring step's extra cost near nine
-#: forward and backward runs of one layer (five, with a warm-up run of each, cost twice as much: a second on a 60-step
-#: CPU run of the long-tailed benchmark, where the plans gained nothing from the steadier figures).
+#: Rounds of each mode a layer is timed in, at most: the median is taken. Three keep a measuring step's extra cost
+#: near nine forward and backward runs of one layer (five, with a warm-up run of each, cost twice as much: a second on
+#: a 60-step CPU run of the long-tailed benchmark, where the plans gained nothing from the steadier figures).
 TIMING_ROUNDS = 3
+#: No round starts once the rounds so far took this many seconds: a large layer, whose one run is long enough to time
+#: well, is timed once (a demo GPT's layer at 3,072 tokens on a 2-core CPU: 60 ms a run).
+TIMING_SECONDS = 0.1
 
 
 def time_modes(run: Callable[[str], None], modes: Sequence[str], device: torch.device,
-               rounds: int = TIMING_ROUNDS, warm_up: bool = False) -> dict[str, int]:
-    """Nanoseconds of ``run(mode)`` for each of ``modes`` on ``device``: the median of ``rounds`` runs each,
-    interleaved and in alternately reversed order (so a slow spell of a shared machine falls on every mode alike);
-    with ``warm_up``, after one untimed run of each (the measuring step's re-run of a layer has warmed it already)."""
+               rounds: int = TIMING_ROUNDS, warm_up: bool = False, seconds: float = TIMING_SECONDS) -> dict[str, int]:
+    """Nanoseconds of ``run(mode)`` for each of ``modes`` on ``device``: the median of up to ``rounds`` runs each,
+    interleaved and in alternately reversed order (so a slow spell of a shared machine falls on every mode alike),
+    no round started once ``seconds`` have been spent timing; with ``warm_up``, after one untimed run of each (the
+    measuring step's re-run of a layer has warmed it already)."""
     if rounds < 1:
         raise ValueError(f"`rounds={rounds!r}` must be 1 or more: the number of timed runs of each mode.")
     samples: dict[str, list[int]] = {mode: [] for mode in modes}
@@ -53,6 +57,8 @@ def time_modes(run: Callable[[str], None], modes: Sequence[str], device: torch.d
                 run(mode)
                 _synchronize(device)
                 samples[mode].append(time.perf_counter_ns() - start)
+            if sum(map(sum, samples.values())) >= seconds * 1e9:
+                break
     return {mode: int(statistics.median(ns)) for mode, ns in samples.items()}
 
 

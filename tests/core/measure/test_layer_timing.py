@@ -72,6 +72,23 @@ def test_each_mode_gets_the_median_of_its_timed_runs(monkeypatch):
     assert clock.calls == ["plain", "full", "full", "plain", "plain", "full"]
 
 
+def test_no_round_starts_once_the_timing_took_its_seconds(monkeypatch):
+    # 0.1 s by default: a layer of 60 ms runs is timed once; one of 10 ms three times
+    slow = FakeClock({"plain": [60_000_000] * 3, "full": [70_000_000] * 3})
+    monkeypatch.setattr(layer_timing.time, "perf_counter_ns", slow.perf_counter_ns)
+    assert time_modes(slow.run, ("plain", "full"), CPU) == {"plain": 60_000_000, "full": 70_000_000}
+    assert slow.calls == ["plain", "full"]
+    fast = FakeClock({"plain": [10_000_000] * 3, "full": [20_000_000] * 3})
+    monkeypatch.setattr(layer_timing.time, "perf_counter_ns", fast.perf_counter_ns)
+    time_modes(fast.run, ("plain", "full"), CPU)
+    assert len(fast.calls) == 6  # 30 ms a round: the third starts at 60 ms
+    # exactly at the limit: no further round (two rounds of 50 ms)
+    edge = FakeClock({"plain": [20_000_000] * 3, "full": [30_000_000] * 3})
+    monkeypatch.setattr(layer_timing.time, "perf_counter_ns", edge.perf_counter_ns)
+    time_modes(edge.run, ("plain", "full"), CPU)
+    assert len(edge.calls) == 4
+
+
 def test_a_warm_up_run_of_each_mode_is_not_counted(monkeypatch):
     clock = FakeClock({"plain": [10**9, 100, 900, 120], "full": [10**9, 300, 310, 290]})
     monkeypatch.setattr(layer_timing.time, "perf_counter_ns", clock.perf_counter_ns)
