@@ -4,7 +4,8 @@
 
 Builds the config's model and batch as ``lightning-ckpt plan`` does, measures one step (``measure_step``) and the
 device (``DeviceProfile.measure``), then times forward and backward of no checkpointing, every layer, every 2nd
-layer, selective and a plan at ``--budget`` (0.5) priced on that profile, interleaved and alternately reversed,
+layer, selective, a plan at ``--budget`` (0.5) priced on that profile and the same budget's plan priced by FLOPs
+(what ``time_layers=False`` plans), interleaved and alternately reversed,
 ``--reps`` times each; prints measured and predicted (``predict_seconds``) step time, extra time and slowdown per setting. What ``compare`` measures adds the optimizer
 step and the training loop (Lightning's hooks, logging) to every step; this leaves them out, to show how the model
 does on what it prices. Prints only; RESULTS.md quotes it by hand.
@@ -16,6 +17,7 @@ import argparse
 import statistics
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 from lightning_ckpt.commands.plan.measure import _loss, _on_device, batch_of_size, build, measure
@@ -43,12 +45,16 @@ def main() -> None:
     plan = make_plan(measured.costs, measured.outside_bytes, args.budget, device=profile,
                      outside_ops=measured.outside_ops, head_bytes=measured.head_bytes,
                      head_peak_bytes=measured.head_peak_bytes)
+    # the same budget priced by FLOPs (the costs without their times, no profile): what time_layers=False plans
+    untimed = [replace(c, plain_ns=0, full_ns=0, selective_ns=0) for c in measured.costs]
+    flops_plan = make_plan(untimed, measured.outside_bytes, args.budget, head_bytes=measured.head_bytes,
+                           head_peak_bytes=measured.head_peak_bytes)
 
     def step() -> None:
         _loss(module.training_step(batch, 0)).backward()
         module.zero_grad(set_to_none=True)
 
-    settings = {**SETTINGS, f"plan {args.budget}": plan}
+    settings = {**SETTINGS, f"plan {args.budget}": plan, f"plan {args.budget} by FLOPs": flops_plan}
     times: dict[str, list[float]] = {name: [] for name in settings}
     modes: dict[str, dict[str, str]] = {}
     for rep in range(args.reps):
@@ -67,14 +73,15 @@ def main() -> None:
     remove_checkpointing(module)
     base = statistics.median(times["none"])
     print(f"{args.config}: forward and backward, median of {args.reps} interleaved; profile {profile};"
-          f" priced by {price_source(measured.costs, profile)}; plan {plan.layers}")
+          f" priced by {price_source(measured.costs, profile)}; plan {plan.layers}; by FLOPs {flops_plan.layers}")
     print("| setting | measured (ms) | predicted (ms) | measured extra (ms) | predicted extra (ms) | measured slowdown"
           " | predicted slowdown |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in settings:
         got = statistics.median(times[name])
+        kept = settings[name].kept_ops if isinstance(settings[name], CheckpointPlan) else {}
         predicted, baseline = predict_seconds(measured.costs, measured.outside_ops, modes[name], profile,
-                                              kept_ops=plan.kept_ops if name.startswith("plan") else {})
+                                              kept_ops=kept)
         print(f"| {name} | {1e3 * got:.2f} | {1e3 * predicted:.2f} | {1e3 * (got - base):.2f}"
               f" | {1e3 * (predicted - baseline):.2f} | {100 * (got / base - 1):+.0f}% | {100 * (predicted / baseline - 1):+.0f}% |")
 
