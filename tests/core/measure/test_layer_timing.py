@@ -524,3 +524,13 @@ def test_a_timed_layer_s_options_are_pruned_by_time_without_a_profile():
     assert [o.seconds for o in layer_options(slow)] == [0.0, 3e-6]
     assert [o.choice for o in layer_options(cost())] == ["none", "full", "selective"]
     assert [o.seconds for o in layer_options(cost())] == [0.0, 0.0, 0.0]  # untimed, no profile: FLOPs only
+
+
+def test_options_are_not_offloaded_unless_asked():
+    from lightning_ckpt.core.plan.solver import layer_options, make_option
+
+    movable = replace(cost(full_ns=3000, selective_ns=1000), offloadable_bytes=10, input_sizes=(2**21,),
+                      full_bytes=2**21 + 10, selective_bytes=2**21 + 40, none_bytes=2**23)
+    assert make_option(movable, "full").host_bytes == 0 and make_option(movable, "full", moved=True).host_bytes == 10
+    assert all(o.host_bytes == 0 for o in layer_options(movable))
+    assert any(o.host_bytes for o in layer_options(movable, offload=True))
