@@ -5,6 +5,9 @@ selection and wrapping decide what and how, and :mod:`~lightning_ckpt.core.plan.
 
 Also here: the callback's settings (validated together, each an attribute), finding the callback on a Trainer, and
 refusing a Lightning strategy that would checkpoint as well.
+
+About 550 lines: the class is under 300; the rest is its settings' documentation and validation, which
+:class:`~lightning_ckpt.callbacks.fabric.FabricCheckpointing` shares.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ and runs their cycle around each training step, at the moments its caller's loop
 It learns about the other ranks through :class:`Ranks` (a Lightning or Fabric strategy is one), and says what it
 planned through the callables it is given (``info``, ``warn``, ``report``), so that it imports no Lightning.
 
+About 800 lines: one budget's cycle, whose steps (measure, combine, solve, check, the longest batch, the chunked head)
+share the state of the batch in flight; cut apart, each would take that state as arguments and the callers would
+have to call them in order. The arithmetic and the plans per size already live apart (``budget``, ``budget_cycle``).
+
 Example::
 
     >>> from torch import nn
