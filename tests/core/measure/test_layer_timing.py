@@ -534,3 +534,51 @@ def test_options_are_not_offloaded_unless_asked():
     assert make_option(movable, "full").host_bytes == 0 and make_option(movable, "full", moved=True).host_bytes == 10
     assert all(o.host_bytes == 0 for o in layer_options(movable))
     assert any(o.host_bytes for o in layer_options(movable, offload=True))
+
+
+class _Counted(nn.Module):
+    """A layer that counts its forwards and backwards, with a weight its forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.unused = nn.Parameter(torch.zeros(3))
+        self.forwards = self.backwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        y = self.lin(x).relu()
+        if y.requires_grad:
+            y.register_hook(lambda g: setattr(self, "backwards", self.backwards + 1))
+        return y
+
+
+def test_each_timed_run_is_the_layer_s_forward_and_backward_as_training_runs_it(monkeypatch):
+    """What is timed: the plain forward and its backward, and the checkpointed ones, whose backward runs the forward
+    again; a weight the forward does not use is fine; no .grad is written."""
+    from lightning_ckpt.core.measure import rerun
+
+    seen: dict[str, tuple[int, int]] = {}
+
+    def run_each_once(run, modes, device, rounds=3):
+        for mode in modes:
+            before = (layer.forwards, layer.backwards)
+            run(mode)
+            seen[mode] = (layer.forwards - before[0], layer.backwards - before[1])
+        return dict.fromkeys(modes, 5)
+
+    monkeypatch.setattr(rerun, "time_modes", run_each_once)
+    layer = _Counted()
+    x = torch.randn(4, 8, requires_grad=True)
+    times = rerun._times(layer, [x], rerun._plain_forward(layer), (x,), {}, selective=True, sharded=False)
+    assert seen == {"plain": (1, 1), "full": (2, 1), "selective": (2, 1)}
+    assert times == {"plain_ns": 5, "full_ns": 1, "selective_ns": 1}
+    assert all(p.grad is None for p in layer.parameters()) and x.grad is None
+    # a forward set on the instance (as accelerate's hooks do) is the one timed, checkpointed or not
+    calls = []
+    layer.forward = lambda t: calls.append(1) or _Counted.forward(layer, t)
+    rerun._times(layer, [x], rerun._plain_forward(layer), (x,), {}, selective=False, sharded=False)
+    assert len(calls) == 1 + 2  # plain once; full once and again in its backward
+    # sharded (FSDP2): not timed at all
+    monkeypatch.setattr(rerun, "time_modes", lambda *a, **k: pytest.fail("timed a sharded layer"))
+    assert rerun._times(layer, [x], rerun._plain_forward(layer), (x,), {}, selective=True, sharded=True) == {}
