@@ -226,7 +226,8 @@ def test_the_measuring_step_times_the_layers_and_the_plan_is_priced_by_them(refe
     import lightning_ckpt.core.measure.rerun as measure_module  # where a re-run looks up time_modes
 
     monkeypatch.setattr(measure_module, "time_modes",
-                        lambda run, modes, device, rounds=5: {"plain": 1000, "full": 1500, "selective": 9000})
+                        lambda run, modes, device, rounds=5: {"plain": 1000, "harness": 0, "full": 1500,
+                                                              "selective": 9000})
     callback = GradientCheckpointing(memory_budget=0.7, time_layers=time_layers)
     model, _ = run(callbacks=[callback])
     assert [c.full_ns for c in callback.plan.costs] == [500 if time_layers else 0] * N_LAYER

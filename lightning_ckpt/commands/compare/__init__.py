@@ -21,7 +21,9 @@ Next to each measured slowdown is the one the planner's time model predicts
 (:func:`~lightning_ckpt.core.plan.planner.predict_seconds`) for the layers that variant checkpointed: from one measured
 step of the config's model (per-layer bytes, FLOPs and ops, as ``lightning-ckpt plan`` measures it) and a
 :class:`~lightning_ckpt.core.measure.device_profile.DeviceProfile`: by default the device the runs use, measured
-(``DeviceProfile.measure``), or a preset with ``--device h100-sxm``. Nothing else is run for it.
+(``DeviceProfile.measure``), or a preset with ``--device h100-sxm``. Nothing else is run for it. On the device
+measured, the time each variant adds is added to the baseline's measured step
+(:func:`~lightning_ckpt.commands.compare.stats.measured_baseline`).
 
 Example::
 

@@ -16,6 +16,7 @@ from lightning_ckpt.commands.compare.stats import (
     CONFIDENCE,
     MIN_TIMED_STEPS,
     VariantResult,
+    measured_baseline,
     signed_percent,
     time_difference,
 )
@@ -89,7 +90,12 @@ def prediction_text(c: Comparison) -> str:
         return f"Predicted: n/a, {c.no_time_model}." if c.no_time_model else ""
     text = ("Predicted: the slowdown the planner's time model (`predict_seconds`) gives for the layers each variant"
             f" checkpointed, from one measured step of the model (batch {model.measurement.batch_size}) priced on"
-            f" {model.describe()}; no run is timed for it.")
+            f" {model.describe()}")
+    if measured_baseline(c.results, model) is not None:
+        text += (f"; the time each adds, over `{c.baseline.name}`'s measured step (the optimizer, the loop and the"
+                 " logging are not in the model).")
+    else:
+        text += "; no run is timed for it."
     return text + "".join(f" No prediction: {p}." for p in c.unpredicted)
 
 

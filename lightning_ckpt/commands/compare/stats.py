@@ -383,11 +383,31 @@ class TimeModel:
                 "batch_size": self.measurement.batch_size, "layers": [c.name for c in self.measurement.costs]}
 
 
+def measured_baseline(results: Sequence[VariantResult], model: TimeModel) -> Optional[float]:
+    """The baseline's (``results[0]``'s) median step time, where the time model prices the device it ran on (a
+    profile measured here) and it was timed: what :func:`predict_variants` adds each variant's predicted extra to,
+    since the optimizer step, the training loop and the logging are in a step but not in the model. Else None.
+
+    Example::
+
+        >>> profile = DeviceProfile(2e11, 1e10, 1e10, layer_times=True)
+        >>> from lightning_ckpt.commands.plan.measure import Measurement
+        >>> measured_baseline([VariantResult("none", step_times=[[0.01, 0.03]])], TimeModel(Measurement(8, [], 0), profile))
+        0.02
+    """
+    base = results[0] if results else None
+    if base is None or base.error or not base.step.n or not model.profile.layer_times:
+        return None
+    return base.step_sec
+
+
 def predict_variants(results: Sequence[VariantResult], model: TimeModel) -> list[str]:
     """Set each variant's predicted step time and its ratio to no checkpointing's, from the layers it checkpointed
-    (:func:`~lightning_ckpt.core.plan.planner.predict_seconds`). Returns what could not be predicted, and why: a variant
-    whose layers the measured step does not have is left without a prediction."""
+    (:func:`~lightning_ckpt.core.plan.planner.predict_seconds`): the predicted extra over the baseline's measured step
+    where there is one (:func:`measured_baseline`), else over the model's own step. Returns what could not be
+    predicted, and why: a variant whose layers the measured step does not have is left without a prediction."""
     costs, outside = model.measurement.costs, model.measurement.outside_ops
+    measured = measured_baseline(results, model)
     known = {c.name for c in costs}
     problems = []
     for r in results:
@@ -400,5 +420,7 @@ def predict_variants(results: Sequence[VariantResult], model: TimeModel) -> list
         seconds, baseline = predict_seconds(costs, outside, r.layer_modes, model.profile,
                                             offload=r.offload if model.offload_moves else False, kept_ops=r.kept_ops,
                                             compress=r.compress)
+        if measured is not None:
+            seconds, baseline = measured + seconds - baseline, measured
         r.predicted_step_seconds, r.predicted_ratio = seconds, seconds / baseline
     return problems

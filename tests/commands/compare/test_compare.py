@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from lightning_ckpt.commands.compare.stats import (
     VariantResult,
     first_step_difference,
     measurements,
+    measured_baseline,
     predict_variants,
     signed_percent,
     time_difference,
@@ -443,6 +445,40 @@ def test_predicted_column_is_the_time_models_ratio_for_the_layers_each_variant_c
     predict_variants(results, moved)
     seconds, baseline = predict_seconds(costs, (), {}, profile, offload=[names[1]])
     assert results[5].predicted_ratio == pytest.approx(seconds / baseline) and seconds > baseline
+
+
+def test_on_the_device_measured_the_predicted_step_is_the_baseline_s_measured_step_plus_the_predicted_extra():
+    """The optimizer, the loop and the logging are in a step but not in the model: on a profile measured here the
+    model's extra goes on top of the baseline's measured step; on a preset, or without a timed baseline, on the
+    model's own step."""
+    costs = block_costs()
+    names = [c.name for c in costs]
+    here = DeviceProfile(matmul_flops=1e12, memory_bandwidth=1e11, host_bandwidth=1e9, op_overhead=1e-4,
+                         policy_overhead=2e-4, name="measured cpu", layer_times=True)
+    results = [synthetic("none", [[0.018, 0.020, 0.022]]), synthetic("every_layer", [[0.03]])]
+    results[1].layer_modes = dict.fromkeys(names, "full")
+    model = TimeModel(Measurement(8, costs, 0), here, offload_moves=False)
+    assert measured_baseline(results, model) == 0.020
+    assert predict_variants(results, model) == []
+    # by hand: every layer recomputes a 1 ms matmul, a 10 us gelu and 100 us per op for both: 4 x 1.21 ms
+    assert results[1].predicted_step_seconds == pytest.approx(0.020 + 4 * 1.21e-3, rel=1e-12)
+    assert results[1].predicted_ratio == pytest.approx(1 + 4 * 1.21e-3 / 0.020, rel=1e-12)
+    assert results[0].predicted_ratio == pytest.approx(1.0, rel=1e-12)
+    text = prediction_text(comparison(results, time_model=model))
+    assert "over `none`'s measured step" in text and "no run is timed" not in text
+
+    step = 3 * 4 * (1e-3 + 1e-5) + 8 * 1e-4  # the model's own step, as in the test above
+    for model in (TimeModel(Measurement(8, costs, 0), replace(here, layer_times=False), offload_moves=False),
+                  TimeModel(Measurement(8, costs, 0), here, offload_moves=False)):
+        if model.profile.layer_times:  # a baseline that failed has no step to stand on
+            results[0].error = "it crashed"
+        assert measured_baseline(results, model) is None
+        predict_variants(results, model)
+        assert results[1].predicted_step_seconds == pytest.approx(step + 4 * 1.21e-3, rel=1e-12)
+        assert "no run is timed" in prediction_text(comparison(results, time_model=model))
+    results[0].error, results[0].step_times = None, []  # nor has one that was never timed
+    assert measured_baseline(results, TimeModel(Measurement(8, costs, 0), here)) is None
+    assert measured_baseline([], TimeModel(Measurement(8, costs, 0), here)) is None
 
 
 def test_a_variant_whose_layers_were_not_measured_gets_no_prediction():

@@ -254,21 +254,23 @@ def test_the_measuring_step_times_each_distinct_layer_as_its_extra_over_plain(mo
 
     def fake_times(run, modes, device, rounds=3):
         calls.append(tuple(modes))
-        return {"plain": 1000, "full": 1500, "selective": 900}
+        return {"plain": 1000, "harness": 200, "full": 1500, "selective": 900}
 
     monkeypatch.setattr(measure_module, "time_modes", fake_times)
     model, x = small_model()
     measured = measure_step(model, lambda: model(x).sum(), Block)
-    # identical blocks share one re-run, and its times; a selective run faster than plain counts 1 ns, not 0
-    assert calls == [("plain", "full", "selective")]
-    assert [(c.plain_ns, c.full_ns, c.selective_ns) for c in measured.costs] == [(1000, 500, 1)] * 3
+    # identical blocks share one re-run, and its times; plain less the harness's own time; a selective run faster
+    # than plain counts 1 ns, not 0
+    assert calls == [("plain", "harness", "full", "selective")]
+    assert [(c.plain_ns, c.full_ns, c.selective_ns) for c in measured.costs] == [(800, 500, 1)] * 3
     only_full = measure_step(model, lambda: model(x).sum(), Block, modes=("full",))
-    assert calls[-1] == ("plain", "full") and only_full.costs[0].selective_ns == 0
+    assert calls[-1] == ("plain", "harness", "full") and only_full.costs[0].selective_ns == 0
 
 
 def test_a_layer_called_twice_sums_its_times(monkeypatch):
     monkeypatch.setattr(measure_module, "time_modes",
-                        lambda run, modes, device, rounds=3: {"plain": 1000, "full": 1400, "selective": 1200})
+                        lambda run, modes, device, rounds=3: {"plain": 1000, "harness": 0, "full": 1400,
+                                                              "selective": 1200})
     torch.manual_seed(0)
     block = Block(32, 4)
     x = torch.randn(2, 8, 32, requires_grad=True)
@@ -307,7 +309,8 @@ def test_fake_tensors_are_not_timed(monkeypatch):
 def test_plan_checkpointing_prices_by_the_times_unless_told_not_to(monkeypatch):
     """Selective measured slower than full: the timed plan checkpoints fully where the FLOPs plan keeps matmuls."""
     monkeypatch.setattr(measure_module, "time_modes",
-                        lambda run, modes, device, rounds=3: {"plain": 1000, "full": 1500, "selective": 9000})
+                        lambda run, modes, device, rounds=3: {"plain": 1000, "harness": 0, "full": 1500,
+                                                              "selective": 9000})
     model, x = small_model()
     by_flops = plan_checkpointing(model, lambda: model(x).sum(), 0.9, Block, modes=("full", "selective"),
                                   time_layers=False)
@@ -319,8 +322,8 @@ def test_plan_checkpointing_prices_by_the_times_unless_told_not_to(monkeypatch):
 
 def test_predicted_step_time_on_the_profile_measured_here_adds_the_measured_extras(monkeypatch):
     monkeypatch.setattr(measure_module, "time_modes",
-                        lambda run, modes, device, rounds=3: {"plain": 3_000_000, "full": 4_000_000,
-                                                              "selective": 5_000_000})
+                        lambda run, modes, device, rounds=3: {"plain": 3_000_000, "harness": 0,
+                                                              "full": 4_000_000, "selective": 5_000_000})
     model, x = small_model()
     measured = measure_step(model, lambda: model(x).sum(), Block)
     here = DeviceProfile(matmul_flops=1e9, memory_bandwidth=1e9, host_bandwidth=1e9, layer_times=True)
@@ -565,14 +568,15 @@ def test_each_timed_run_is_the_layer_s_forward_and_backward_as_training_runs_it(
             before = (layer.forwards, layer.backwards)
             run(mode)
             seen[mode] = (layer.forwards - before[0], layer.backwards - before[1])
-        return dict.fromkeys(modes, 5)
+        return {"plain": 50, "harness": 20, "full": 70, "selective": 90}
 
     monkeypatch.setattr(rerun, "time_modes", run_each_once)
     layer = _Counted()
     x = torch.randn(4, 8, requires_grad=True)
     times = rerun._times(layer, [x], rerun._plain_forward(layer), (x,), {}, selective=True, sharded=False)
-    assert seen == {"plain": (1, 1), "full": (2, 1), "selective": (2, 1)}
-    assert times == {"plain_ns": 5, "full_ns": 1, "selective_ns": 1}
+    # the harness alone runs neither the layer's forward nor its backward, and its time is not the layer's
+    assert seen == {"plain": (1, 1), "harness": (0, 0), "full": (2, 1), "selective": (2, 1)}
+    assert times == {"plain_ns": 30, "full_ns": 20, "selective_ns": 40}
     assert all(p.grad is None for p in layer.parameters()) and x.grad is None
     # a forward set on the instance (as accelerate's hooks do) is the one timed, checkpointed or not
     calls = []
