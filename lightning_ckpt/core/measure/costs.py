@@ -88,6 +88,11 @@ class LayerCost:
         for name in ("input_sizes", "saved_sizes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
+    @property
+    def timed(self) -> bool:
+        """Whether this layer was timed on the device it was measured on (its full checkpointing's extra known)."""
+        return self.full_ns > 0
+
     def movable_bytes(self, choice: Choice, min_bytes: int = DEFAULT_MIN_BYTES) -> int:
         """Bytes the offload engine would move to host memory for ``choice``: for ``"none"`` what the layer saves,
         else its inputs; storages under ``min_bytes`` stay on the device (without recorded sizes: all of it).
@@ -208,10 +213,8 @@ class LayerCost:
             return 0.0
         if choice == "selective":
             return self.selective_ns / 1e9 if self.selective_ns else None
-        if not self.full_ns:
+        if not self.timed:
             return None
-        if choice == "full":
-            return self.full_ns / 1e9
         low_flops, low_ns = (self.selective_flops, self.selective_ns) if self.selective_ns else (0, 0)
         span = self.full_flops - low_flops
         share = (self.flops(choice, keep) - low_flops) / span if span > 0 else 1.0

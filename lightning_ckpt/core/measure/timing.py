@@ -40,7 +40,7 @@ def priced_by_time(costs: Sequence[LayerCost], device: Optional[DeviceProfile]) 
         (False, True)
     """
     called = [c for c in costs if c.calls]
-    return device is not None or (bool(called) and all(c.full_ns for c in called))
+    return device is not None or (bool(called) and all(c.timed for c in called))
 
 
 def price_source(costs: Sequence[LayerCost], device: Optional[DeviceProfile]) -> str:
@@ -68,7 +68,7 @@ def price_source(costs: Sequence[LayerCost], device: Optional[DeviceProfile]) ->
 def seconds_per_flop(costs: Sequence[LayerCost]) -> float:
     """What a recomputed FLOP took in the layers' measured full recompute: the rate at which work measured nowhere
     else (the chunked head's extra forward) is priced without a device profile."""
-    flops = sum(c.full_flops for c in costs if c.full_ns)
+    flops = sum(c.full_flops for c in costs if c.timed)
     return sum(c.full_ns for c in costs) / 1e9 / flops if flops else 0.0
 
 

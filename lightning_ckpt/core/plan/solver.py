@@ -69,7 +69,7 @@ def make_option(cost: LayerCost, choice: Choice, keep: Sequence[int] = (), moved
     seconds = 0.0
     if device is not None:
         seconds = extra_seconds(cost, choice, keep, device) + exposed_transfer_seconds(host, device, window)
-    elif cost.full_ns:  # timed on the device it ran on (see timing.priced_by_time)
+    elif cost.timed:  # on the device it ran on (see timing.priced_by_time)
         seconds = extra_seconds(cost, choice, keep, None)
     # A selective layer's backward brings back a hidden state next to the outputs it kept; a layer that keeps
     # outputs may peak higher still in its forward (LayerCost.forward_bytes), counted as much more here.
@@ -112,7 +112,7 @@ def layer_options(cost: LayerCost, modes: Sequence[str] = PLAN_MODES, offload: O
     else:
         options = [option(c, k, bool(offload) and c != "none") for c, k in plain]
     useful = [o for o in options if o.choice == "none" or o.device_bytes < cost.none_bytes]
-    timed = device is not None or bool(cost.full_ns)
+    timed = device is not None or cost.timed
 
     def dominated(i: int, option: LayerOption) -> bool:
         mine = (option.device_bytes, option.cost(timed), option.host_bytes)
