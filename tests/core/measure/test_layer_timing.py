@@ -145,6 +145,34 @@ def test_the_runs_escape_outer_dispatch_modes_and_saved_tensor_hooks():
     assert len(packed) == before_packs
 
 
+
+def test_a_timed_run_saves_through_no_hook_at_all_and_the_outer_ones_come_back_in_order(monkeypatch):
+    """Not even an identity hook: each saved tensor would go through Python in a plain run and not in a
+    checkpointed one (its own hooks innermost), which makes plain runs dearer and checkpointing look cheaper."""
+    from lightning_ckpt.core.measure.layer_timing import _undisturbed
+
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    calls = []
+    outer = [((lambda t, i=i: calls.append(("pack", i)) or t), (lambda t, i=i: calls.append(("unpack", i)) or t))
+             for i in range(2)]
+    with torch.autograd.graph.saved_tensors_hooks(*outer[0]), torch.autograd.graph.saved_tensors_hooks(*outer[1]):
+        with _undisturbed():
+            inside = top(True)
+            x = torch.randn(3, requires_grad=True)
+            (x.sin()).sum().backward()
+        assert inside is None and calls == []
+        assert top(True) == outer[1]  # the innermost is on top again, the other under it
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        assert top(True) == outer[0]
+        torch._C._autograd._push_saved_tensors_default_hooks(*outer[1])
+    assert top(True) is None
+    # a torch that does not show the stack: identity hooks on top, nothing reaches the outer ones either
+    monkeypatch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+    with torch.autograd.graph.saved_tensors_hooks(*outer[0]), _undisturbed():
+        (torch.randn(3, requires_grad=True).sin()).sum().backward()
+    assert calls == []
+
+
 # ------------------------------------------------------------------------------------------------ LayerCost
 
 
