@@ -73,20 +73,25 @@ def test_each_mode_gets_the_median_of_its_timed_runs(monkeypatch):
 
 
 def test_no_round_starts_once_the_timing_took_its_seconds(monkeypatch):
-    # 0.1 s by default: a layer of 60 ms runs is timed once; one of 10 ms three times
-    slow = FakeClock({"plain": [60_000_000] * 3, "full": [70_000_000] * 3})
+    # 0.03 s by default: a layer of 20 ms runs is timed once; one of 4 ms three times
+    slow = FakeClock({"plain": [20_000_000] * 3, "full": [25_000_000] * 3})
     monkeypatch.setattr(layer_timing.time, "perf_counter_ns", slow.perf_counter_ns)
-    assert time_modes(slow.run, ("plain", "full"), CPU) == {"plain": 60_000_000, "full": 70_000_000}
+    assert time_modes(slow.run, ("plain", "full"), CPU) == {"plain": 20_000_000, "full": 25_000_000}
     assert slow.calls == ["plain", "full"]
-    fast = FakeClock({"plain": [10_000_000] * 3, "full": [20_000_000] * 3})
+    fast = FakeClock({"plain": [4_000_000] * 3, "full": [5_000_000] * 3})
     monkeypatch.setattr(layer_timing.time, "perf_counter_ns", fast.perf_counter_ns)
     time_modes(fast.run, ("plain", "full"), CPU)
-    assert len(fast.calls) == 6  # 30 ms a round: the third starts at 60 ms
-    # exactly at the limit: no further round (two rounds of 50 ms)
-    edge = FakeClock({"plain": [20_000_000] * 3, "full": [30_000_000] * 3})
+    assert len(fast.calls) == 6  # 9 ms a round: the third starts at 18 ms
+    # exactly at the limit: no further round (two rounds of 15 ms)
+    edge = FakeClock({"plain": [6_000_000] * 3, "full": [9_000_000] * 3})
     monkeypatch.setattr(layer_timing.time, "perf_counter_ns", edge.perf_counter_ns)
     time_modes(edge.run, ("plain", "full"), CPU)
     assert len(edge.calls) == 4
+    # a limit passed in is the one kept: 0.1 s lets the 20 ms layer run three rounds
+    longer = FakeClock({"plain": [20_000_000] * 3, "full": [25_000_000] * 3})
+    monkeypatch.setattr(layer_timing.time, "perf_counter_ns", longer.perf_counter_ns)
+    time_modes(longer.run, ("plain", "full"), CPU, seconds=0.1)
+    assert len(longer.calls) == 6
 
 
 def test_a_warm_up_run_of_each_mode_is_not_counted(monkeypatch):
