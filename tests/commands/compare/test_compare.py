@@ -491,6 +491,15 @@ def test_a_variant_whose_layers_were_not_measured_gets_no_prediction():
     assert results[0].predicted_ratio == 1.0 and results[1].predicted_ratio is None
     text = prediction_text(comparison(results, time_model=model, unpredicted=problems))
     assert text.endswith("No prediction: `every_layer` checkpointed other.9, which the measured step does not have.")
+    # a variant that failed, or one with layers not measured, stops nothing: those after are predicted; the first
+    # three names not measured are said
+    failed, far, after = synthetic("every_2nd", samples), synthetic("selective", samples), synthetic("planned", samples)
+    failed.error = "it crashed"
+    far.layer_modes = {f"other.{i}": "full" for i in range(5)}
+    after.layer_modes = {"model.blocks.0": "full"}
+    problems = predict_variants([results[0], failed, far, after], model)
+    assert problems == ["`selective` checkpointed other.0, other.1, other.2, which the measured step does not have"]
+    assert failed.predicted_ratio is None and far.predicted_ratio is None and after.predicted_ratio > 1
     assert table(render_markdown(comparison(results, time_model=model, unpredicted=problems)))["every_layer"][
         "predicted"] == "n/a"
 

@@ -234,6 +234,10 @@ def test_priced_by_time_needs_every_called_layer_timed_or_a_profile():
     assert priced_by_time([timed, replace(untimed, name="b", calls=0)], None)  # never called: holds nothing
     assert not priced_by_time([], None) and not priced_by_time([replace(timed, calls=0)], None)
     assert priced_by_time([untimed], DeviceProfile.preset("h100-sxm"))
+    # the least a timed layer holds is 1 ns (checkpointing it measured no slower than plain): timed all the same
+    least = cost(full_ns=1)
+    assert least.timed and not untimed.timed and priced_by_time([least], None)
+    assert least.measured_seconds("full") == 1e-9
 
 
 def test_seconds_per_flop_is_the_layers_measured_recompute_rate():
@@ -596,20 +600,32 @@ def test_each_timed_run_is_the_layer_s_forward_and_backward_as_training_runs_it(
 
     seen: dict[str, tuple[int, int]] = {}
 
+    reached: list[int] = []  # gradients that reached the input, per run
+
     def run_each_once(run, modes, device, rounds=3):
         for mode in modes:
-            before = (layer.forwards, layer.backwards)
+            before = (layer.forwards, layer.backwards, len(reached))
             run(mode)
             seen[mode] = (layer.forwards - before[0], layer.backwards - before[1])
+            grads[mode] = len(reached) - before[2]
         return {"plain": 50, "harness": 20, "full": 70, "selective": 90}
 
     monkeypatch.setattr(rerun, "time_modes", run_each_once)
+    grads: dict[str, int] = {}
     layer = _Counted()
     x = torch.randn(4, 8, requires_grad=True)
+    x.register_hook(lambda g: reached.append(1))
     times = rerun._times(layer, [x], rerun._plain_forward(layer), (x,), {}, selective=True, sharded=False)
-    # the harness alone runs neither the layer's forward nor its backward, and its time is not the layer's
+    # the harness alone runs neither the layer's forward nor its backward, but a backward of its own to the input;
+    # its time is not the layer's
     assert seen == {"plain": (1, 1), "harness": (0, 0), "full": (2, 1), "selective": (2, 1)}
+    assert grads == dict.fromkeys(seen, 1)
     assert times == {"plain_ns": 30, "full_ns": 20, "selective_ns": 40}
+    # a plain run no slower than the harness counts 1 ns, as a checkpointed run no slower than plain does
+    monkeypatch.setattr(rerun, "time_modes", lambda run, modes, device: dict.fromkeys(modes, 20))
+    assert rerun._times(layer, [x], rerun._plain_forward(layer), (x,), {}, selective=False, sharded=False) == \
+        {"plain_ns": 1, "full_ns": 1}
+    monkeypatch.setattr(rerun, "time_modes", run_each_once)
     assert all(p.grad is None for p in layer.parameters()) and x.grad is None
     # a forward set on the instance (as accelerate's hooks do) is the one timed, checkpointed or not
     calls = []
