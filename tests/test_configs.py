@@ -105,6 +105,8 @@ def test_plan_with_fake_runs_on_every_shipped_config_and_measures_what_real_tens
             == {s["name"]: (s["activation_bytes"], s["peak_bytes"]) for s in real["settings"] if s["name"] != "plan"})
     assert fake["priced_by"] == "recompute FLOPs"
     assert real["priced_by"] == "the times each layer took here in the measuring step"
+    for where, source in (("fake", fake), ("real", real)):  # and the report says the same
+        assert f"\nChoices priced by {source['priced_by']}.\n" in (tmp_path / where / "plan.md").read_text()
 
 
 def test_plan_measures_a_model_fake_tensors_cannot_build_with_real_tensors_and_says_why(tmp_path, capsys):

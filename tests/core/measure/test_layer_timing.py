@@ -635,3 +635,41 @@ def test_each_timed_run_is_the_layer_s_forward_and_backward_as_training_runs_it(
     # sharded (FSDP2): not timed at all
     monkeypatch.setattr(rerun, "time_modes", lambda *a, **k: pytest.fail("timed a sharded layer"))
     assert rerun._times(layer, [x], rerun._plain_forward(layer), (x,), {}, selective=True, sharded=True) == {}
+
+
+def test_a_plan_with_the_head_in_chunks_times_the_layers_once_and_only_when_asked(monkeypatch):
+    """The chunked head's step measures the layers again; their times come from the step measured first (the
+    unchunked one, when there is one), so the chunked step is timed only where it is the only step."""
+    from lightning_ckpt.core.checkpoint.chunked_loss import chunk_causal_lm_loss
+    from lightning_ckpt.core.plan.planner import measure_chunked_head
+    from lightning_ckpt.demos import Transformer
+
+    timed: list[tuple[str, ...]] = []
+
+    def times(run, modes, device):
+        timed.append(tuple(modes))
+        return {"plain": 3000, "harness": 1000, "full": 3500, "selective": 4000}
+
+    monkeypatch.setattr(measure_module, "time_modes", times)
+    torch.manual_seed(0)
+    model = Transformer(256, 32, n_layer=2, n_embd=32, n_head=4, dropout=0.0)
+    chunk_causal_lm_loss(model, 32)
+    idx = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        return model(idx[:, :-1], idx[:, 1:])
+
+    def planned(**settings):
+        timed.clear()
+        plan = plan_checkpointing(model, step, 0.5, chunk_loss=settings.pop("chunk_loss"), **settings)
+        return plan, len(timed)
+
+    # identical blocks share one re-run: one timing per measured step
+    for chunk_loss, runs in ((True, 1), (None, 1), (False, 1)):
+        plan, n = planned(chunk_loss=chunk_loss)
+        assert n == runs and [c.full_ns for c in plan.costs] == [500, 500], chunk_loss
+        plan, n = planned(chunk_loss=chunk_loss, time_layers=False)
+        assert n == 0 and [c.full_ns for c in plan.costs] == [0, 0], chunk_loss
+    timed.clear()
+    measured, _ = measure_chunked_head(model, step, Block, ("full",), 32)  # timed unless told not to
+    assert len(timed) == 1 and measured.costs[0].plain_ns == 2000
