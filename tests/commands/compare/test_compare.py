@@ -481,6 +481,23 @@ def test_on_the_device_measured_the_predicted_step_is_the_baseline_s_measured_st
     assert measured_baseline([], TimeModel(Measurement(8, costs, 0), here)) is None
 
 
+def test_the_predicted_column_s_sentence_whole():
+    here = DeviceProfile(2e11, 1e10, 1e10, 4e-6, name="cpu", layer_times=True)
+    model = TimeModel(Measurement(8, [], 0), here)
+    results = [synthetic("none", [[0.01, 0.02]]), synthetic("every_layer", [[0.03]])]
+    assert prediction_text(comparison(results)) == ""
+    assert prediction_text(comparison(results, no_time_model="it failed")) == "Predicted: n/a, it failed."
+    start = ("Predicted: the slowdown the planner's time model (`predict_seconds`) gives for the layers each variant"
+             f" checkpointed, from one measured step of the model (batch 8) priced on {model.describe()}")
+    assert prediction_text(comparison(results, time_model=model, unpredicted=["a", "b"])) == (
+        start + "; the time each adds, over `none`'s measured step (the optimizer, the loop and the logging are not"
+        " in the model). No prediction: a. No prediction: b.")
+    preset = TimeModel(Measurement(8, [], 0), replace(here, layer_times=False))
+    assert prediction_text(comparison(results, time_model=preset)) == (
+        f"Predicted: the slowdown the planner's time model (`predict_seconds`) gives for the layers each variant"
+        f" checkpointed, from one measured step of the model (batch 8) priced on {preset.describe()};"
+        " no run is timed for it.")
+
 def test_a_variant_whose_layers_were_not_measured_gets_no_prediction():
     samples = step_samples(seed=1)
     results = [synthetic("none", samples), synthetic("every_layer", samples)]
