@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from jsonargparse import Namespace
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from torch.distributed.fsdp import ShardingStrategy
 
 from lightning_ckpt.commands.plan.sharding import CPU_OFFLOAD_NOTE, Sharding, _import_class, device_count, sharding_of
@@ -13,8 +13,14 @@ from lightning_ckpt.commands.plan.sharding import CPU_OFFLOAD_NOTE, Sharding, _i
 FSDP = "lightning.pytorch.strategies.FSDPStrategy"
 MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
 OURS = "lightning_ckpt.strategies.CheckpointingFSDPStrategy"
-TP4 = ("tensor parallelism (tensor_parallel_size=4) is the model's own `configure_model`; it is not counted, so each"
-       " device may hold less than shown")
+
+
+def tp_note(size: int) -> str:
+    return (f"tensor parallelism (tensor_parallel_size={size}) is the model's own `configure_model`; it is not counted,"
+            " so each device may hold less than shown")
+
+
+TP4 = tp_note(4)
 FSDP_OFFLOAD = "`cpu_offload` keeps the shards in host memory, so the device holds less than shown"
 
 
@@ -28,6 +34,10 @@ def spec(path: str, **init_args) -> dict:
     ("auto", 2, 2, Sharding("auto", 4)),
     ("nonsense.NoSuchStrategy", 2, 1, Sharding("nonsense.NoSuchStrategy", 2)),
     (DDPStrategy(), 4, 1, Sharding("DDPStrategy", 4)),
+    ({"init_args": {}}, 2, 1, Sharding("", 2)),  # a mapping with no class path names nothing
+    # a class path given as a plain string is imported; an instance is read by its class (not its options)
+    (FSDP, 4, 1, Sharding(FSDP, 4, 4, 4)),
+    (FSDPStrategy(), 4, 1, Sharding("FSDPStrategy", 4, 4, 4)),
     # the package's FSDP2: parameters, gradients and state over every device
     ("fsdp_ckpt", 4, 2, Sharding("fsdp_ckpt", 8, 8, 8)),
     ("fsdp_ckpt_cpu_offload", 1, 1, Sharding("fsdp_ckpt_cpu_offload", 1, 1, 1, CPU_OFFLOAD_NOTE, True)),
@@ -36,6 +46,9 @@ def spec(path: str, **init_args) -> dict:
     (spec(OURS, cpu_offload="nonsense", reshard_after_forward=None), 2, 1, Sharding("CheckpointingFSDPStrategy", 2, 2, 2)),
     (spec(OURS, tensor_parallel_size=4), 8, 1, Sharding("CheckpointingFSDPStrategy", 8, 2, 2, TP4)),
     (spec(OURS, data_parallel_size=3), 8, 1, Sharding("CheckpointingFSDPStrategy", 8, 3, 3)),
+    (spec(OURS, tensor_parallel_size=3), 8, 1, Sharding("CheckpointingFSDPStrategy", 8, 2, 2, tp_note(3))),  # 8 // 3
+    (spec(OURS, tensor_parallel_size=2, cpu_offload=True), 4, 1,
+     Sharding("CheckpointingFSDPStrategy", 4, 2, 2, CPU_OFFLOAD_NOTE + "; " + tp_note(2), True)),
     ({"class_path": OURS, "init_args": None}, 3, 1, Sharding("CheckpointingFSDPStrategy", 3, 3, 3)),
     (Namespace(class_path=OURS, init_args=Namespace(cpu_offload=True)), 2, 2,
      Sharding("CheckpointingFSDPStrategy", 4, 4, 4, CPU_OFFLOAD_NOTE, True)),
@@ -69,7 +82,7 @@ def test_a_class_path_that_cannot_be_imported_is_none_and_a_name_without_a_dot_i
 
 
 @pytest.mark.parametrize("devices, expected", [
-    (4, 4), ("2", 2), (" 3 ", 3), ([0, 3], 2), ((1,), 1), ("0,1,", 2), ("0, 2 , 5", 3),
+    (4, 4), (1, 1), ("1", 1), ("2", 2), (" 3 ", 3), ([0, 3], 2), ((1,), 1), ("0,1,", 2), ("0, 2 , 5", 3),
     ("auto", None), (-1, None), ("-1", None), (0, None), ("0", None),
 ])
 def test_device_count(devices, expected):
