@@ -144,7 +144,10 @@ class CostFit:
             raise RuntimeError(f"CostFit.predict: no fit yet ({len(self.sizes)} sizes measured, {MIN_SIZES} needed).")
         fitted = (torch.tensor([_features(tokens, length)], dtype=torch.float64) @ self._coeffs).squeeze(0).tolist()
         kept = set(keep)
-        row = [round(v) if i in kept else max(0, math.ceil(v * (1 + margin) - 1e-9)) for i, v in enumerate(fitted)]
+        # A fit of integer rows reproduces them only to float precision (880,000.0000000016 on one CPU, exact on
+        # another): a relative tolerance keeps that from adding a byte, as an absolute one cannot at millions.
+        row = [round(v) if i in kept else max(0, math.ceil(v * (1 + margin) - 1e-9 * max(1.0, abs(v))))
+               for i, v in enumerate(fitted)]
         for (t, n), measured in zip(self.sizes, self.rows):
             if t <= tokens and n <= length:  # a smaller measured size: costs do not shrink as the batch grows
                 row = [r if i in kept else max(r, m) for i, (r, m) in enumerate(zip(row, measured))]

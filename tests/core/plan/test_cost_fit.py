@@ -274,3 +274,15 @@ def test_a_failed_check_drops_the_predicted_plan_and_the_next_batch_of_its_bucke
     predicted = cycle.begin(BatchSize(404, 101)).predicted  # measured once: the bucket is predicted again
     assert predicted is not None and [c.calls for c in predicted.costs] == [1, 1]  # a count takes no margin
     assert predicted.costs[0].full_bytes == math.ceil(64 * 404 * (1 + MARGIN))  # 64 bytes a token, 2% over
+
+
+def test_a_fit_a_hair_above_an_integer_is_that_integer_before_the_margin():
+    """least squares of integer rows lands on them only to float precision: 880,000.0000000016 bytes, raised by 2%,
+    is 897,600 bytes (880,000 x 1.02), not 897,601; a byte more than the tolerance is still rounded up."""
+    fit = CostFit()
+    for tokens in (64, 128, 256):
+        fit.add(tokens, 16, [0, 0])  # measured rows of nothing: no bound on the predictions below
+    fit._coeffs = torch.tensor([[880_000.0000000016, 3.0], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    assert fit.predict(512, 16) == [897_600, 4]  # 3 x 1.02 = 3.06: up to 4
+    fit._coeffs = torch.tensor([[880_000.01, 0.0], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    assert fit.predict(512, 16, margin=0.0) == [880_001, 0]
