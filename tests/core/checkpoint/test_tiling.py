@@ -386,7 +386,8 @@ def test_the_tiled_call_passes_every_argument_and_tiles_only_along_a_sequence(sh
         module.train(training)
         calls.clear()
         out = module(x, 0.5, scale=3.0)
-        assert torch.equal(out, expected)
+        # to float rounding: a matmul over 4 rows may round otherwise than over 9 (seen on one CPU, not another)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
         tiled = training and len(shape) >= 2 and shape[-2] > 0
         assert calls == ([4, 4, 1] if tiled else [calls[0]] if calls else []) and len(calls) == (3 if tiled else 1)
 
