@@ -96,6 +96,11 @@ class MemoryMonitor(Callback):
         length_fn: tokens (items) in a batch; default: ``batch * seq`` when the first tensor is a 2-D integer tensor.
             Both may return a Python int or a 0-dim tensor (tensors are only read on logging steps, so counting
             e.g. ``attention_mask.sum()`` does not synchronise the device every step).
+        activation_steps: count ``memory/activations_gib`` only on the first this many optimizer steps; ``None``: on
+            every logging step. The count's saved-tensor hook costs a Python call per tensor saved outside
+            checkpointed layers, so a step without checkpointing pays more for it than one with: ``compare`` times
+            its steps with the count off (``benchmarks/bench_monitor_hook.py``: every layer checkpointed on
+            tiny.yaml measured +83% with it, +109% without).
 
     Example::
 
@@ -107,19 +112,19 @@ class MemoryMonitor(Callback):
         log_every_n_steps: Optional[int] = None,
         batch_size_fn: Optional[Callable[[Any], Count]] = None,
         length_fn: Optional[Callable[[Any], Count]] = None,
+        activation_steps: Optional[int] = None,
     ) -> None:
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise ValueError(
-                f"`log_every_n_steps` must be an int >= 1 or None (use the trainer's), got {log_every_n_steps!r}."
-            )
+        for name, value, meaning in (("log_every_n_steps", log_every_n_steps, "use the trainer's"),
+                                     ("activation_steps", activation_steps, "count on every logging step")):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"`{name}` must be an int >= 1 or None ({meaning}), got {value!r}.")
         for name, fn in (("batch_size_fn", batch_size_fn), ("length_fn", length_fn)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"`{name}` must be a function of the batch returning an int, got {fn!r}.")
         self.log_every_n_steps = log_every_n_steps
         self.batch_size_fn = batch_size_fn
         self.length_fn = length_fn
+        self.activation_steps = activation_steps
         self.metrics: dict[str, float] = {}
         self.local_metrics: dict[str, float] = {}
         self.summary: dict[str, Any] = {}
@@ -175,7 +180,8 @@ class MemoryMonitor(Callback):
         if self._has_tokens:
             self._tokens = self._tokens + self._batch_tokens(batch)
         # count activations on the steps that log, and on the first step so that the summary has them anyway
-        if self._steps == 0 or self._is_log_step(trainer.global_step + 1):
+        if (self._steps == 0 or self._is_log_step(trainer.global_step + 1)) and (
+                self.activation_steps is None or self._steps < self.activation_steps):
             self._probe.start(pl_module.parameters())
         if self._counts_flops(trainer):
             self._flops.start()

@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 
@@ -284,6 +285,34 @@ def test_summary_says_when_weights_dominate(tmp_path, caplog):
 def test_bad_log_every_n_steps_is_a_clear_error(bad):
     with pytest.raises(ValueError, match="log_every_n_steps"):
         MemoryMonitor(log_every_n_steps=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "2"])
+def test_bad_activation_steps_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match=re.escape(f"`activation_steps` must be an int >= 1 or None (count on every"
+                                                   f" logging step), got {bad!r}.")):
+        MemoryMonitor(activation_steps=bad)
+
+
+def test_activations_are_counted_only_on_the_first_activation_steps(tmp_path, monkeypatch):
+    """Every step logs; the saved-tensor hooks are entered on the first two steps only, and those two count what a
+    monitor counting every step counts."""
+    starts = []
+    start = monitor_module.ActivationProbe.start
+    monkeypatch.setattr(monitor_module.ActivationProbe, "start", lambda self, params: starts.append(1) or start(self, params))
+    logged = {}
+    for steps in (None, 2):
+        starts.clear()
+        seed_everything(0)
+        model = tiny_gpt(n_layer=2)
+        logger = CSVLogger(tmp_path, name=f"steps{steps}")
+        monitor = MemoryMonitor(log_every_n_steps=1, activation_steps=steps)
+        trainer(tmp_path, [monitor], logger=logger, max_steps=4).fit(model, data(num_samples=4 * BATCH))
+        logged[steps] = monitor_rows(read_csv(Path(logger.log_dir) / "metrics.csv"))
+        assert len(starts) == (4 if steps is None else 2)
+    assert [ACTIVATIONS in row for row in logged[2]] == [True, True, False, False]
+    assert [row[ACTIVATIONS] for row in logged[2][:2]] == [row[ACTIVATIONS] for row in logged[None][:2]]
+    assert all(STEP_SEC in row for row in logged[2])
 
 
 def test_batch_without_tensors_asks_for_batch_size_fn(tmp_path):

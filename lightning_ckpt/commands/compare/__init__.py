@@ -256,7 +256,8 @@ def _run_one(args: argparse.Namespace, r: int, name: str, run_dir: Path) -> tupl
     round 1 records the first step, and perturbs it when the test hook names the variant."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = variant_config(args.base, name, args.warmup + args.per_round[r], run_dir, args.seed,
-                            perturb_grad=(r == 0 and name == os.environ.get(PERTURB_ENV)), record_first_step=(r == 0))
+                            perturb_grad=(r == 0 and name == os.environ.get(PERTURB_ENV)), record_first_step=(r == 0),
+                            warmup=args.warmup)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return run_process(run_dir, os.environ)
 

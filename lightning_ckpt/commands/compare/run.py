@@ -43,9 +43,11 @@ Output = tuple[list[dict[str, float]], Any]
 
 
 def variant_config(base: Mapping[str, Any], variant: str, steps: int, run_dir: Path, seed: int,
-                   perturb_grad: bool = False, record_first_step: bool = True) -> dict[str, Any]:
+                   perturb_grad: bool = False, record_first_step: bool = True, warmup: int = 1) -> dict[str, Any]:
     """The LightningCLI config of one process of one variant: ``base`` with its checkpointing replaced and
-    measurement added, training ``steps`` steps and writing its logs and metrics to ``run_dir``.
+    measurement added, training ``steps`` steps and writing its logs and metrics to ``run_dir``. The monitor counts
+    the activations held in the first ``warmup`` steps (at least one), untimed: its saved-tensor hook would slow the
+    timed steps without checkpointing more than those with.
 
     Example::
 
@@ -75,7 +77,7 @@ def variant_config(base: Mapping[str, Any], variant: str, steps: int, run_dir: P
     # The monitor before the checkpointing: saved-tensor hooks entered later are inner, and a budget's measuring
     # step must see every saved tensor itself.
     kept.append({"class_path": "lightning_ckpt.callbacks.memory_monitor.MemoryMonitor",
-                 "init_args": {"log_every_n_steps": 1}})
+                 "init_args": {"log_every_n_steps": 1, "activation_steps": max(1, warmup)}})
     if variant == PLANNED:
         kept.append({"class_path": CALLBACK_PATH, "init_args": dict(settings)})
     elif settings is not None:

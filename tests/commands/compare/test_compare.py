@@ -110,6 +110,11 @@ def test_variant_config_replaces_checkpointing_and_keeps_the_rest(tmp_path):
     assert offload["trainer"]["logger"]["init_args"] == {"save_dir": str(tmp_path / "offload"), "name": "round2",
                                                          "version": ""}  # -> offload/round2/metrics.csv
     assert "lightning_ckpt.GradientCheckpointing" not in [c["class_path"] for c in none["trainer"]["callbacks"]]
+    # the monitor logs every step, and counts activations only in the untimed warm-up steps (at least the first)
+    assert none["trainer"]["callbacks"][1]["init_args"] == {"log_every_n_steps": 1, "activation_steps": 1}
+    for warmup, counted in ((3, 3), (0, 1)):
+        config = variant_config(base, "none", 5, tmp_path / "w", seed=7, warmup=warmup)
+        assert config["trainer"]["callbacks"][1]["init_args"] == {"log_every_n_steps": 1, "activation_steps": counted}
     for config in (none, offload):
         assert config["seed_everything"] == 7 and "ckpt_path" not in config
         assert config["trainer"]["max_steps"] == 3 and config["trainer"]["accumulate_grad_batches"] == 2
