@@ -23,11 +23,13 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["TIMING_ROUNDS", "TIMING_SECONDS", "time_modes"]
+__all__ = ["TIMING_ROUNDS", "TIMING_SECONDS", "time_modes", "timing_limits"]
 
 #: Rounds of each mode a layer is timed in, at most: the median is taken. Three keep a measuring step's extra cost
 #: near nine forward and backward runs of one layer (five, with a warm-up run of each, cost twice as much: a second on
@@ -40,12 +42,41 @@ TIMING_ROUNDS = 3
 TIMING_SECONDS = 0.03
 
 
+#: The limits :func:`time_modes` takes when not given: :data:`TIMING_ROUNDS` and :data:`TIMING_SECONDS`, or what
+#: :func:`timing_limits` sets.
+_LIMITS: ContextVar[tuple[int, float]] = ContextVar("timing_limits", default=(TIMING_ROUNDS, TIMING_SECONDS))
+
+
+@contextmanager
+def timing_limits(rounds: int, seconds: float) -> Iterator[None]:
+    """Layers timed inside are timed in up to ``rounds`` rounds and ``seconds``: for a one-off measurement whose
+    figures are read as they are (``compare``'s predicted column), where a measuring step in training keeps its
+    timing short. A longer window lets the median pass over a slow spell of a shared machine.
+
+    Example::
+
+        >>> with timing_limits(9, 0.5):
+        ...     times = time_modes(lambda mode: None, ("plain",), torch.device("cpu"))
+    """
+    if rounds < 1 or seconds <= 0:
+        raise ValueError(f"`timing_limits({rounds!r}, {seconds!r})`: pass at least 1 round and more than 0 seconds.")
+    token = _LIMITS.set((rounds, seconds))
+    try:
+        yield
+    finally:
+        _LIMITS.reset(token)
+
+
 def time_modes(run: Callable[[str], None], modes: Sequence[str], device: torch.device,
-               rounds: int = TIMING_ROUNDS, warm_up: bool = False, seconds: float = TIMING_SECONDS) -> dict[str, int]:
+               rounds: Optional[int] = None, warm_up: bool = False, seconds: Optional[float] = None) -> dict[str, int]:
     """Nanoseconds of ``run(mode)`` for each of ``modes`` on ``device``: the median of up to ``rounds`` runs each,
     interleaved and in alternately reversed order (so a slow spell of a shared machine falls on every mode alike),
-    no round started once ``seconds`` have been spent timing; with ``warm_up``, after one untimed run of each (the
+    no round started once ``seconds`` have been spent timing (either not given: :func:`timing_limits`'s, else
+    :data:`TIMING_ROUNDS` and :data:`TIMING_SECONDS`); with ``warm_up``, after one untimed run of each (the
     measuring step's re-run of a layer has warmed it already)."""
+    default_rounds, default_seconds = _LIMITS.get()
+    rounds = default_rounds if rounds is None else rounds
+    seconds = default_seconds if seconds is None else seconds
     if rounds < 1:
         raise ValueError(f"`rounds={rounds!r}` must be 1 or more: the number of timed runs of each mode.")
     samples: dict[str, list[int]] = {mode: [] for mode in modes}

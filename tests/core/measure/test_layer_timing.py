@@ -673,3 +673,40 @@ def test_a_plan_with_the_head_in_chunks_times_the_layers_once_and_only_when_aske
     timed.clear()
     measured, _ = measure_chunked_head(model, step, Block, ("full",), 32)  # timed unless told not to
     assert len(timed) == 1 and measured.costs[0].plain_ns == 2000
+
+
+def test_timing_limits_set_the_rounds_and_seconds_a_timing_takes_unless_given(monkeypatch):
+    from lightning_ckpt.core.measure.layer_timing import timing_limits
+
+    def rounds_run(limits=None, **given):
+        clock = FakeClock({"plain": [4_000_000] * 20})
+        monkeypatch.setattr(layer_timing.time, "perf_counter_ns", clock.perf_counter_ns)
+        if limits is None:
+            time_modes(clock.run, ("plain",), CPU, **given)
+        else:
+            with timing_limits(*limits):
+                time_modes(clock.run, ("plain",), CPU, **given)
+        return len(clock.calls)
+
+    assert rounds_run() == 3  # 3 rounds of 4 ms, under 0.03 s
+    assert rounds_run((9, 1.0)) == 9
+    assert rounds_run((9, 0.02)) == 5  # 20 ms after the fifth round of 4 ms
+    assert rounds_run((9, 1.0), rounds=2) == 2 and rounds_run((9, 1.0), seconds=0.008) == 2  # given: kept
+    assert rounds_run() == 3  # and the limits end with the block
+    for bad in ((0, 1.0), (3, 0.0)):
+        with pytest.raises(ValueError, match=r"pass at least 1 round and more than 0 seconds"):
+            with timing_limits(*bad):
+                pass
+
+
+def test_compare_times_its_time_model_s_layers_over_the_longer_window(monkeypatch):
+    import lightning_ckpt.commands.plan.measure as plan_measure
+    from lightning_ckpt.commands.compare import run as compare_run
+
+    seen = []
+    monkeypatch.setattr(plan_measure, "build", lambda config, fake: type("Built", (), {"device": CPU})())
+    monkeypatch.setattr(plan_measure, "measure", lambda built: seen.append(layer_timing._LIMITS.get()) or "measured")
+    monkeypatch.setattr(plan_measure, "device_profile", lambda device, built: DeviceProfile.preset("h100-sxm"))
+    model = compare_run.measure_time_model("tiny.yaml")
+    assert seen == [(15, 0.5)] and model.measurement == "measured"
+    assert layer_timing._LIMITS.get() == (layer_timing.TIMING_ROUNDS, layer_timing.TIMING_SECONDS)
