@@ -40,7 +40,7 @@ from lightning_ckpt.core.checkpoint.chunked_loss import chunk_causal_lm_loss
 from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
 from lightning_ckpt.core.checkpoint.offload import OffloadEngine, use_engine
 from lightning_ckpt.core.checkpoint.tiling import apply_tiling
-from lightning_ckpt.core.measure.layer_timing import time_modes
+from lightning_ckpt.core.measure.layer_timing import time_modes, timing_limits
 from lightning_ckpt.core.plan.budget import auto_memory_budget
 from lightning_ckpt.core.plan.planner import LayerCost, make_plan, plan_checkpointing
 from lightning_ckpt.demos import GPT, Block, CountingDataModule, Transformer
@@ -518,6 +518,13 @@ CASES: dict[str, Case] = {
     "timing rounds": Case(
         "core.measure.layer_timing.time_modes", lambda: time_modes(lambda mode: None, ("plain",), torch.device("cpu"), rounds=0),
         ValueError, "`rounds=0`", "the number of timed runs of each mode", "must be 1 or more: the number of timed runs"),
+    "timing limits": Case(
+        "core.measure.layer_timing.timing_limits", lambda: timing_limits(0, 0.5).__enter__(), ValueError,
+        "`timing_limits(0, 0.5)`", "pass at least 1 round and more than 0 seconds",
+        "pass at least 1 round and more than 0 seconds"),
+    "monitor activation_steps": Case(
+        "callbacks.memory_monitor.MemoryMonitor.__init__", lambda: MemoryMonitor(activation_steps=0), ValueError,
+        "got 0", "an int >= 1 or None (count on every logging step)", "`activation_steps` must be an int >= 1 or None"),
     "tile_tokens": Case(
         "core.checkpoint.tiling.validate_tile_tokens", lambda: apply_checkpointing(blocks(), tile_mlp=True, tile_tokens=0),
         ValueError, "got 0", "pass an int >= 1", "`tile_tokens` is the tokens per tile along the sequence"),

@@ -52,6 +52,10 @@ FLOP_COUNT_EVERY = 100
 Count = Union[int, torch.Tensor]
 
 
+def _positive_or_none(value: object) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
 class MemoryMonitor(Callback):
     r"""Log device, host and activation memory, throughput and step time, and summarise them at the end of fit.
 
@@ -114,10 +118,14 @@ class MemoryMonitor(Callback):
         length_fn: Optional[Callable[[Any], Count]] = None,
         activation_steps: Optional[int] = None,
     ) -> None:
-        for name, value, meaning in (("log_every_n_steps", log_every_n_steps, "use the trainer's"),
-                                     ("activation_steps", activation_steps, "count on every logging step")):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"`{name}` must be an int >= 1 or None ({meaning}), got {value!r}.")
+        if not _positive_or_none(log_every_n_steps):
+            raise ValueError(
+                f"`log_every_n_steps` must be an int >= 1 or None (use the trainer's), got {log_every_n_steps!r}."
+            )
+        if not _positive_or_none(activation_steps):
+            raise ValueError(
+                f"`activation_steps` must be an int >= 1 or None (count on every logging step), got {activation_steps!r}."
+            )
         for name, fn in (("batch_size_fn", batch_size_fn), ("length_fn", length_fn)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"`{name}` must be a function of the batch returning an int, got {fn!r}.")
