@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import warnings
 from pathlib import Path
 
-from lightning_ckpt.commands.plan.measure import _loss, _on_device, batch_of_size, build, measure
+from bench_time_model import measured_batch
+from lightning_ckpt.commands.plan.measure import _loss
 from lightning_ckpt.core.checkpoint.wrapping import apply_checkpointing, remove_checkpointing
 from lightning_ckpt.core.measure.memory_stats import ActivationProbe
 
@@ -28,11 +28,8 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=Path("configs/tiny.yaml"))
     parser.add_argument("--reps", type=int, default=40)
     args = parser.parse_args()
-    warnings.filterwarnings("ignore", message="You are trying to `self.log")
-    built = build(args.config, fake=False)
-    measured = measure(built)
+    built, _, batch = measured_batch(args.config)
     module = built.module
-    batch = _on_device(built, batch_of_size(built.loader, measured.batch_size))
     probe = ActivationProbe()
 
     def step(counted: bool) -> None:

@@ -19,8 +19,10 @@ import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from lightning_ckpt.commands.plan.measure import _loss, _on_device, batch_of_size, build, measure
+from lightning_ckpt.commands.plan.build import Built
+from lightning_ckpt.commands.plan.measure import Measurement, _loss, _on_device, batch_of_size, build, measure
 from lightning_ckpt.core.checkpoint.wrapping import apply_checkpointing, remove_checkpointing
 from lightning_ckpt.core.measure.device_profile import DeviceProfile
 from lightning_ckpt.core.measure.timing import price_source
@@ -30,17 +32,23 @@ SETTINGS = {"none": None, "every_layer": {"mode": "full"}, "every_2nd": {"mode":
             "selective": {"mode": "selective"}}
 
 
+def measured_batch(config: Path) -> tuple[Built, Measurement, Any]:
+    """``config``'s model built and one step of it measured as ``lightning-ckpt plan`` does, and the batch of the
+    measured size on its device."""
+    warnings.filterwarnings("ignore", message="You are trying to `self.log")
+    built = build(config, fake=False)
+    measured = measure(built)
+    return built, measured, _on_device(built, batch_of_size(built.loader, measured.batch_size))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=Path("configs/tiny.yaml"))
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--budget", type=float, default=0.5, help="the plan's memory_budget (a fraction)")
     args = parser.parse_args()
-    warnings.filterwarnings("ignore", message="You are trying to `self.log")
-    built = build(args.config, fake=False)
-    measured = measure(built)
+    built, measured, batch = measured_batch(args.config)
     module = built.module
-    batch = _on_device(built, batch_of_size(built.loader, measured.batch_size))
     profile = DeviceProfile.measure(built.device)
     plan = make_plan(measured.costs, measured.outside_bytes, args.budget, device=profile,
                      outside_ops=measured.outside_ops, head_bytes=measured.head_bytes,
