@@ -11,13 +11,15 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import multiprocessing
 import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -40,6 +42,7 @@ CALLBACK_PATH = "lightning_ckpt.GradientCheckpointing"
 TIME_MODEL_TIMING = (15, 0.5)
 #: What one process leaves: the monitor's rows (:func:`read_monitor_csv`) and its ``result.json`` (:func:`run_worker`).
 Output = tuple[list[dict[str, float]], Any]
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------------------- variants
@@ -236,15 +239,36 @@ def measure_time_model(config: Path, device: Optional[str] = None) -> TimeModel:
     """Measure one step of ``config``'s model as ``lightning-ckpt plan`` does
     (:func:`~lightning_ckpt.commands.plan.measure.measure`) and get the profile ``device`` names (a preset, or
     ``None``/``"auto"``: the device the step runs on, measured with
-    :meth:`~lightning_ckpt.core.measure.device_profile.DeviceProfile.measure`). Its layers are timed over a longer
-    window than a measuring step's (:data:`TIME_MODEL_TIMING`), and in the second of two measuring steps: in a fresh
-    process the first timed tiny.yaml's layers at 1.5x what later ones did, and put the prediction 40% over."""
+    :meth:`~lightning_ckpt.core.measure.device_profile.DeviceProfile.measure`).
+
+    It runs in a fresh process (:func:`in_fresh_process`), as each variant's run does: in ``compare``'s own process,
+    after its runs, tiny.yaml's layers timed about 1.3x slower than in a fresh one (CPU)."""
+    return in_fresh_process(time_model_here, config, device)
+
+
+def time_model_here(config: Path, device: Optional[str] = None) -> TimeModel:
+    """:func:`measure_time_model` in this process. Its layers are timed over a longer window than a measuring
+    step's (:data:`TIME_MODEL_TIMING`), and in the second of two measuring steps: in a fresh process the first timed
+    tiny.yaml's layers at 1.5x what later ones did, and put the prediction 40% over."""
     from lightning_ckpt.commands.plan.measure import build, device_profile, measure
 
     built = build(config, fake=False)
     with timing_limits(*TIME_MODEL_TIMING):
-        measure(built)  # a fresh process's first measuring step times its layers about 1.5x slow (tiny.yaml, CPU)
+        measure(built)
         measured = measure(built)
     profile = device_profile(device or "auto", built)
     assert profile is not None
     return TimeModel(measured, profile, offload_moves=not (device in (None, "auto") and built.device.type == "cpu"))
+
+
+def in_fresh_process(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a new (spawned) Python process: its result, or its exception raised here.
+
+    Example::
+
+        >>> import os
+        >>> in_fresh_process(os.getpid) != os.getpid()
+        True
+    """
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()

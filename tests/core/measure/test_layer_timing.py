@@ -707,7 +707,27 @@ def test_compare_times_its_time_model_s_layers_over_the_longer_window(monkeypatc
     monkeypatch.setattr(plan_measure, "build", lambda config, fake: type("Built", (), {"device": CPU})())
     monkeypatch.setattr(plan_measure, "measure", lambda built: seen.append(layer_timing._LIMITS.get()) or len(seen))
     monkeypatch.setattr(plan_measure, "device_profile", lambda device, built: DeviceProfile.preset("h100-sxm"))
-    model = compare_run.measure_time_model("tiny.yaml")
+    model = compare_run.time_model_here("tiny.yaml")
     # two measuring steps, the second kept (a fresh process's first times slow), both over the longer window
     assert seen == [(15, 0.5)] * 2 and model.measurement == 2
     assert layer_timing._LIMITS.get() == (layer_timing.TIMING_ROUNDS, layer_timing.TIMING_SECONDS)
+
+
+def test_compare_measures_its_time_model_in_a_fresh_process_as_it_runs_each_variant(monkeypatch):
+    from lightning_ckpt.commands.compare import run as compare_run
+
+    calls = []
+    monkeypatch.setattr(compare_run, "in_fresh_process", lambda fn, *args: calls.append((fn, args)) or "the model")
+    assert compare_run.measure_time_model("tiny.yaml", "h100-sxm") == "the model"
+    assert calls == [(compare_run.time_model_here, ("tiny.yaml", "h100-sxm"))]
+
+
+def test_a_fresh_process_returns_the_function_s_result_and_raises_its_error_here():
+    import os
+
+    from lightning_ckpt.commands.compare.run import in_fresh_process
+
+    assert in_fresh_process(os.getpid) != os.getpid()
+    assert in_fresh_process(divmod, 17, 5) == (3, 2)
+    with pytest.raises(ZeroDivisionError):
+        in_fresh_process(divmod, 1, 0)
