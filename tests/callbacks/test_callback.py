@@ -223,6 +223,20 @@ def test_load_state_dict_refuses_an_unknown_option():
     assert "every_n" not in callback.state_dict()["settings"]
 
 
+def test_a_checkpoint_saved_before_a_setting_existed_keeps_this_run_s_value_of_it(caplog):
+    saved = GradientCheckpointing(time_layers=False).state_dict()
+    del saved["settings"]["time_layers"]  # saved by a release without `time_layers`
+    callback = GradientCheckpointing(time_layers=False)
+    with caplog.at_level("INFO"):
+        callback.load_state_dict(saved)
+    assert "restoring the settings" not in caplog.text  # nothing differs: nothing to restore
+    saved["settings"]["every_n_layers"] = 3
+    with caplog.at_level("INFO"):
+        callback.load_state_dict(saved)
+    assert "restoring the settings" in caplog.text
+    assert callback.every_n_layers == 3 and callback.time_layers is False
+
+
 def test_load_state_dict_updates_the_attributes_and_what_is_applied():
     saved = GradientCheckpointing(layer_cls="lightning_ckpt.demos.Block", every_n_layers=3, use_reentrant=True,
                                   preserve_rng_state=False, checkpoint_kwargs={"determinism_check": "none"})

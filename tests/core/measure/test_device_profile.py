@@ -43,6 +43,7 @@ def test_presets_and_an_unknown_name() -> None:
 def test_measure_on_the_cpu() -> None:
     profile = DeviceProfile.measure("cpu", seconds=1.0)
     assert profile.name == "measured cpu"
+    assert profile.layer_times  # measured here: a plan on it prices by the layers' measured times
     assert profile.op_overhead > 0 and profile.policy_overhead is not None and profile.policy_overhead >= 0
     # a matmul does far more FLOPs per byte than a copy moves: the rates say the same
     assert profile.matmul_flops > profile.memory_bandwidth / 8

@@ -106,3 +106,19 @@ def test_without_a_budget_it_checkpoints_every_n_th_layer_and_says_so_through_in
     driver.begin_batch(OneRank(), module, torch.randn(4, 16))  # no budget: nothing to measure or plan
     assert driver.measured_steps == 0 and driver.plan is None
     assert said == ["GradientCheckpointing: checkpointing 2 layers (0, 2)"]
+
+
+def test_offload_auto_measures_the_accelerator_and_shares_half_the_free_host_memory_among_the_node_s_devices(
+        monkeypatch):
+    import types
+
+    from lightning_ckpt.core.plan import budget_driver as driver_module
+
+    profile = object()
+    monkeypatch.setattr(driver_module.DeviceProfile, "measure", lambda device: (profile, device))
+    monkeypatch.setattr(driver_module.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=64 << 30))
+    sent = []
+    ranks = types.SimpleNamespace(root_device=torch.device("meta"),
+                                  broadcast=lambda obj, src=0: sent.append(src) or obj)
+    # half of 64 GiB free, over 4 devices: 8 GiB each; rank 0's figures go to every rank
+    assert driver_module._measure_device(ranks, 4) == ((profile, torch.device("meta")), 8 << 30) and sent == [0]
