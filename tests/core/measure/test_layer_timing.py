@@ -692,7 +692,12 @@ def test_timing_limits_set_the_rounds_and_seconds_a_timing_takes_unless_given(mo
     assert rounds_run((9, 1.0)) == 9
     assert rounds_run((9, 0.02)) == 5  # 20 ms after the fifth round of 4 ms
     assert rounds_run((9, 1.0), rounds=2) == 2 and rounds_run((9, 1.0), seconds=0.008) == 2  # given: kept
+    assert rounds_run((1, 1.0)) == 1  # one round is a window
     assert rounds_run() == 3  # and the limits end with the block
+    with pytest.raises(KeyError):
+        with timing_limits(9, 1.0):
+            raise KeyError("the measurement failed")
+    assert rounds_run() == 3  # however it ends
     for bad in ((0, 1.0), (3, 0.0)):
         with pytest.raises(ValueError, match=r"pass at least 1 round and more than 0 seconds"):
             with timing_limits(*bad):
