@@ -433,3 +433,67 @@ def test_summary_states_the_step_s_activation_peak_as_an_independent_count_finds
         budget = 600 * 1024
         assert summary["budget_bytes"] == budget and summary["activation_peak_bytes"] <= budget
         assert f"{summary['activation_peak_bytes'] / budget:.2f}x the memory_budget of 600.0 KiB, which bounds" in printed
+
+
+@pytest.mark.parametrize("name", ["batch_size_fn", "length_fn"])
+def test_a_count_that_is_not_a_function_is_refused_by_its_name(name):
+    with pytest.raises(TypeError, match=re.escape(f"`{name}` must be a function of the batch returning an int, got 3.")):
+        MemoryMonitor(**{name: 3})
+
+
+def test_a_monitor_that_has_not_run_has_no_figures():
+    monitor = MemoryMonitor()
+    assert (monitor.metrics, monitor.local_metrics, monitor.summary) == ({}, {}, {})
+
+
+class _Starts:
+    """Stands in for a probe: counts its starts, counts nothing."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def start(self, *args) -> None:
+        self.calls += 1
+
+    def stop(self, *args) -> None:
+        return None
+
+
+def _counted_on(monitor: MemoryMonitor, batches, log_every: int = 3, loggers=()) -> tuple[list[int], list[int]]:
+    """The optimizer steps (1-based) whose batch start began the activation count and the activation-peak count."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(global_step=0, loggers=list(loggers), log_every_n_steps=log_every)
+    module = torch.nn.Linear(1, 1)
+    monitor.on_train_start(trainer, module)
+    monitor._probe, monitor._peak, monitor._flops = _Starts(), _Starts(), _Starts()
+    activations, peaks = [], []
+    for step, batch in enumerate(batches, start=1):
+        trainer.global_step, monitor._steps = step - 1, step - 1
+        before = monitor._probe.calls, monitor._peak.calls
+        monitor.on_train_batch_start(trainer, module, batch, step - 1)
+        if monitor._probe.calls > before[0]:
+            activations.append(step)
+        if monitor._peak.calls > before[1]:
+            peaks.append(step)
+    return activations, peaks
+
+
+def test_activations_are_counted_on_the_first_step_and_each_logging_step_up_to_activation_steps():
+    batches = [torch.zeros(2, 4, dtype=torch.long)] * 7
+    assert _counted_on(MemoryMonitor(log_every_n_steps=3), batches)[0] == [1, 3, 6]
+    assert _counted_on(MemoryMonitor(log_every_n_steps=3, activation_steps=4), batches)[0] == [1, 3]
+    assert _counted_on(MemoryMonitor(log_every_n_steps=1, activation_steps=2), batches)[0] == [1, 2]
+
+
+def test_the_activation_peak_is_counted_on_step_2_on_each_batch_larger_than_all_before_and_with_the_flops():
+    sizes = [4, 4, 8, 2, 8, 16, 1]
+    batches = [torch.zeros(1, n, dtype=torch.long) for n in sizes]
+    # step 1: the first batch is the largest yet; step 2 always; then 8 and 16 tokens, larger than all before
+    assert _counted_on(MemoryMonitor(log_every_n_steps=50), batches)[1] == [1, 2, 3, 6]
+    # with a logger, the FLOPs are counted on logging steps after the first (3 and 6: nothing logs in this stand-in,
+    # so no count is recorded to wait after), and the peak with them
+    flops = _counted_on(MemoryMonitor(log_every_n_steps=3), [torch.zeros(1, 4, dtype=torch.long)] * 7, loggers=[None])
+    assert flops[1] == [1, 2, 3, 6]
+    # a batch with no tensor in it has no size to compare: its peak is counted on step 2 only
+    assert _counted_on(MemoryMonitor(log_every_n_steps=50, batch_size_fn=len), [["a", "b"]] * 4)[1] == [2]
