@@ -223,3 +223,53 @@ def test_the_plan_line_gives_the_activations_as_a_share_of_those_held_without_ch
         "3 of 4 layers checkpointed (l0: selective, l1: full, l2: full): activations 15.0 MiB (45% of 33.0 MiB without"
         " checkpointing), peak 16.0 MiB (budget 16.5 MiB, 36.0 MiB without checkpointing); recompute 2,010,000,000"
         " FLOP per step.")
+
+
+def test_the_host_memory_paragraph_in_each_of_its_forms():
+    from lightning_ckpt.commands.plan.report import host_memory_lines
+    from lightning_ckpt.commands.plan.static_memory import HostMemory
+
+    gib = 2**30
+    plain, offloaded = StaticMemory(0, 0, 0, "AdamW"), StaticMemory(0, 0, 0, "AdamW", Sharding(cpu_offload=True),
+                                                                   host_weights=3 * gib)
+    given, here = HostMemory(8 * gib, given=True), HostMemory(8 * gib, given=False)
+    assert host_memory_lines(plain, None, offload=True) == []
+    assert host_memory_lines(plain, here) == [
+        "Host memory planned with: nothing is planned there (offload is off, no CPU offload); --host-memory sets the"
+        " target's (default: half of this machine's available memory).", ""]
+    assert host_memory_lines(plain, given, offload=True) == [
+        "Host memory planned with: 8.0 GiB per device (given: --host-memory). Offloaded activations may take all of"
+        " it.", ""]
+    assert host_memory_lines(plain, given) == [
+        "Host memory planned with: 8.0 GiB per device (given: --host-memory). Nothing is planned there (offload is"
+        " off).", ""]
+    assert host_memory_lines(plain, here, offload="auto") == [
+        "Host memory planned with: 8.0 GiB per device (this machine's: half of its available memory; pass"
+        " --host-memory with the target's). Offloaded activations may take all of it.", ""]
+    assert host_memory_lines(offloaded, HostMemory(8 * gib, given=True, static=3 * gib)) == [
+        "Host memory planned with: 8.0 GiB per device (given: --host-memory). CPU offload keeps 3.0 GiB of it (this"
+        " device's share of the parameters, gradients and optimizer state), leaving 5.0 GiB for offloaded"
+        " activations.", ""]
+    assert host_memory_lines(offloaded, HostMemory(2 * gib, given=False, static=3 * gib)) == [
+        "Host memory planned with: 2.0 GiB per device (this machine's: half of its available memory; pass"
+        " --host-memory with the target's). CPU offload keeps 3.0 GiB of it (this device's share of the parameters,"
+        " gradients and optimizer state): **more than the host memory, so the run does not fit it**; pass the"
+        " target's --host-memory, or shard over more devices.", ""]
+
+
+def test_why_the_longest_length_was_shortened_in_words_each_reason_once_in_order():
+    from lightning_ckpt.commands.plan.report import _host_hint, _shortened_text
+    from lightning_ckpt.commands.plan.static_memory import HostMemory
+
+    given, here = HostMemory(5 * 2**30, given=True), HostMemory(5 * 2**30, given=False)
+    assert _host_hint(None) == ""
+    assert _host_hint(given) == " (host memory for offloaded activations: 5.0 GiB, given by --host-memory)"
+    assert _host_hint(here) == (" (host memory for offloaded activations: 5.0 GiB, this machine's; pass --host-memory"
+                                " with the target's)")
+    assert _shortened_text([], given) == "shorter lengths were measured)"
+    assert _shortened_text(["overshot", "no_plan", "overshot", "host_memory"], given) == (
+        "its least peak there overshot; then the planner found no plan within the room there; then no plan there fit"
+        " the host memory for offloaded activations (5.0 GiB, given by --host-memory), so shorter lengths were"
+        " measured)")
+    assert _shortened_text(["host_memory", "odd"], None) == (
+        "no plan there fit the host memory for offloaded activations; then odd, so shorter lengths were measured)")
