@@ -147,3 +147,31 @@ def test_import_lightning_ckpt_does_not_import_peft_or_the_example():
             "print(sorted(m for m in ('peft', 'litgpt', 'lightning_ckpt.demos.hf') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_every_setting_reaches_the_llama_config_and_the_lora_config():
+    from lightning_ckpt.demos.hf import CausalLM
+
+    shape = dict(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48, num_kv_heads=2,
+                 max_position_embeddings=128)
+    module = LoraCausalLM(**shape, lora_r=4, lora_alpha=8, lora_dropout=0.25, target_modules=["k_proj", "o_proj"],
+                          lr=0.5)
+    module.configure_model()
+    config = module.model.base_model.model.config
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.intermediate_size, config.num_key_value_heads, config.max_position_embeddings,
+            config.initializer_range) == (40, 32, 2, 4, 48, 2, 128, 0.1)
+    lora = module.model.peft_config["default"]
+    assert (lora.r, lora.lora_alpha, lora.lora_dropout, set(lora.target_modules)) == (4, 8, 0.25, {"k_proj", "o_proj"})
+    # by hand: k_proj maps 32 to 2 heads x 8 = 16, o_proj 32 to 32; A is [r, in], B [out, r]
+    shapes = {n.split("layers.")[1]: tuple(p.shape) for n, p in module.named_parameters() if p.requires_grad}
+    assert shapes == {f"{i}.self_attn.{proj}.lora_{ab}.default.weight": shape_
+                      for i in range(2) for proj, out in (("k_proj", 16), ("o_proj", 32))
+                      for ab, shape_ in (("A", (4, 32)), ("B", (out, 4)))}
+    optimizer = module.configure_optimizers()
+    assert optimizer.defaults["lr"] == 0.5 and sum(len(g["params"]) for g in optimizer.param_groups) == 8
+    full = CausalLM(**shape)
+    full.configure_model()
+    assert full.model.config.num_key_value_heads == 2 and full.model.config.max_position_embeddings == 128
+    assert sum(len(g["params"]) for g in full.configure_optimizers().param_groups) == len(list(full.parameters()))
+    assert LoraCausalLM().hparams.target_modules == ["q_proj", "v_proj"]
