@@ -242,7 +242,7 @@ def measure_time_model(config: Path, device: Optional[str] = None) -> TimeModel:
     :meth:`~lightning_ckpt.core.measure.device_profile.DeviceProfile.measure`).
 
     It runs in a fresh process (:func:`in_fresh_process`), as each variant's run does: in ``compare``'s own process,
-    after its runs, tiny.yaml's layers timed about 1.3x slower than in a fresh one (CPU)."""
+    after its runs, tiny.yaml's layers timed 1.3x to 1.5x slower than in a fresh one (CPU)."""
     return in_fresh_process(time_model_here, config, device)
 
 
