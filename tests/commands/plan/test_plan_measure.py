@@ -1,0 +1,85 @@
+"""The batch plan measures, and its refusals (commands/plan/measure.py's helpers), against batches made by hand."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from lightning_ckpt.commands.plan import measure as pm
+from lightning_ckpt.core.measure.device_profile import DeviceProfile
+from lightning_ckpt.demos import GPT
+
+
+def test_the_batch_size_is_the_first_dimension_of_the_first_tensor():
+    assert pm.batch_size_of({"ids": torch.zeros(5, 3), "mask": torch.zeros(2)}) == 5
+    assert pm.loader_batch_size([(torch.zeros(6, 2), torch.zeros(6)), (torch.zeros(2, 2), torch.zeros(2))]) == 6
+    with pytest.raises(ValueError, match=re.escape("(got a 0-d tensor first in a tuple). Make the dataloader yield")):
+        pm.batch_size_of((torch.tensor(1.0), torch.zeros(3)))
+    with pytest.raises(ValueError, match=re.escape("(got a list of no tensor)")):
+        pm.batch_size_of(["a", "b"])
+
+
+def test_a_batch_of_any_size_is_the_loader_s_batches_joined_then_cut_to_its_own_storage():
+    loader = [(torch.arange(4), "tag"), (torch.arange(4, 8), "other")]
+    ids, tag = pm.batch_of_size(loader, 6)
+    assert ids.tolist() == [0, 1, 2, 3, 4, 5] and tag == "tag"
+    assert ids.untyped_storage().nbytes() == 6 * 8  # a copy of six rows, not a view of eight
+    assert pm.batch_of_size(loader, 10)[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]  # round again
+    assert pm.batch_of_size(loader, 4)[0].tolist() == [0, 1, 2, 3]  # one batch is enough
+    with pytest.raises(ValueError, match="the loader's batches differ in structure"):
+        pm.batch_of_size([(torch.arange(4),), {"ids": torch.arange(4)}], 6)
+    with pytest.raises(ValueError, match="the training dataloader is empty"):
+        pm.batch_of_size([], 2)
+
+
+def test_a_batch_at_a_length_and_its_refusals():
+    batch = (torch.arange(6).view(2, 3),)
+    assert pm.batch_of_length(batch, 1)[0].tolist() == [[0], [3]]
+    assert pm.batch_of_length(batch, 5)[0].tolist() == [[0, 1, 2, 0, 1], [3, 4, 5, 3, 4]]
+    with pytest.raises(ValueError, match=re.escape("plan: --lengths: a length of 0 tokens; pass lengths of 1 or more")):
+        pm.batch_of_length(batch, 0)
+    with pytest.raises(ValueError, match=re.escape("plan: --lengths needs token ids in the batch (a 2-D integer tensor,"
+                                                   " batch x length) to know the sequence length; the training batch"
+                                                   " has none.")):
+        pm.batch_of_length((torch.zeros(2, 3),), 4)
+
+
+def test_a_length_past_the_model_s_position_table_is_refused_with_its_name():
+    built = NS(module=GPT(vocab_size=8, block_size=16, n_layer=1, n_embd=8, n_head=1))
+    pm.check_length(built, 16)  # the last position there is
+    with pytest.raises(ValueError, match=re.escape("a length of 17 tokens: its block_size is 16 (its position table ends"
+                                                   " there). Pass lengths up to 16, or a larger block_size (such as"
+                                                   " --model.init_args.block_size=17).")):
+        pm.check_length(built, 17)
+    pm.check_length(NS(module=torch.nn.Linear(2, 2)), 10**9)  # nothing bounds it
+
+
+def test_the_loss_is_what_training_step_returned_or_its_loss_entry():
+    loss = torch.tensor(2.0)
+    assert pm._loss(loss) is loss and pm._loss({"loss": loss, "log": 1}) is loss
+    with pytest.raises(ValueError, match=re.escape("`training_step` returned None (manual optimization?)")):
+        pm._loss(None)
+    with pytest.raises(ValueError, match=re.escape("returned a dict without a tensor 'loss' (manual optimization?)")):
+        pm._loss({"logits": loss})
+
+
+def test_the_device_profile_is_a_preset_none_or_the_accelerator_measured_here(monkeypatch):
+    built = NS(planned_for=None, device=torch.device("cpu"))
+    assert pm.device_profile(None, built) is None
+    assert pm.device_profile("h100-sxm", built) == DeviceProfile.preset("h100-sxm")
+    measured = []
+    monkeypatch.setattr(pm.DeviceProfile, "measure", lambda device: measured.append(device) or "measured")
+    assert pm.device_profile("auto", built) == "measured" and measured == [torch.device("cpu")]
+    with pytest.raises(ValueError, match=re.escape("but the config's 'cuda' is not here; pass a preset instead (")):
+        pm.device_profile("auto", NS(planned_for="cuda", device=torch.device("cpu")))
+
+
+def test_the_attention_kernels_that_run_are_named_and_their_backward_is_not():
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    with pm.AttentionKernels() as seen:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+        torch.ones(2).add(1)
+    assert seen.names == {"aten._scaled_dot_product_flash_attention_for_cpu"}
