@@ -43,5 +43,5 @@ def test_weights_are_initialised_for_real_and_left_alone_under_fake_tensors():
     for fake, expected in ((False, [1.0, 1.0]), (True, [0.0, 0.0])):
         weights = torch.zeros(2)
         with _without_weight_init(fake):
-            torch.nn.init.ones_(weights)
+            torch.nn.init.constant_(weights, 1.0)  # one of the initialisers Transformers 4.x and 5.x both skip
         assert weights.tolist() == expected
