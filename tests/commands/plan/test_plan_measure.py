@@ -73,7 +73,10 @@ def test_the_device_profile_is_a_preset_none_or_the_accelerator_measured_here(mo
     measured = []
     monkeypatch.setattr(pm.DeviceProfile, "measure", lambda device: measured.append(device) or "measured")
     assert pm.device_profile("auto", built) == "measured" and measured == [torch.device("cpu")]
-    with pytest.raises(ValueError, match=re.escape("but the config's 'cuda' is not here; pass a preset instead (")):
+    from lightning_ckpt.core.measure.device_profile import PRESET_NAMES
+
+    presets = ", ".join(PRESET_NAMES)
+    with pytest.raises(ValueError, match=re.escape(f"but the config's 'cuda' is not here; pass a preset instead ({presets}).")):
         pm.device_profile("auto", NS(planned_for="cuda", device=torch.device("cpu")))
 
 
@@ -83,3 +86,18 @@ def test_the_attention_kernels_that_run_are_named_and_their_backward_is_not():
         torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
         torch.ones(2).add(1)
     assert seen.names == {"aten._scaled_dot_product_flash_attention_for_cpu"}
+
+
+def test_a_step_is_measured_at_the_loader_s_batch_size_unless_told_and_its_lm_head_in_chunks_only_when_allowed():
+    from pathlib import Path
+
+    from lightning_ckpt.commands.plan.build import build
+    from lightning_ckpt.core.checkpoint.chunked_loss import DEFAULT_CHUNK_TOKENS
+
+    built = build(Path(__file__).parents[3] / "configs" / "tiny.yaml", fake=False, seed_banner=False)
+    measured = pm.measure(built)
+    assert (measured.batch_size, measured.length) == (8, 32)  # tiny.yaml's batches: 8 sequences of 32 tokens
+    assert pm.measure(built, batch_size=3, length=16).batch_size == 3
+    assert pm.chunk_size(built) == DEFAULT_CHUNK_TOKENS and measured.chunked is not None  # the GPT's loss chunks
+    built.chunk_loss = False
+    assert pm.chunk_size(built) is None and pm.measure(built).chunked is None
