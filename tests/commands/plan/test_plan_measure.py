@@ -101,3 +101,12 @@ def test_a_step_is_measured_at_the_loader_s_batch_size_unless_told_and_its_lm_he
     assert pm.chunk_size(built) == DEFAULT_CHUNK_TOKENS and measured.chunked is not None  # the GPT's loss chunks
     built.chunk_loss = False
     assert pm.chunk_size(built) is None and pm.measure(built).chunked is None
+
+
+def test_a_fake_batch_is_its_tensors_made_fake_and_the_rest_as_it_was():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    ids, tag = pm._on_device(NS(fake_mode=FakeTensorMode(), device=torch.device("cpu")), (torch.arange(3), "tag"))
+    assert isinstance(ids, FakeTensor) and tuple(ids.shape) == (3,) and ids.dtype == torch.int64 and tag == "tag"
+    real = pm._on_device(NS(fake_mode=None, device=torch.device("cpu")), (torch.arange(3), "tag"))
+    assert not isinstance(real[0], FakeTensor) and real[0].tolist() == [0, 1, 2] and real[1] == "tag"
