@@ -110,3 +110,42 @@ def test_a_fake_batch_is_its_tensors_made_fake_and_the_rest_as_it_was():
     assert isinstance(ids, FakeTensor) and tuple(ids.shape) == (3,) and ids.dtype == torch.int64 and tag == "tag"
     real = pm._on_device(NS(fake_mode=None, device=torch.device("cpu")), (torch.arange(3), "tag"))
     assert not isinstance(real[0], FakeTensor) and real[0].tolist() == [0, 1, 2] and real[1] == "tag"
+
+
+def test_a_padded_transformers_batch_is_measured_on_fake_tensors_as_on_real_ones():
+    """A padding mask's values decide Transformers' attention path; ``measure`` hands the real batch beside the fake
+    one (fake_values.real_branches), so the fake step reads them, takes the real step's path, and holds its bytes."""
+    import lightning.pytorch as pl
+    import transformers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_ckpt.commands.plan.build import Built
+
+    class PaddedLlama(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                                              max_position_embeddings=128, attn_implementation="sdpa")
+            self.model = transformers.LlamaForCausalLM(config)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+    ids = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 48, dtype=torch.long)
+    mask[1, 20:] = 0  # the second sequence is padded: the mask is not all ones
+    loader = [{"input_ids": ids, "labels": ids.clone(), "attention_mask": mask}]
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+
+    def measured(fake_mode):
+        with fake_mode if fake_mode is not None else torch.device("cpu"):
+            module = PaddedLlama()
+        built = Built(module, loader, torch.device("cpu"), layer, False, None, fake_mode, time_layers=False)
+        m = pm.measure(built)
+        return sum(c.none_bytes + c.transient_bytes for c in m.costs) + m.outside_bytes, m
+
+    real, real_m = measured(None)
+    fake, fake_m = measured(FakeTensorMode(allow_non_fake_inputs=True))
+    assert (fake_m.batch_size, fake_m.length) == (real_m.batch_size, real_m.length) == (2, 48)
+    assert real > 0 and abs(fake - real) <= 0.01 * real, f"fake {fake} B against real {real} B"
