@@ -60,7 +60,9 @@ def test_a_length_past_the_model_s_position_table_is_refused_with_its_name():
 def test_the_loss_is_what_training_step_returned_or_its_loss_entry():
     loss = torch.tensor(2.0)
     assert pm._loss(loss) is loss and pm._loss({"loss": loss, "log": 1}) is loss
-    with pytest.raises(ValueError, match=re.escape("`training_step` returned None (manual optimization?)")):
+    with pytest.raises(ValueError, match=re.escape("`training_step` returned None (manual optimization?). `plan`"
+                                                   " measures models whose training_step returns the loss, or a dict"
+                                                   " with 'loss': return it.")):
         pm._loss(None)
     with pytest.raises(ValueError, match=re.escape("returned a dict without a tensor 'loss' (manual optimization?)")):
         pm._loss({"logits": loss})
@@ -112,9 +114,12 @@ def test_a_fake_batch_is_its_tensors_made_fake_and_the_rest_as_it_was():
     assert not isinstance(real[0], FakeTensor) and real[0].tolist() == [0, 1, 2] and real[1] == "tag"
 
 
-def test_a_padded_transformers_batch_is_measured_on_fake_tensors_as_on_real_ones():
-    """A padding mask's values decide Transformers' attention path; ``measure`` hands the real batch beside the fake
-    one (fake_values.real_branches), so the fake step reads them, takes the real step's path, and holds its bytes."""
+@pytest.mark.parametrize("mask", ["padded", "ones", "none"])
+def test_a_transformers_batch_is_measured_on_fake_tensors_as_on_real_ones(mask):
+    """A padding mask's values decide Transformers' attention path, and Transformers 5 takes a fake tensor for
+    tracing (and then builds a [B, 1, T, T] mask a real step leaves to SDPA); ``measure`` hands the real batch beside
+    the fake one (fake_values.real_branches), so the fake step reads its values, takes the real step's path, and
+    holds its bytes."""
     import lightning.pytorch as pl
     import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -132,10 +137,13 @@ def test_a_padded_transformers_batch_is_measured_on_fake_tensors_as_on_real_ones
         def training_step(self, batch, batch_idx):
             return self.model(**batch).loss
 
-    ids = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(2, 48, dtype=torch.long)
-    mask[1, 20:] = 0  # the second sequence is padded: the mask is not all ones
-    loader = [{"input_ids": ids, "labels": ids.clone(), "attention_mask": mask}]
+    ids = torch.randint(0, 96, (2, 96), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if mask != "none":
+        batch["attention_mask"] = torch.ones(2, 96, dtype=torch.long)
+    if mask == "padded":
+        batch["attention_mask"][1, 40:] = 0  # the second sequence is padded: the mask is not all ones
+    loader = [batch]
     layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
 
     def measured(fake_mode):
@@ -147,5 +155,93 @@ def test_a_padded_transformers_batch_is_measured_on_fake_tensors_as_on_real_ones
 
     real, real_m = measured(None)
     fake, fake_m = measured(FakeTensorMode(allow_non_fake_inputs=True))
-    assert (fake_m.batch_size, fake_m.length) == (real_m.batch_size, real_m.length) == (2, 48)
+    assert (fake_m.batch_size, fake_m.length) == (real_m.batch_size, real_m.length) == (2, 96)
     assert real > 0 and abs(fake - real) <= 0.01 * real, f"fake {fake} B against real {real} B"
+
+
+def test_the_step_is_the_config_s_training_step_on_the_first_batch_with_the_layers_and_timing_it_names():
+    """measure runs ``training_step(batch, 0)`` as Lightning's first step does, lets the config's warnings through but
+    not Lightning's "no trainer" one, adds the attention kernels that ran to those seen before, checkpoints the
+    layers of ``built.layer_cls`` (in the plain and the chunked-head step), times them only when ``time_layers``, and
+    measures the chunked head at ``chunk_size``."""
+    import warnings
+    from pathlib import Path
+
+    from lightning_ckpt.commands.plan.build import build
+    from lightning_ckpt.core.checkpoint.chunked_loss import DEFAULT_CHUNK_TOKENS
+    from lightning_ckpt.demos import CausalSelfAttention
+
+    # without dropout, the CPU runs its fused attention kernel (with it, the math implementation's plain ops)
+    built = build(Path(__file__).parents[3] / "configs" / "tiny.yaml", fake=False, seed_banner=False,
+                  cli_args=["--model.init_args.dropout=0.0"])
+    assert built.layer_cls == "lightning_ckpt.demos.Block"  # as the config names it
+    step, seen = built.module.training_step, []
+
+    def training_step(batch, batch_idx):
+        seen.append(batch_idx)
+        built.module._trainer = None  # as plan's module stands: self.log warns that no trainer is registered
+        built.module.log("probe", 1.0)
+        warnings.warn("the config's own warning")
+        return step(batch, batch_idx)
+
+    built.module.training_step = training_step
+    built.attention_kernels = {"aten.seen_before"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        blocks = pm.measure(built, batch_size=2)
+    messages = [str(w.message) for w in caught]
+    assert "the config's own warning" in messages
+    assert not [m for m in messages if "`self.trainer` reference is not registered" in m]
+    assert seen and set(seen) == {0}
+    assert built.attention_kernels == {"aten.seen_before", "aten._scaled_dot_product_flash_attention_for_cpu"}
+    assert [c.name for c in blocks.costs] == [f"model.blocks.{i}" for i in range(4)]
+    assert all(c.plain_ns > 0 and c.full_ns > 0 for c in blocks.costs)  # timed: real tensors, time_layers
+    assert blocks.chunked is not None and blocks.chunked.chunk_tokens == DEFAULT_CHUNK_TOKENS
+
+    built.layer_cls, built.time_layers = CausalSelfAttention, False
+    attention = pm.measure(built, batch_size=2)
+    assert [c.name for c in attention.costs] == [f"model.blocks.{i}.attn" for i in range(4)]
+    assert all(c.plain_ns == c.full_ns == 0 for c in attention.costs)  # not timed
+    # the MLPs, norms and residuals are outside the checkpointed attention: more bytes outside, chunked or not
+    assert attention.outside_bytes > blocks.outside_bytes
+    assert attention.chunked.outside_bytes > blocks.chunked.outside_bytes
+
+
+@pytest.mark.parametrize("error", [RuntimeError, IndexError])
+def test_a_step_that_fails_at_a_length_names_the_length_and_the_error(error):
+    from pathlib import Path
+
+    from lightning_ckpt.commands.plan.build import build
+
+    built = build(Path(__file__).parents[3] / "configs" / "tiny.yaml", fake=False, seed_banner=False)
+
+    def training_step(batch, batch_idx):
+        raise error("index 40 is out of bounds")
+
+    built.module.training_step = training_step
+    with pytest.raises(ValueError, match=re.escape(
+            "plan: --lengths: the step failed at a length of 24 tokens, which the model may not take"
+            f" ({error.__name__}: index 40 is out of bounds)")):
+        pm.measure(built, batch_size=2, length=24)
+    with pytest.raises(error, match="index 40 is out of bounds"):  # at the loader's own length: the error itself
+        pm.measure(built, batch_size=2)
+
+
+def test_the_layers_are_timed_in_the_plain_step_only_not_again_with_the_head_in_chunks(monkeypatch):
+    """Timing a layer takes rounds of forward and backward; the chunked-head step's layers are the plain step's, so
+    measure times them once (the chunked step measures bytes only)."""
+    from pathlib import Path
+
+    from lightning_ckpt.commands.plan.build import build
+    from lightning_ckpt.core.measure import rerun
+
+    timed = []
+    times = rerun._times
+    monkeypatch.setattr(rerun, "_times", lambda layer, *args: timed.append(layer) or times(layer, *args))
+    built = build(Path(__file__).parents[3] / "configs" / "tiny.yaml", fake=False, seed_banner=False)
+    built.chunk_loss = False
+    assert pm.measure(built, batch_size=2).chunked is None
+    plain = len(timed)
+    built.chunk_loss = None  # the plan chooses: the chunked head is measured too
+    assert pm.measure(built, batch_size=2).chunked is not None
+    assert plain > 0 and len(timed) == 2 * plain
