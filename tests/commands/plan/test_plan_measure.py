@@ -31,7 +31,9 @@ def test_a_batch_of_any_size_is_the_loader_s_batches_joined_then_cut_to_its_own_
     assert pm.batch_of_size(loader, 4)[0].tolist() == [0, 1, 2, 3]  # one batch is enough
     with pytest.raises(ValueError, match="the loader's batches differ in structure"):
         pm.batch_of_size([(torch.arange(4),), {"ids": torch.arange(4)}], 6)
-    with pytest.raises(ValueError, match="the training dataloader is empty"):
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "plan: the training dataloader is empty: check the data's settings in the config (the number of samples,"
+            " `batch_size` with `drop_last`).") + "$"):
         pm.batch_of_size([], 2)
 
 
