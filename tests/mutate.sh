@@ -96,15 +96,16 @@ ran=$((SECONDS - started))
 cp "$module" "$module.orig"
 : > timeouts.txt
 for mutant in $(awk -F': ' '$2 == "timeout" {gsub(/ /, "", $1); print $1}' results.txt); do
-    tests=$("$python" -m mutmut tests-for-mutant "$mutant")
+    # one test id a line; a parametrized id may hold spaces ("[plan, no loss]")
+    mapfile -t tests < <("$python" -m mutmut tests-for-mutant "$mutant")
     "$python" -m mutmut apply "$mutant" > /dev/null
     set +e
-    # shellcheck disable=SC2086
-    timeout "${MUTATE_TIMEOUT:-300}" "$python" -m pytest -x -q -o addopts= -p no:cacheprovider $tests > "timeout-$mutant.log" 2>&1
+    timeout "${MUTATE_TIMEOUT:-300}" "$python" -m pytest -x -q -o addopts= -p no:cacheprovider "${tests[@]}" > "timeout-$mutant.log" 2>&1
     rc=$?
     set -e
     cp "$module.orig" "$module"
-    case $rc in 124) verdict="timeout, real" ;; 0) verdict=survived ;; *) verdict=killed ;; esac
+    # 1: a test failed; 124: still running at the limit; anything else (pytest's usage error 4, no tests 5) is not a verdict
+    case $rc in 124) verdict="timeout, real" ;; 0) verdict=survived ;; 1) verdict=killed ;; *) verdict="error $rc (see timeout-$mutant.log)" ;; esac
     echo "$mutant: $verdict" >> timeouts.txt
 done
 rm "$module.orig"
@@ -129,6 +130,7 @@ real = [k for k, v in rechecked.items() if v == "timeout, real"]
 killed = counts.get("killed", 0) + late_killed
 survived = [k for k, v in status.items() if v == "survived"] + late_survived
 other = {k: v for k, v in status.items() if v not in ("killed", "survived", "timeout")}
+other.update({k: v for k, v in rechecked.items() if v.startswith("error")})  # a re-run that gave no verdict
 print(f"module: {module}{' (only ' + only + ')' if only else ''}\ntests: {tests}")
 print(f"mutants: {len(status)}; killed: {killed} ({counts.get('killed', 0)} by mutmut, {late_killed} of its"
       f" {counts.get('timeout', 0)} timeouts when run again without its limit); real timeouts (endless): {len(real)};"
