@@ -115,3 +115,23 @@ def test_without_the_real_branches_transformers_5_counts_a_mask_the_real_step_ne
         wrong = measure_fake_step(model, step, batch)
     assert wrong.outside_bytes - right.outside_bytes == 2 * 1 * 64 * 64
     assert all(w.none_bytes > r.none_bytes for w, r in zip(wrong.costs, right.costs))
+
+
+def test_without_a_cache_transformers_4_hands_sdpa_a_t_by_t_mask_where_5_hands_it_is_causal(monkeypatch):
+    """What the Transformers guide tells long-sequence users: with the cache off (as while layers are checkpointed)
+    and no attention mask, 4.x makes the packed-sequence mask from the position ids on every step, a [B, 1, T, T]
+    bool mask, where 5.x passes SDPA ``is_causal``. The plan counts either, as the step runs."""
+    handed = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        handed.append((None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype), is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = FAMILIES["llama"]()  # use_cache=False, two layers
+    model(torch.randint(0, 96, (1, 64)))
+    if int(transformers.__version__.split(".")[0]) < 5:
+        assert handed == [(((1, 1, 64, 64), torch.bool), False)] * 2, transformers.__version__
+    else:
+        assert handed == [(None, True)] * 2, transformers.__version__
