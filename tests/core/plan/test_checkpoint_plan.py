@@ -3,9 +3,11 @@ hand; which plans apply alike; its state round trip."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
+import torch
 
 from lightning_ckpt.core.measure.costs import LayerCost
 from lightning_ckpt.core.measure.op_curve import OpRecord
@@ -105,3 +107,68 @@ def test_a_plan_saved_and_loaded_is_the_same_plan():
     state = plan.state_dict()
     del state["costs"]  # a plan saved without its costs
     assert CheckpointPlan.from_state_dict(state).costs == []
+
+
+def test_a_plan_saved_before_offloaded_existed_offloads_its_checkpointed_layers_only_when_offload_was_true():
+    assert _plan().offloaded == [] and _plan(offload=True).offloaded == ["blocks.0"]
+
+
+def test_the_step_time_text_in_ms_and_percent_and_without_a_baseline():
+    plan = _plan(predicted_step_seconds=0.19, baseline_step_seconds=0.1, device="h200")
+    assert plan.step_time_text() == "+90% step time (190.0 ms vs 100.0 ms without checkpointing on h200)"
+    no_baseline = _plan(predicted_step_seconds=0.19, baseline_step_seconds=0.0, device="h200")
+    assert no_baseline.step_time_text() == "+0% step time (190.0 ms vs 0.0 ms without checkpointing on h200)"
+    assert _plan(device="h200").step_time_text() == "+0% step time (0.0 ms vs 0.0 ms without checkpointing on h200)"
+
+
+def test_a_measured_layer_the_plan_does_not_name_is_marked_unknown():
+    plan = _plan(layers={"blocks.0": "full"})  # blocks.1 measured, not planned
+    assert str(plan).splitlines()[2].endswith("    ?")
+
+
+def test_each_layer_s_options_carry_the_plan_s_compression_and_an_ops_layer_s_policy():
+    ops = (OpRecord("aten.mm.default", 64, 1000, 128), OpRecord("aten.gelu.default", 64, 10, 128))
+    plan = _plan(layers={"blocks.0": "ops", "blocks.1": "none"}, kept_ops={"blocks.0": [0]}, compress="bf16",
+                 costs=[replace(COSTS[0], ops=ops), COSTS[1]], offloaded=["blocks.1"])
+    assert plan._mode_options("blocks.1", "none", {}) == {"compress": None, "mode": "none"}  # offloaded, not recomputed
+    assert plan._mode_options("blocks.1", "full", {"use_reentrant": False}) == {
+        "use_reentrant": False, "compress": "bf16", "mode": "full"}
+    ops_options = plan._mode_options("blocks.0", "ops", {"checkpoint_kwargs": {"determinism_check": "none"}})
+    assert ops_options["mode"] == "full" and ops_options["compress"] == "bf16"
+    assert set(ops_options["checkpoint_kwargs"]) == {"determinism_check", "context_fn"}
+
+
+def _gpt():
+    from lightning_ckpt.demos import GPT
+
+    return GPT(vocab_size=16, block_size=32, n_layer=2, n_embd=16, n_head=2)
+
+
+def test_apply_chunks_the_loss_and_tiles_as_planned_with_the_tile_class_it_is_given():
+    from lightning_ckpt.core.checkpoint.chunked_loss import chunk_loss_of
+    from lightning_ckpt.core.checkpoint.tiling import tiles_of
+
+    model = _gpt()
+    names = [f"model.blocks.{i}" for i in range(2)]
+    plan = CheckpointPlan(dict.fromkeys(names, "full"), 0, 0, 0, 0, 0, chunk_tokens=8, tile_mlp=True, tile_tokens=4)
+    assert plan.apply(model, tile_cls=torch.nn.LayerNorm) == names
+    assert chunk_loss_of(model.model) == 8  # the Transformer inside, whose loss the GPT computes
+    assert tiles_of(model) == {f"{n}.{norm}": 4 for n in names for norm in ("ln1", "ln2")} | {"model.ln_f": 4}
+    plain = _gpt()
+    CheckpointPlan(dict.fromkeys(names, "full"), 0, 0, 0, 0, 0).apply(plain)
+    assert chunk_loss_of(plain.model) is None and tiles_of(plain) == {}
+
+
+def test_apply_refuses_options_the_plan_decides_and_layers_the_module_lacks_before_changing_anything():
+    model = _gpt()
+    plan = CheckpointPlan({"model.blocks.0": "full"}, 0, 0, 0, 0, 0)
+    with pytest.raises(TypeError, match="^" + re.escape(
+            "`apply` takes use_reentrant, preserve_rng_state, checkpoint_kwargs and tile_cls; got ['mode', 'offload']."
+            " Layer selection, mode and offload come from the plan.") + "$"):
+        plan.apply(model, mode="full", offload=True, use_reentrant=False)
+    missing = CheckpointPlan({"model.blocks.0": "full", "model.blocks.9": "full"}, 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "The plan names layer `model.blocks.9`, which GPT does not have: apply a plan to the module it was made"
+            " for (names are relative to it).") + "$"):
+        missing.apply(model)
+    assert str(model) == str(_gpt())  # nothing wrapped
