@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import re
+import warnings
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
 import torch
 
 from lightning_ckpt.commands.plan import measure as pm
+from lightning_ckpt.commands.plan.build import Built, build
+from lightning_ckpt.core.checkpoint.chunked_loss import DEFAULT_CHUNK_TOKENS
 from lightning_ckpt.core.measure.device_profile import DeviceProfile
 from lightning_ckpt.demos import GPT
+
+
+def _tiny(*cli_args: str) -> Built:
+    """configs/tiny.yaml built for real (a 4-block GPT, batches of 8 sequences of 32 tokens)."""
+    return build(Path(__file__).parents[3] / "configs" / "tiny.yaml", fake=False, seed_banner=False, cli_args=cli_args)
 
 
 def test_the_batch_size_is_the_first_dimension_of_the_first_tensor():
@@ -93,12 +102,7 @@ def test_the_attention_kernels_that_run_are_named_and_their_backward_is_not():
 
 
 def test_a_step_is_measured_at_the_loader_s_batch_size_unless_told_and_its_lm_head_in_chunks_only_when_allowed():
-    from pathlib import Path
-
-    from lightning_ckpt.commands.plan.build import build
-    from lightning_ckpt.core.checkpoint.chunked_loss import DEFAULT_CHUNK_TOKENS
-
-    built = build(Path(__file__).parents[3] / "configs" / "tiny.yaml", fake=False, seed_banner=False)
+    built = _tiny()
     measured = pm.measure(built)
     assert (measured.batch_size, measured.length) == (8, 32)  # tiny.yaml's batches: 8 sequences of 32 tokens
     assert pm.measure(built, batch_size=3, length=16).batch_size == 3
@@ -125,8 +129,6 @@ def test_a_transformers_batch_is_measured_on_fake_tensors_as_on_real_ones(mask):
     import lightning.pytorch as pl
     import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from lightning_ckpt.commands.plan.build import Built
 
     class PaddedLlama(pl.LightningModule):
         def __init__(self) -> None:
@@ -166,16 +168,10 @@ def test_the_step_is_the_config_s_training_step_on_the_first_batch_with_the_laye
     not Lightning's "no trainer" one, adds the attention kernels that ran to those seen before, checkpoints the
     layers of ``built.layer_cls`` (in the plain and the chunked-head step), times them only when ``time_layers``, and
     measures the chunked head at ``chunk_size``."""
-    import warnings
-    from pathlib import Path
-
-    from lightning_ckpt.commands.plan.build import build
-    from lightning_ckpt.core.checkpoint.chunked_loss import DEFAULT_CHUNK_TOKENS
     from lightning_ckpt.demos import CausalSelfAttention
 
     # without dropout, the CPU runs its fused attention kernel (with it, the math implementation's plain ops)
-    built = build(Path(__file__).parents[3] / "configs" / "tiny.yaml", fake=False, seed_banner=False,
-                  cli_args=["--model.init_args.dropout=0.0"])
+    built = _tiny("--model.init_args.dropout=0.0")
     assert built.layer_cls == "lightning_ckpt.demos.Block"  # as the config names it
     step, seen = built.module.training_step, []
 
@@ -211,11 +207,7 @@ def test_the_step_is_the_config_s_training_step_on_the_first_batch_with_the_laye
 
 @pytest.mark.parametrize("error", [RuntimeError, IndexError])
 def test_a_step_that_fails_at_a_length_names_the_length_and_the_error(error):
-    from pathlib import Path
-
-    from lightning_ckpt.commands.plan.build import build
-
-    built = build(Path(__file__).parents[3] / "configs" / "tiny.yaml", fake=False, seed_banner=False)
+    built = _tiny()
 
     def training_step(batch, batch_idx):
         raise error("index 40 is out of bounds")
@@ -232,15 +224,12 @@ def test_a_step_that_fails_at_a_length_names_the_length_and_the_error(error):
 def test_the_layers_are_timed_in_the_plain_step_only_not_again_with_the_head_in_chunks(monkeypatch):
     """Timing a layer takes rounds of forward and backward; the chunked-head step's layers are the plain step's, so
     measure times them once (the chunked step measures bytes only)."""
-    from pathlib import Path
-
-    from lightning_ckpt.commands.plan.build import build
     from lightning_ckpt.core.measure import rerun
 
     timed = []
     times = rerun._times
     monkeypatch.setattr(rerun, "_times", lambda layer, *args: timed.append(layer) or times(layer, *args))
-    built = build(Path(__file__).parents[3] / "configs" / "tiny.yaml", fake=False, seed_banner=False)
+    built = _tiny()
     built.chunk_loss = False
     assert pm.measure(built, batch_size=2).chunked is None
     plain = len(timed)
