@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
 from lightning_ckpt.core.measure.costs import LayerCost
 from lightning_ckpt.core.measure.op_curve import OpRecord
 from lightning_ckpt.core.plan.checkpoint_plan import CheckpointPlan
@@ -171,4 +172,14 @@ def test_apply_refuses_options_the_plan_decides_and_layers_the_module_lacks_befo
             "The plan names layer `model.blocks.9`, which GPT does not have: apply a plan to the module it was made"
             " for (names are relative to it).") + "$"):
         missing.apply(model)
-    assert str(model) == str(_gpt())  # nothing wrapped
+    assert checkpointed_names(model) == []  # nothing wrapped
+
+
+def test_apply_checks_every_layer_s_options_before_wrapping_any():
+    """A later layer's mode refusing an option leaves the earlier layers as they were, not half the plan applied."""
+    model = _gpt()
+    plan = CheckpointPlan({"model.blocks.0": "full", "model.blocks.1": "selective"}, 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match=re.escape("Reentrant checkpointing cannot run a `context_fn`, which"
+                                                   " `mode='selective'` uses.")):
+        plan.apply(model, use_reentrant=True)
+    assert checkpointed_names(model) == []  # blocks.0, which reentrant full checkpointing could take, is not wrapped
