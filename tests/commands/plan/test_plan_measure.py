@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace as NS
 
@@ -130,7 +131,7 @@ def test_a_transformers_batch_is_measured_on_fake_tensors_as_on_real_ones(mask):
     import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    class PaddedLlama(pl.LightningModule):
+    class Llama(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -151,8 +152,8 @@ def test_a_transformers_batch_is_measured_on_fake_tensors_as_on_real_ones(mask):
     layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
 
     def measured(fake_mode):
-        with fake_mode if fake_mode is not None else torch.device("cpu"):
-            module = PaddedLlama()
+        with fake_mode if fake_mode is not None else nullcontext():
+            module = Llama()
         built = Built(module, loader, torch.device("cpu"), layer, False, None, fake_mode, time_layers=False)
         m = pm.measure(built)
         return sum(c.none_bytes + c.transient_bytes for c in m.costs) + m.outside_bytes, m
