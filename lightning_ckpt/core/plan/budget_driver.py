@@ -616,14 +616,15 @@ class BudgetDriver:
         # A first batch already that long needs no fake step: its own measuring step plans before its backward (and
         # tile_mlp=None then tiles nothing: tiles are chosen on the fake step). The ranks decide from the longest first
         # batch over them, so that all of them take the same path.
-        first = _largest_over_ranks(ranks, BatchSize(0, sequence_length_of(batch) or 0)).length
-        shorter = first < longest[0]
+        length = sequence_length_of(batch)  # None: no token ids to make the longest batch from
+        first = _largest_over_ranks(ranks, BatchSize(0, length or 0)).length
+        shorter = length is not None and first < longest[0]
         if shorter and _sharded(module):
             self.warn("GradientCheckpointing: the longest batch is not planned before the first step under FSDP2"
                       " (its sharded layers gather their weights for real); the budget is checked on each batch"
                       " as it comes.")
             shorter = False
-        if not shorter and sequence_length_of(batch) is None and self.settings["max_length"] is not None:
+        if not shorter and length is None and self.settings["max_length"] is not None:
             self.warn("GradientCheckpointing: `max_length` needs token ids in the batch (a 2-D integer tensor,"
                       " batch x length); this batch has none, so the longest batch is not planned before the"
                       " first step.")
@@ -674,7 +675,8 @@ class BudgetDriver:
                       " for the run.")
             return tiled  # type: ignore[no-any-return]
         self.tiles_chosen = False
-        self.apply(module)  # untiled again
+        remove_checkpointing(module)  # untiled again (`apply` adds tiles, it never takes them off)
+        self.apply(module)
         return found
 
     def _fake_measured(self, ranks: Ranks, module: torch.nn.Module, batch: Any, longest: tuple[int, str], *,
