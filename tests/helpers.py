@@ -122,3 +122,20 @@ class OwnMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         return self.fc(x) if scale is None else self.fc(x) * scale
+
+
+class Block(nn.Module):
+    """A residual MLP 16 wide (64 inside): the budget driver's tests' layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def blocks(n: int = 4) -> nn.Sequential:
+    """``n`` :class:`Block` s in a row, seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(n)])

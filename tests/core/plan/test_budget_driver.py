@@ -14,14 +14,7 @@ from torch import nn
 from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
 from lightning_ckpt.core.plan.budget_driver import BUDGET_DEFAULTS, BudgetDriver, OneRank
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
+from helpers import blocks
 
 
 class TwoRanks:
@@ -44,11 +37,6 @@ class TwoRanks:
         return obj
 
 
-def model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block() for _ in range(4)])
-
-
 def one_step(driver: BudgetDriver, ranks, module: nn.Module, batch: torch.Tensor) -> None:
     driver.begin_batch(ranks, module, batch)
     loss = module(batch).square().mean()
@@ -61,7 +49,7 @@ def test_two_ranks_rows_are_combined_with_their_maximum_and_every_rank_solves_th
     settings = dict(BUDGET_DEFAULTS, memory_budget=0.8, max_length=0, time_layers=False)
     batch = torch.randn(32, 16)
     alone, together = BudgetDriver(settings), BudgetDriver(settings)
-    one, two = model(), model()
+    one, two = blocks(), blocks()
     alone.apply(one)
     together.apply(two)
     ranks = TwoRanks()
@@ -81,7 +69,7 @@ def test_two_ranks_rows_are_combined_with_their_maximum_and_every_rank_solves_th
 
 def test_a_covered_batch_runs_the_plan_without_measuring_and_the_state_restores_it():
     settings = dict(BUDGET_DEFAULTS, memory_budget=0.8, max_length=0, time_layers=False)
-    driver, module, ranks = BudgetDriver(settings), model(), OneRank()
+    driver, module, ranks = BudgetDriver(settings), blocks(), OneRank()
     driver.apply(module)
     one_step(driver, ranks, module, torch.randn(32, 16))
     one_step(driver, ranks, module, torch.randn(24, 16))  # fewer samples, bucket 32: covered by the plan for 32
@@ -90,7 +78,7 @@ def test_a_covered_batch_runs_the_plan_without_measuring_and_the_state_restores_
     resumed = BudgetDriver(settings)
     resumed.load_state_dict(state)
     assert resumed.cycle.plans.keys() == driver.cycle.plans.keys() == {32}
-    fresh = model()
+    fresh = blocks()
     resumed.apply(fresh)
     one_step(resumed, ranks, fresh, torch.randn(32, 16))
     assert resumed.measured_steps == 0 and resumed.plan.state_dict() == driver.plan.state_dict()
@@ -101,7 +89,7 @@ def test_a_covered_batch_runs_the_plan_without_measuring_and_the_state_restores_
 def test_without_a_budget_it_checkpoints_every_n_th_layer_and_says_so_through_info():
     said: list[str] = []
     driver = BudgetDriver(dict(BUDGET_DEFAULTS, every_n_layers=2), info=said.append)
-    module = model()
+    module = blocks()
     assert driver.apply(module) == ["0", "2"]
     driver.begin_batch(OneRank(), module, torch.randn(4, 16))  # no budget: nothing to measure or plan
     assert driver.measured_steps == 0 and driver.plan is None

@@ -37,6 +37,8 @@ from lightning_ckpt.core.plan.budget_driver import (
 from lightning_ckpt.core.plan.planner import HeadCount, LayerCost
 from lightning_ckpt.demos import CausalSelfAttention, Transformer
 
+from helpers import blocks
+
 LENGTH = 640  # the longest batch: 2 x 640 = 1280 tokens, more than a measuring chunk (1024) holds
 LONGEST = (LENGTH, "max_length")
 BATCH = (torch.arange(8).view(2, 4), torch.arange(1, 9).view(2, 4))  # (tokens, targets), 4 long
@@ -123,20 +125,6 @@ def layers_of(scale: int) -> RankMeasurement:
 # --------------------------------------------------------------------------------------------- _tiled_if_needed
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-def blocks() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block() for _ in range(2)])
-
-
 BUDGET = 1000  # holds layers_of(1) (least peak 130), not layers_of(100) (13000)
 TILED_INFO = ("GradientCheckpointing: the budget holds the longest batch (length 640) only with each layer's MLP over"
               " tiles of tokens (tile_mlp=None lets the plan choose): tiling them for the run.")
@@ -159,7 +147,7 @@ class Fake:
 def tiling_case(found, **settings):
     said = []
     driver = driver_for(said, memory_budget=BUDGET, **{"tile_cls": nn.Linear, "tile_tokens": 8, **settings})
-    module = blocks()
+    module = blocks(2)
     driver.apply(module)
     return driver, module, Fake(driver, module, found), said
 

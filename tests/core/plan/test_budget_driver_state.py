@@ -27,19 +27,7 @@ from lightning_ckpt.core.plan.budget_driver import BUDGET_DEFAULTS, MEASURED_CHU
 from lightning_ckpt.core.plan.checkpoint_plan import CheckpointPlan
 from lightning_ckpt.demos import CausalSelfAttention, Transformer
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-def blocks(n: int = 4) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block() for _ in range(n)])
+from helpers import Block, blocks
 
 
 def gpt() -> Transformer:

@@ -25,22 +25,10 @@ from lightning_ckpt.core.plan.budget_cycle import BatchSize
 from lightning_ckpt.core.plan.budget_driver import BUDGET_DEFAULTS, MEASURED_CHUNK, BudgetDriver, OneRank
 from lightning_ckpt.demos import Transformer
 
+from helpers import blocks
+
 FLOAT = 4
 PLAN_08 = {"0": "full", "1": "full", "2": "none", "3": "none"}
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-def model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block() for _ in range(4)])
 
 
 def held_by_plan_08(n: int) -> int:
@@ -113,7 +101,7 @@ class OtherRankHeldMore:
 
 def test_three_sizes_are_measured_then_a_fourth_is_predicted_and_its_first_step_checked(counters):
     said = Said()
-    driver, module, ranks = said.driver(), model(), OneRank()
+    driver, module, ranks = said.driver(), blocks(), OneRank()
     driver.apply(module)
     for count, n in enumerate([8, 16, 32], start=1):
         batch = torch.randn(n, 16)
@@ -152,7 +140,7 @@ def test_three_sizes_are_measured_then_a_fourth_is_predicted_and_its_first_step_
 
 def test_a_check_failed_on_another_rank_drops_the_predicted_plan_and_its_size_is_measured_next(counters):
     said = Said()
-    driver, module, ranks = said.driver(), model(), OtherRankHeldMore()
+    driver, module, ranks = said.driver(), blocks(), OtherRankHeldMore()
     driver.apply(module)
     for n in [8, 16, 32]:
         step(driver, ranks, module, n)
@@ -177,7 +165,7 @@ def test_the_check_compares_device_and_host_bytes_held_with_those_planned_inclus
     # Offloading is not on the CPU: the predicted plan gets host bytes, and the count is set on its way out.
     host = 1000
     said = Said()
-    driver, module, ranks = said.driver(), model(), OneRank()
+    driver, module, ranks = said.driver(), blocks(), OneRank()
 
     class Counted(driver_module.SavedTensorCounter):
         def __exit__(self, *exc) -> None:
@@ -201,7 +189,7 @@ def test_the_check_compares_device_and_host_bytes_held_with_those_planned_inclus
 
 def test_a_size_whose_predicted_plan_misses_the_budget_is_measured_instead(counters):
     said = Said()
-    driver, module, ranks = said.driver(), model(), OneRank()
+    driver, module, ranks = said.driver(), blocks(), OneRank()
     solve = driver._solve
 
     def predicted_out_of_reach(ranks, measured, budget=None, chunked=None):
@@ -222,7 +210,7 @@ def test_a_size_whose_predicted_plan_misses_the_budget_is_measured_instead(count
 
 
 def test_the_longest_batch_is_planned_on_the_first_batch_only_and_sizes_come_from_length_fn():
-    driver, module, ranks = Said().driver(), model(), OneRank()
+    driver, module, ranks = Said().driver(), blocks(), OneRank()
     longest: list[tuple] = []
     driver.plan_longest = lambda *args: longest.append(args)
 
@@ -246,13 +234,13 @@ def test_the_longest_batch_is_planned_on_the_first_batch_only_and_sizes_come_fro
 
     without = Said().driver()
     without.plan_longest = lambda *args: longest.append(args)
-    without.begin_batch(ranks, model(), batch)  # no longest_step: nothing to plan it with
+    without.begin_batch(ranks, blocks(), batch)  # no longest_step: nothing to plan it with
     assert len(longest) == 1 and without.measured_steps == 1
     without.end()
 
 
 def test_layers_are_timed_when_asked():
-    driver, module, ranks = Said().driver(time_layers=True), model(), OneRank()
+    driver, module, ranks = Said().driver(time_layers=True), blocks(), OneRank()
     driver.apply(module)
     step(driver, ranks, module, 8)
     assert all(c.plain_ns > 0 and c.full_ns > 0 and c.selective_ns > 0 for c in driver.cycle.template.costs)
@@ -262,7 +250,7 @@ def test_layers_are_timed_when_asked():
 
 
 def test_a_step_with_no_loss_makes_its_plan_at_its_end():
-    driver, module, ranks = Said().driver(), model(), OneRank()
+    driver, module, ranks = Said().driver(), blocks(), OneRank()
     driver.apply(module)
     step(driver, ranks, module, 8, loss=False, stepped=False)  # no optimizer step either: a byte budget does not wait
     assert driver.plan is not None and driver.plan.layers == PLAN_08 and driver.cycle.applied is driver.plan
@@ -272,7 +260,7 @@ def test_a_step_with_no_loss_makes_its_plan_at_its_end():
 
 
 def test_a_predicted_step_with_no_loss_ends_its_check_at_its_end(counters):
-    driver, module, ranks = Said().driver(), model(), OneRank()
+    driver, module, ranks = Said().driver(), blocks(), OneRank()
     driver.apply(module)
     for n in [8, 16, 32]:
         step(driver, ranks, module, n)
@@ -290,7 +278,7 @@ def test_auto_waits_for_the_first_optimizer_step_then_keeps_its_budget_for_every
     monkeypatch.setattr(driver_module, "device_peak_bytes", lambda device: None)
     monkeypatch.setattr(driver_module, "reset_device_peaks", resets.append)
     said = Said()
-    driver, module, ranks = said.driver(memory_budget="auto"), model(), OneRank()
+    driver, module, ranks = said.driver(memory_budget="auto"), blocks(), OneRank()
     opt = torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9)
     driver.apply(module)
     step(driver, ranks, module, 8, stepped=False, optimizers=[opt], opt=opt)
@@ -317,7 +305,7 @@ def test_auto_waits_for_the_first_optimizer_step_then_keeps_its_budget_for_every
 
 def test_other_saved_tensor_hooks_inside_the_driver_s_hide_the_outside_bytes_and_it_warns():
     said = Said()
-    driver, module, ranks = said.driver(), model(), OneRank()
+    driver, module, ranks = said.driver(), blocks(), OneRank()
     driver.apply(module)
     batch = torch.randn(32, 16)
     driver.begin_batch(ranks, module, batch)
@@ -335,7 +323,7 @@ def test_other_saved_tensor_hooks_inside_the_driver_s_hide_the_outside_bytes_and
 
 def test_a_step_that_saves_nothing_outside_the_layers_does_not_warn():
     said = Said()
-    driver, module, ranks = said.driver(), model(), OneRank()
+    driver, module, ranks = said.driver(), blocks(), OneRank()
     driver.apply(module)
     batch = torch.randn(32, 16)
     driver.begin_batch(ranks, module, batch)
@@ -349,7 +337,7 @@ def test_a_step_that_saves_nothing_outside_the_layers_does_not_warn():
 
 def test_compressed_inputs_are_taken_off_as_compressed():
     said = Said()
-    driver, module, ranks = said.driver(compress="bf16"), model(), OneRank()
+    driver, module, ranks = said.driver(compress="bf16"), blocks(), OneRank()
     driver.apply(module)
     step(driver, ranks, module, 32)
     template = driver.cycle.template
