@@ -14,27 +14,7 @@ from torch import nn
 from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
 from lightning_ckpt.core.plan.budget_driver import BUDGET_DEFAULTS, BudgetDriver, OneRank
 
-from helpers import blocks
-
-
-class TwoRanks:
-    """Two ranks on the CPU: the other rank's cost rows are this rank's, every figure twice as large (its batch
-    sizes and flags are this rank's)."""
-
-    root_device = torch.device("cpu")
-    world_size = 2
-    is_global_zero = True
-
-    def __init__(self) -> None:
-        self.gathered: list[torch.Tensor] = []
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        other = tensor * 2 if tensor.numel() > 2 else tensor
-        self.gathered.append(torch.stack([tensor, other]))
-        return self.gathered[-1]
-
-    def broadcast(self, obj, src=0):
-        return obj
+from helpers import TwoRanks, blocks
 
 
 def one_step(driver: BudgetDriver, ranks, module: nn.Module, batch: torch.Tensor) -> None:

@@ -37,7 +37,7 @@ from lightning_ckpt.core.plan.budget_driver import (
 from lightning_ckpt.core.plan.planner import HeadCount, LayerCost
 from lightning_ckpt.demos import CausalSelfAttention, Transformer
 
-from helpers import blocks
+from helpers import TwoRanks, blocks
 
 LENGTH = 640  # the longest batch: 2 x 640 = 1280 tokens, more than a measuring chunk (1024) holds
 LONGEST = (LENGTH, "max_length")
@@ -88,30 +88,6 @@ def by_hand(chunk: Optional[int] = None, tiles: Optional[tuple] = None, modes=("
         found = measure_fake_step(model, lambda b: model(b[0], b[1]), batch_of_length(BATCH, length), layer_cls,
                                    modes)
     return RankMeasurement(found.costs, found.outside_bytes, found.head_bytes, found.head_peak_bytes, compress), count
-
-
-class TwoRanks:
-    """Two ranks on the CPU: the other rank's cost rows are this rank's times ``scale``; its one-number flags are
-    ``other_flag`` (``None``: this rank's)."""
-
-    root_device = torch.device("cpu")
-    world_size = 2
-    is_global_zero = True
-
-    def __init__(self, scale: int = 1, other_flag: Optional[int] = None) -> None:
-        self.scale, self.other_flag = scale, other_flag
-        self.gathered: list[torch.Tensor] = []
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.numel() == 1:
-            other = tensor if self.other_flag is None else torch.full_like(tensor, self.other_flag)
-        else:
-            other = tensor * self.scale
-        self.gathered.append(torch.stack([tensor, other]))
-        return self.gathered[-1]
-
-    def broadcast(self, obj, src=0):
-        return obj
 
 
 def layers_of(scale: int) -> RankMeasurement:
@@ -165,7 +141,7 @@ def test_tile_mlp_none_tiles_where_only_tiles_hold_the_longest_batch():
 @pytest.mark.parametrize("tiled, ranks", [
     ((layers_of(50), None), OneRank()),  # tiles do not hold it either
     (None, OneRank()),  # fake tensors could not run the tiled step
-    ((layers_of(1), None), TwoRanks(other_flag=0)),  # they could here, not on the other rank: no rank tiles
+    ((layers_of(1), None), TwoRanks(scale=1, other_flag=0)),  # they could here, not on the other rank: no rank tiles
 ], ids=["not-held-tiled", "tiled-step-failed", "failed-on-another-rank"])
 def test_tile_mlp_none_keeps_the_untiled_measurement_where_tiles_do_not_help(tiled, ranks):
     untiled = (layers_of(100), None)

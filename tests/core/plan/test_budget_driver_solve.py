@@ -22,6 +22,8 @@ from lightning_ckpt.core.plan.budget_driver import BUDGET_DEFAULTS, BudgetDriver
 from lightning_ckpt.core.plan.planner import ChunkedHead, LayerCost, make_plan
 from lightning_ckpt.demos import Transformer
 
+from helpers import TwoRanks
+
 SIZE = BatchSize(800, 100)  # bucket 1024
 AUTO_TEXT = ("auto: 0.9 x 1000 B device memory - 400 B weights, gradients and optimizer state - 50 B other peak of the"
              " step = 450 B for activations")
@@ -50,26 +52,6 @@ SUMMARY = ("memory_budget=0.5: checkpointing 3 of 4 layers (3 full); activation 
 SOLVED = ("memory_budget=0.5: checkpointing 4 of 4 layers (2 full, 2 selective); activation peak 250 B predicted against"
           " a budget of 252 B (200 B held at the end of the forward, 40% of 500 B without checkpointing); 110 FLOP"
           " recomputed per step")
-
-
-class TwoRanks:
-    """Two ranks on the CPU: the other rank's cost rows are this rank's, every figure twice as large; its flags (one
-    integer) are ``other_flag``."""
-
-    root_device = torch.device("cpu")
-    world_size = 2
-
-    def __init__(self, other_flag: int = 1, is_global_zero: bool = True) -> None:
-        self.other_flag, self.is_global_zero = other_flag, is_global_zero
-        self.gathered: list[torch.Tensor] = []
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        other = tensor * 2 if tensor.numel() > 1 else torch.full_like(tensor, self.other_flag)
-        self.gathered.append(torch.stack([tensor, other]))
-        return self.gathered[-1]
-
-    def broadcast(self, obj, src=0):
-        return obj
 
 
 class Solver:

@@ -25,7 +25,7 @@ from lightning_ckpt.core.plan.budget_cycle import BatchSize
 from lightning_ckpt.core.plan.budget_driver import BUDGET_DEFAULTS, MEASURED_CHUNK, BudgetDriver, OneRank
 from lightning_ckpt.demos import Transformer
 
-from helpers import blocks
+from helpers import TwoRanks, blocks
 
 FLOAT = 4
 PLAN_08 = {"0": "full", "1": "full", "2": "none", "3": "none"}
@@ -81,21 +81,6 @@ def counters(monkeypatch) -> list:
     return ended
 
 
-class OtherRankHeldMore:
-    """Two ranks on the CPU with this rank's sizes and costs, but the other rank's held-bytes check failed."""
-
-    root_device = torch.device("cpu")
-    world_size = 2
-    is_global_zero = True
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        other = torch.zeros_like(tensor) if tensor.numel() == 1 else tensor
-        return torch.stack([tensor, other])
-
-    def broadcast(self, obj, src=0):
-        return obj
-
-
 # --------------------------------------------------------------------------------------------- measure, predict, check
 
 
@@ -140,7 +125,8 @@ def test_three_sizes_are_measured_then_a_fourth_is_predicted_and_its_first_step_
 
 def test_a_check_failed_on_another_rank_drops_the_predicted_plan_and_its_size_is_measured_next(counters):
     said = Said()
-    driver, module, ranks = said.driver(), blocks(), OtherRankHeldMore()
+    ranks = TwoRanks(scale=1, other_flag=0)  # this rank's sizes and costs; the other rank's held-bytes check failed
+    driver, module = said.driver(), blocks()
     driver.apply(module)
     for n in [8, 16, 32]:
         step(driver, ranks, module, n)
