@@ -106,6 +106,7 @@ def test_three_sizes_are_measured_then_a_fourth_is_predicted_and_its_first_step_
     # and both matmuls' outputs (16 + 64 + 16); the loss holds the last output, and its backward makes the loss's
     # gradient and four 32 x 16 tensors alive together.
     assert [(c.none_bytes, c.full_bytes, c.selective_bytes) for c in template.costs] == [(10240, 2048, 12288)] * 4
+    assert not any(c.timed for c in template.costs)  # time_layers=False: measured, not timed
     assert (template.outside_bytes, template.head_bytes, template.head_peak_bytes) == (2048, 2048, 4 * 2048 + 4)
     assert counters == [] and said.info == said.warn == []
 
