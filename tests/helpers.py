@@ -164,3 +164,12 @@ class TwoRanks:
 
     def broadcast(self, obj, src=0):
         return obj
+
+
+def one_step(driver, ranks, module: nn.Module, batch: torch.Tensor, stepped: bool = True) -> None:
+    """One training step of ``module`` on ``batch`` (loss: the output's mean square) driven by a ``BudgetDriver``."""
+    driver.begin_batch(ranks, module, batch)
+    loss = module(batch).square().mean()
+    driver.after_forward(ranks, module, loss)
+    loss.backward()
+    driver.end_batch(ranks, module, stepped=stepped)

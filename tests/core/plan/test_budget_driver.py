@@ -9,20 +9,11 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch import nn
 
 from lightning_ckpt.core.checkpoint.wrapping import checkpointed_names
 from lightning_ckpt.core.plan.budget_driver import BUDGET_DEFAULTS, BudgetDriver, OneRank
 
-from helpers import TwoRanks, blocks
-
-
-def one_step(driver: BudgetDriver, ranks, module: nn.Module, batch: torch.Tensor) -> None:
-    driver.begin_batch(ranks, module, batch)
-    loss = module(batch).square().mean()
-    driver.after_forward(ranks, module, loss)
-    loss.backward()
-    driver.end_batch(ranks, module)
+from helpers import TwoRanks, blocks, one_step
 
 
 def test_two_ranks_rows_are_combined_with_their_maximum_and_every_rank_solves_that_plan():

@@ -27,7 +27,7 @@ from lightning_ckpt.core.plan.budget_driver import BUDGET_DEFAULTS, MEASURED_CHU
 from lightning_ckpt.core.plan.checkpoint_plan import CheckpointPlan
 from lightning_ckpt.demos import CausalSelfAttention, Transformer
 
-from helpers import Block, blocks
+from helpers import Block, blocks, one_step
 
 
 def gpt() -> Transformer:
@@ -48,14 +48,6 @@ def with_plan(driver: BudgetDriver, plan: CheckpointPlan) -> None:
     """``plan`` as the driver's latest, as if a batch of 32 had been measured and planned."""
     driver.cycle.begin(BatchSize(32), predict=False)
     driver.cycle.planned(plan)
-
-
-def one_step(driver: BudgetDriver, ranks, module: nn.Module, batch: torch.Tensor, stepped: bool = True) -> None:
-    driver.begin_batch(ranks, module, batch)
-    loss = module(batch).square().mean()
-    driver.after_forward(ranks, module, loss)
-    loss.backward()
-    driver.end_batch(ranks, module, stepped=stepped)
 
 
 class Accelerator:
