@@ -4,7 +4,7 @@ A Transformers ``LlamaDecoderLayer`` in Llama-3-8B's ratios at a width this mach
 1,792, 8 heads, 2 KV heads), one sequence of 8,192 tokens, under full non-reentrant checkpoint as a plan's layer is
 (its input kept, everything recomputed in backward), in two precisions (``bf16-mixed``: fp32 weights under autocast;
 ``bf16-true``: bf16 weights) and four tilings: none; the MLP alone (``tile_cls=LlamaMLP``); the MLP and the norm
-before it (what ``tile_mlp=True`` tiled before this session); the MLP and every norm (``tile_mlp=True`` now). A dispatch mode counts the storages alive after every op, forward and
+before it (what ``tile_mlp=True`` tiled before this session); the MLP and every norm (``tile_mlp=True`` now); and untiled with lean layers (``lean_layers=True``: norms recomputed in backward, the gated MLP keeping gate and up). A dispatch mode counts the storages alive after every op, forward and
 backward (the layer input and the output gradient included, as in a step); at the most alive at once it lists them by
 the op and shape that made them. Figures are bytes per token per hidden unit: at hidden 4,096 multiply by 4,096.
 
@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from _results import machine, write_section
+from lightning_ckpt.core.checkpoint.lean import apply_lean
 from lightning_ckpt.core.checkpoint.tiling import apply_tiling
 
 T, HIDDEN, INTERMEDIATE, TILE = 8192, 512, 1792, 256
@@ -71,6 +72,8 @@ def layer_peak(bf16_weights: bool, tiles: str) -> tuple[float, list[tuple[str, f
                      tile_tokens=TILE)
     elif tiles == "default":
         apply_tiling(model, tile_tokens=TILE)
+    elif tiles == "lean":
+        apply_lean(model)
     x = torch.randn(1, T, HIDDEN, dtype=dtype, requires_grad=True)
     positions = torch.arange(T)[None]
     counter = AliveAtPeak()
@@ -90,11 +93,11 @@ def layer_peak(bf16_weights: bool, tiles: str) -> tuple[float, list[tuple[str, f
 
 def main() -> int:
     lines = ["| precision | untiled | the MLP tiled | the MLP and the norm before it | the MLP and every norm"
-             " (`tile_mlp=True`) |", "|---|---:|---:|---:|---:|"]
+             " (`tile_mlp=True`) | untiled, lean layers (`lean_layers=True`) |", "|---|---:|---:|---:|---:|---:|"]
     details = {}
     for bf16_weights in (False, True):
         row = []
-        for tiles in ("none", "mlp", "mlp+norm", "default"):
+        for tiles in ("none", "mlp", "mlp+norm", "default", "lean"):
             peak, parts = layer_peak(bf16_weights, tiles)
             row.append(f"{peak:.1f}")
             details[(bf16_weights, tiles)] = parts
@@ -104,7 +107,9 @@ def main() -> int:
         for what, per in parts[:10]:
             print(f"  {per:6.2f}  {what}")
     top = [f"- at the peak with every norm tiled, bf16-mixed: " + "; ".join(
-        f"{per:.2f} {what}" for what, per in details[(False, "default")][:8])]
+        f"{per:.2f} {what}" for what, per in details[(False, "default")][:8]),
+           "- at the peak untiled with lean layers, bf16-mixed: " + "; ".join(
+        f"{per:.2f} {what}" for what, per in details[(False, "lean")][:8])]
     text = "\n".join(["## One layer's bytes at its backward peak (`bench_layer_bytes.py`)",
                       f"{machine()}; transformers {transformers.__version__}. "
                       + " ".join(__doc__.split("\n\n")[1].split()), "", *lines, "", *top])

@@ -39,6 +39,7 @@ from lightning_ckpt.commands.compare.stats import measurements
 from lightning_ckpt.core.checkpoint.chunked_loss import chunk_causal_lm_loss
 from lightning_ckpt.core.checkpoint.fake_streams import FakeStreams
 from lightning_ckpt.core.checkpoint.offload import OffloadEngine, use_engine
+from lightning_ckpt.core.checkpoint.lean import apply_lean
 from lightning_ckpt.core.checkpoint.tiling import apply_tiling
 from lightning_ckpt.core.measure.layer_timing import time_modes, timing_limits
 from lightning_ckpt.core.plan.budget import auto_memory_budget
@@ -515,6 +516,15 @@ CASES: dict[str, Case] = {
     "time_layers type (callback)": Case(
         "callbacks.gradient_checkpointing._validate", lambda: GradientCheckpointing(time_layers="yes"), TypeError,
         "got 'yes'", "Pass True (plans priced by the times measured on the device) or False", "`time_layers` is True or False"),
+    "lean_layers type (callback)": Case(
+        "callbacks.gradient_checkpointing._validate", lambda: GradientCheckpointing(lean_layers="yes"), TypeError,
+        "got 'yes'", "Pass True (norms and gated MLPs hold less for backward", "`lean_layers` is True or False"),
+    "lean_layers, nothing known": Case(
+        "core.checkpoint.lean.apply_lean", lambda: apply_lean(nn.Sequential(nn.Linear(4, 4))), ValueError,
+        "in Sequential", "Pass lean_layers=False", "lean_layers=True found no norm or gated MLP it knows"),
+    "apply_lean, not a module": Case(
+        "core.checkpoint.lean.apply_lean", lambda: apply_lean("model"), TypeError,
+        "got str", "takes an `nn.Module`", "`apply_lean` takes an `nn.Module`"),
     "timing rounds": Case(
         "core.measure.layer_timing.time_modes", lambda: time_modes(lambda mode: None, ("plain",), torch.device("cpu"), rounds=0),
         ValueError, "`rounds=0`", "the number of timed runs of each mode", "must be 1 or more: the number of timed runs"),

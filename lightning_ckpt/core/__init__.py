@@ -13,6 +13,8 @@ costs), which may import :mod:`~lightning_ckpt.core.checkpoint` (how to checkpoi
   :mod:`~lightning_ckpt.core.checkpoint.saved_copies`);
 - :mod:`~lightning_ckpt.core.checkpoint.tiling`: a layer's MLP over tiles of tokens, each under checkpoint
   (``tile_mlp``);
+- :mod:`~lightning_ckpt.core.checkpoint.lean`: a layer's norms and gated MLP holding less for backward, exactly
+  (``lean_layers``);
 - :mod:`~lightning_ckpt.core.checkpoint.placement`: checkpointing inside FSDP units, never around them;
 - :mod:`~lightning_ckpt.core.measure.profiling`: bytes held for backward and FLOPs;
 - :mod:`~lightning_ckpt.core.measure.memory_stats`: what ``MemoryMonitor`` measures and computes (probes, reductions

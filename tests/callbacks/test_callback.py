@@ -124,7 +124,8 @@ def non_default_options() -> dict:
     return dict(layer_cls=[Block, "torch.nn.LayerNorm"], every_n_layers=3, offload=True, mode="selective",
                 memory_budget=None, use_reentrant=False, preserve_rng_state=False,
                 checkpoint_kwargs={"determinism_check": "none"}, compress="bf16", max_length=48,
-                chunk_loss=True, tile_mlp=True, tile_tokens=8, tile_cls=["torch.nn.Sequential"], time_layers=False)
+                chunk_loss=True, tile_mlp=True, tile_tokens=8, tile_cls=["torch.nn.Sequential"], lean_layers=True,
+                time_layers=False)
 
 
 def applied_options(model) -> dict[str, dict]:

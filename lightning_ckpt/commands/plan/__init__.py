@@ -82,6 +82,10 @@ checkpointed layers with their inputs held compressed (:meth:`~lightning_ckpt.co
 layer's MLP and norms (and the final norm) over tiles of tokens (:func:`~lightning_ckpt.core.checkpoint.tiling.apply_tiling`), so
 every setting and the plan's longest length are with tiles; ``plan.json``'s ``tile_mlp`` says so. The tiles' second
 forward is not in the settings' recompute FLOPs.
+``--lean-layers true|false`` (default: the config's ``GradientCheckpointing`` lean_layers) measures every step with
+each layer's norms recomputed in backward and its gated MLP keeping gate and up only
+(:func:`~lightning_ckpt.core.checkpoint.lean.apply_lean`: the same gradients, less held); ``plan.json``'s
+``lean_layers`` says so.
 ``--chunk-loss auto|true|false`` (default: the config's ``GradientCheckpointing`` chunk_loss, else ``auto``): for a
 model whose loss :func:`~lightning_ckpt.core.checkpoint.chunked_loss.chunk_causal_lm_loss` can chunk (Transformers
 ``*ForCausalLM``, litgpt's ``GPT``, the demo GPT), the step is measured a second time with the LM head and loss in
@@ -183,6 +187,7 @@ from lightning_ckpt.commands.plan.report import render
 from lightning_ckpt.commands.plan.result import PlanResult
 from lightning_ckpt.commands.plan.static_memory import static_memory as static_memory_of
 from lightning_ckpt.commands.plan.static_memory import would_not_fit
+from lightning_ckpt.core.checkpoint.lean import apply_lean
 from lightning_ckpt.core.checkpoint.tiling import apply_tiling
 from lightning_ckpt.core.measure.device_profile import PRESET_NAMES, DeviceProfile
 from lightning_ckpt.core.measure.longest import length_limit
@@ -250,6 +255,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                         help="measure with each layer's MLP and norms (and the final norm) over tiles of tokens, so one"
                              " layer's backward holds one tile's MLP intermediates (see the guide 'Long sequences');"
                              " default: the config's GradientCheckpointing tile_mlp")
+    parser.add_argument("--lean-layers", choices=("true", "false"), default=None,
+                        help="measure with each layer's norms recomputed in backward and its gated MLP keeping gate"
+                             " and up only (the same gradients; see the guide 'Long sequences'); default: the config's"
+                             " GradientCheckpointing lean_layers")
     parser.add_argument("--lengths", type=_lengths, default=(),
                         help="sequence lengths to plan at too (512,2048,8192): the step measured at each, the batch's"
                              " token ids and every tensor of their length cut or tiled; with --device-memory also the"
@@ -353,6 +362,10 @@ def _build(args: argparse.Namespace) -> Built:
         built.chunk_loss = {"true": True, "false": False, "auto": None}[args.chunk_loss]
     if args.tile_mlp is not None:
         built.tile_mlp = args.tile_mlp == "true"
+    if args.lean_layers is not None:
+        built.lean_layers = args.lean_layers == "true"
+    if built.lean_layers:  # every step measured lean, as the run would take it
+        apply_lean(built.module)
     if built.tile_mlp:  # every step measured with the tiles, as the run would take it
         apply_tiling(built.module, built.tile_cls, built.tile_tokens)
     return built

@@ -121,6 +121,8 @@ class Built:
     tile_mlp: bool = False
     tile_tokens: Optional[int] = None
     tile_cls: Any = None
+    #: The layers' norms and gated MLPs run lean (the config's callback's ``lean_layers=True``, or --lean-layers).
+    lean_layers: bool = False
     #: The config's callback's ``time_layers``: the measuring step times each layer and the plan is priced by those
     #: times (real tensors only); ``False``: by FLOPs.
     time_layers: bool = True
@@ -278,6 +280,7 @@ def build(config: Path, fake: bool, cli_args: Sequence[str] = (), seed_banner: b
                  settings.get("memory_budget"), fake_mode, precision, planned_for, compress=settings.get("compress"),
                  chunk_loss=settings.get("chunk_loss"), sharding=sharding, tile_mlp=settings.get("tile_mlp") is True,
                  tile_tokens=settings.get("tile_tokens"), tile_cls=settings.get("tile_cls"),
+                 lean_layers=settings.get("lean_layers") is True,
                  time_layers=settings.get("time_layers", True) is not False,
                  reentrant=bool((settings.get("checkpoint_kwargs") or {}).get("use_reentrant",
                                                                               settings.get("use_reentrant", False))))

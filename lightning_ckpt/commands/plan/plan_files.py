@@ -58,6 +58,7 @@ def report_data(result: PlanResult) -> dict[str, Any]:
         "priced_by": price_source(main.costs, result.profile),
         "offload": built.offload,
         "tile_mlp": built.tile_mlp,
+        "lean_layers": built.lean_layers,
         "host_memory": None if host is None else {"bytes": host.total, "given": host.given, "static_bytes": host.static,
                                                   "for_offload_bytes": host.for_offload},
         "outside_bytes": main.outside_bytes,

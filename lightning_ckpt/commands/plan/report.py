@@ -158,6 +158,7 @@ def _intro_lines(result: PlanResult) -> list[str]:
         f"One training step of {type(built.module).__name__} at batch size {main.batch_size}, measured on"
         f" {built.device} with {how}, every matched layer fully checkpointed"
         + (", each layer's MLP over tiles of tokens (tile_mlp)" if built.tile_mlp else "")
+        + (", its norms and gated MLP lean (lean_layers)" if built.lean_layers else "")
         + ". Bytes are activations held for"
         " backward; FLOPs are recomputed in backward per step (matmul and attention as torch's FlopCounterMode"
         " counts them, one per output element for other ops). Every figure below is predicted from this one"

@@ -347,7 +347,7 @@ class BudgetDriver:
         settings = self.settings
         options = {k: v for k, v in settings.items()
                    if k not in ("memory_budget", "every_n_layers", "mode", "max_length", "chunk_loss", "tile_mlp",
-                                "tile_tokens", "tile_cls", "time_layers")}
+                                "tile_tokens", "tile_cls", "lean_layers", "time_layers")}
         chunk_loss = settings["chunk_loss"] is True
         tiles = self.tiles()
         if settings["memory_budget"] is None:

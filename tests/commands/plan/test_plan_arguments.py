@@ -17,19 +17,20 @@ GiB = 2**30
 def test_every_option_left_out_is_its_default():
     assert vars(_parse(["--config", TINY])) == {
         "config": Path(TINY), "memory_budget": None, "device_memory": None, "device": None, "offload": None,
-        "host_memory": None, "compress": None, "chunk_loss": None, "tile_mlp": None, "lengths": (), "fake": False,
+        "host_memory": None, "compress": None, "chunk_loss": None, "tile_mlp": None, "lean_layers": None, "lengths": (),
+        "fake": False,
         "output_dir": None, "cli_args": []}
 
 
 def test_every_option_given_is_parsed_and_overrides_are_passed_on():
     args = _parse(["--config", TINY, "--memory-budget", "2GiB", "--device-memory", "80GiB", "--device", "h100-sxm",
                    "--offload", "auto", "--host-memory", "256GiB", "--compress", "fp8", "--chunk-loss", "true",
-                   "--tile-mlp", "false", "--lengths", "2048,512", "--fake", "--output-dir", "out",
+                   "--tile-mlp", "false", "--lean-layers", "true", "--lengths", "2048,512", "--fake", "--output-dir", "out",
                    "--model.init_args.n_layer=2", "--trainer.max_steps", "3"])
     assert vars(args) == {
         "config": Path(TINY), "memory_budget": 2 * GiB, "device_memory": 80 * GiB, "device": "h100-sxm",
         "offload": "auto", "host_memory": 256 * GiB, "compress": "fp8", "chunk_loss": "true", "tile_mlp": "false",
-        "lengths": (512, 2048), "fake": True, "output_dir": Path("out"),
+        "lean_layers": "true", "lengths": (512, 2048), "fake": True, "output_dir": Path("out"),
         "cli_args": ["--model.init_args.n_layer=2", "--trainer.max_steps", "3"]}
     assert _parse(["--config", TINY, "--trainer.max_steps", "3"]).cli_args == ["--trainer.max_steps", "3"]
     assert _parse(["--config", TINY, "--memory-budget", "0.3"]).memory_budget == 0.3
@@ -39,7 +40,8 @@ def test_every_option_given_is_parsed_and_overrides_are_passed_on():
 @pytest.mark.parametrize(("option", "choices"), [("--offload", "'auto', 'true', 'false'"),
                                                  ("--compress", "'bf16', 'fp8', 'none'"),
                                                  ("--chunk-loss", "'auto', 'true', 'false'"),
-                                                 ("--tile-mlp", "'true', 'false'")])
+                                                 ("--tile-mlp", "'true', 'false'"),
+                                                 ("--lean-layers", "'true', 'false'")])
 def test_a_choice_outside_its_choices_exits_2_naming_them(option, choices, capsys):
     for choice in choices.replace("'", "").split(", "):
         assert getattr(_parse(["--config", TINY, option, choice]), option[2:].replace("-", "_")) == choice
