@@ -1,7 +1,8 @@
-"""Two-process (gloo, spawn) runs of the demo GPT with its MLPs tiled, for ``test_tiling.py``.
+"""Two-process (gloo, spawn) runs of the demo GPT with its MLPs tiled, or its norms lean, for ``test_tiling.py`` and
+``test_lean.py``.
 
 Each scenario trains 2 steps under DDP or FSDP2 (``fsdp_ckpt``: each block its own unit, the tiles inside it) with
-``GradientCheckpointing(every_n_layers=2, tile_mlp=...)`` and returns, rank by rank, the first step's gradients
+``GradientCheckpointing(every_n_layers=2, tile_mlp=...)`` (or ``lean_layers=True``) and returns, rank by rank, the first step's gradients
 (unsharded) and how many rows each call of each block's first MLP ``Linear`` saw in the first step (its output
 is saved, so every recompute runs it).
 """
@@ -53,11 +54,12 @@ class FirstStep(Callback):
         self._done = True
 
 
-def _fit(strategy: Any, tile: bool) -> dict[str, Any]:
+def _fit(strategy: Any, tile: bool, lean: bool = False) -> dict[str, Any]:
     seed_everything(0)
     model = SeededGPT(**GPT_ARGS)
     record = FirstStep()
-    callbacks = [GradientCheckpointing(every_n_layers=2, tile_mlp=tile, tile_tokens=TILE if tile else None), record]
+    callbacks = [GradientCheckpointing(every_n_layers=2, tile_mlp=tile, tile_tokens=TILE if tile else None,
+                                       lean_layers=lean), record]
     trainer = Trainer(strategy=strategy, callbacks=callbacks, accelerator="cpu", devices=WORLD_SIZE, max_steps=2,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, CountingDataModule(**DATA_ARGS))
@@ -66,10 +68,10 @@ def _fit(strategy: Any, tile: bool) -> dict[str, Any]:
 
 def _run(name: str) -> dict[str, Any]:
     torch.set_num_threads(1)
-    strategy_name, tile = name.split("-")
+    strategy_name, variant = name.split("-")  # variant: plain, tiled or lean
     strategy = DDPStrategy() if strategy_name == "ddp" else "fsdp_ckpt"
     try:
-        return _fit(strategy, tile == "tiled")
+        return _fit(strategy, variant == "tiled", variant == "lean")
     except Exception as err:  # noqa: BLE001 - recorded for the test to show
         return {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
 

@@ -59,7 +59,7 @@ class FabricCheckpointing:
             and its summary is printed by :meth:`teardown`.
         **options: :class:`GradientCheckpointing`'s (``layer_cls``, ``every_n_layers``, ``offload``, ``mode``,
             ``memory_budget``, ``compress``, ``length_fn``, ``max_length``, ``chunk_loss``, ``tile_mlp``,
-            ``tile_tokens``, ``tile_cls``, ...), with the same meaning.
+            ``tile_tokens``, ``tile_cls``, ``lean_layers``, ...), with the same meaning.
 
     The loop: :meth:`setup` checkpoints the model and sets it up with Fabric (or checkpoints a model Fabric already
     set up); each batch runs inside :meth:`step`, whose :meth:`backward` replaces ``fabric.backward``. One ``step``

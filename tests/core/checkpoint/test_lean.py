@@ -379,21 +379,29 @@ def test_fabric_checkpointing_takes_lean_layers():
 
 
 def test_plan_with_lean_layers_measures_every_setting_lean(tmp_path):
-    """``plan --lean-layers true`` on configs/hf_lora.yaml: plan.json says so, and every layer fully checkpointed
-    peaks lower than without."""
+    """``plan`` on configs/hf_lora.yaml: with ``--lean-layers true``, or the config's own ``lean_layers: true``,
+    plan.json and the report say so, and every layer fully checkpointed peaks lower than without; ``--lean-layers
+    false`` overrides the config's."""
     from pathlib import Path
 
     from lightning_ckpt.commands.plan import main as plan_main
 
     config = Path(__file__).parents[3] / "configs" / "hf_lora.yaml"
+    lean_config = tmp_path / "hf_lora_lean.yaml"
+    lean_config.write_text(config.read_text().replace(
+        "        layer_cls: transformers.models.llama.modeling_llama.LlamaDecoderLayer\n",
+        "        layer_cls: transformers.models.llama.modeling_llama.LlamaDecoderLayer\n        lean_layers: true\n"))
     peaks = {}
-    for lean in ("true", "false"):
-        out = tmp_path / lean
-        assert plan_main(["--config", str(config), "--fake", "--lean-layers", lean, "--output-dir", str(out)]) == 0
+    for name, path, extra, lean in [("flag", config, ["--lean-layers", "true"], True), ("plain", config, [], False),
+                                    ("config", lean_config, [], True),
+                                    ("overridden", lean_config, ["--lean-layers", "false"], False)]:
+        out = tmp_path / name
+        assert plan_main(["--config", str(path), "--fake", *extra, "--output-dir", str(out)]) == 0
         report = json.loads((out / "plan.json").read_text())
-        assert report["lean_layers"] is (lean == "true")
-        peaks[lean] = {s["name"]: s["peak_bytes"] for s in report["settings"]}
-    assert peaks["true"]["every_layer"] < peaks["false"]["every_layer"]
+        assert report["lean_layers"] is lean, name
+        assert ("its norms and gated MLP lean (lean_layers)" in (out / "plan.md").read_text()) is lean, name
+        peaks[name] = {s["name"]: s["peak_bytes"] for s in report["settings"]}["every_layer"]
+    assert peaks["flag"] == peaks["config"] < peaks["plain"] == peaks["overridden"]
 
 
 def test_an_own_forward_on_a_norm_is_what_lean_runs_and_remove_restores_it_tiled_or_not():
@@ -492,3 +500,78 @@ def test_in_eval_with_grad_the_module_s_own_forward_runs():
     assert "GatedProductBackward" in _graph_names(model(ids()).logits)
     model.eval()
     assert "GatedProductBackward" not in _graph_names(model(ids()).logits)
+
+
+@pytest.mark.parametrize("options", [dict(mode="selective"), dict(offload=True), dict(compress="bf16")],
+                         ids=["selective", "offload", "compress"])
+def test_lean_layers_train_to_the_bit_under_selective_checkpoint_offload_and_compression(options):
+    plain, lean = hf_model("llama"), hf_model("llama")
+    for model in (plain, lean):
+        apply_checkpointing(model, **options)
+    apply_lean(lean)
+    assert all(torch.equal(a, b) for a, b in zip(_step(plain, hf_loss, False), _step(lean, hf_loss, False)))
+
+
+def test_lean_layers_reach_a_budget_plain_layers_cannot_and_hold_it_on_every_step():
+    """A Llama of 4 layers at 4 x 64 tokens: every layer checkpointed, its least reachable peak is 1,225,224 bytes
+    without lean layers (the budget's refusal says so). A budget between that and the lean model's least is refused
+    without lean layers, and held with them on every step (the measuring step and the plan's all run lean), and the
+    weights after the fit equal those of every layer checkpointed without a budget (all of it is exact)."""
+    from lightning.pytorch import Callback, Trainer
+
+    from helpers import StepPeaks, least_reachable_bytes
+    from lightning_ckpt.demos.hf import CausalLM, TokenDataModule
+
+    class Seen(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.lean.append(len(lean_names(pl_module)))
+
+    def fit(callback: GradientCheckpointing, seen: Seen, peaks: StepPeaks) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = CausalLM(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=4, num_heads=4, num_kv_heads=2,
+                         intermediate_size=4 * HIDDEN, max_position_embeddings=64)
+        seen.lean = []
+        trainer = Trainer(max_steps=3, callbacks=[callback, seen, peaks], accelerator="cpu", devices=1, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, TokenDataModule(vocab_size=VOCAB, seq_len=64, batch_size=4, num_samples=12))
+        return [p.detach().clone() for p in model.parameters()]
+
+    budget = 1_120_000
+    with pytest.raises(ValueError) as refused:
+        fit(GradientCheckpointing(memory_budget=budget, chunk_loss=False, time_layers=False), Seen(), StepPeaks())
+    assert least_reachable_bytes(str(refused.value)) == 1_225_224
+    seen, peaks = Seen(), StepPeaks()
+    callback = GradientCheckpointing(memory_budget=budget, lean_layers=True, chunk_loss=False, time_layers=False)
+    weights = fit(callback, seen, peaks)
+    assert seen.lean == [13] * 3  # 4 layers' two norms and MLP, the final norm
+    assert callback.plan is not None and len(peaks.peaks) == 3 and max(peaks.peaks) <= budget, peaks.peaks
+    expected = fit(GradientCheckpointing(), Seen(), StepPeaks())
+    assert all(torch.equal(a, b) for a, b in zip(expected, weights))
+
+
+@pytest.fixture(scope="module")
+def dist_results(tmp_path_factory):
+    from _tile_dist import run
+
+    return run(["ddp-plain", "ddp-lean", "fsdp-plain", "fsdp-lean"], tmp_path_factory.mktemp("lean_dist"))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_under_ddp_and_fsdp2_lean_gradients_equal_the_plain_ones_to_the_bit(dist_results, strategy):
+    """The demo GPT (its norms lean; its MLP is not gated), one block of two checkpointed, 2 processes."""
+    plain, lean = dist_results[f"{strategy}-plain"], dist_results[f"{strategy}-lean"]
+    for rank in range(2):
+        assert "error" not in plain[rank] and "error" not in lean[rank], (plain[rank], lean[rank])
+        assert lean[rank]["rows"] == plain[rank]["rows"] == {0: [16, 16], 1: [16]}
+        want, got = plain[rank]["grads"], lean[rank]["grads"]
+        assert got.keys() == want.keys() and len(want) > 0
+        assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_under_torch_compile_lean_layers_train_to_the_bit_as_the_compiled_model_without():
+    """Dynamo traces the nested checkpoint and GatedProduct (its backward's in-place ``grad_input=``) as they run."""
+    plain, lean = hf_model("llama"), hf_model("llama")
+    apply_lean(lean)
+    expected = _step(torch.compile(plain), hf_loss, False)
+    got = _step(torch.compile(lean), hf_loss, False)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
