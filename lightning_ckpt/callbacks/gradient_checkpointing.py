@@ -276,13 +276,13 @@ class GradientCheckpointing(Callback):
         measuring step). With ``lean_layers``, the norms and gated MLPs run lean first, so that every measurement
         sees them.
         """
-        fresh = self._settings["lean_layers"] and not lean_names(pl_module)
-        if fresh:
-            apply_lean(pl_module)
+        lean = self._settings["lean_layers"]
+        if lean:
+            apply_lean(pl_module)  # idempotent
         try:
             return self.driver.apply(pl_module)
         except BaseException:
-            if fresh:  # nothing left half-applied
+            if lean:  # nothing left half-applied
                 remove_lean(pl_module)
             raise
 

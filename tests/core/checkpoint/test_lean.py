@@ -366,6 +366,23 @@ def test_setting_lean_layers_on_a_running_callback_applies_or_removes_it():
     assert lean_names(model) == [] and checkpointed_names(model) == []
 
 
+def test_a_callback_that_cannot_apply_leaves_nothing_lean_and_one_that_checkpoints_nothing_still_toggles_lean():
+    from lightning_ckpt import remove_checkpointing
+    from lightning_ckpt.demos.hf import CausalLM
+
+    model = CausalLM(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2, num_heads=4, num_kv_heads=2,
+                     intermediate_size=INTER, max_position_embeddings=SEQ)
+    model.configure_model()
+    with pytest.raises(ValueError, match="Conv2d"):
+        GradientCheckpointing(layer_cls=nn.Conv2d, lean_layers=True)._attach(model)  # no Conv2d to checkpoint
+    assert lean_names(model) == [] and checkpointed_names(model) == []
+    callback = GradientCheckpointing(lean_layers=True)
+    callback._attach(model)
+    remove_checkpointing(model)  # as a budget's plan that checkpoints no layer leaves it
+    callback.lean_layers = False
+    assert lean_names(model) == []
+
+
 def test_fabric_checkpointing_takes_lean_layers():
     from lightning.fabric import Fabric
 
