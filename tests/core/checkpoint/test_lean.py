@@ -566,17 +566,10 @@ def test_lean_layers_reach_a_budget_plain_layers_cannot_and_hold_it_on_every_ste
     assert all(torch.equal(a, b) for a, b in zip(expected, weights))
 
 
-@pytest.fixture(scope="module")
-def dist_results(tmp_path_factory):
-    from _tile_dist import run
-
-    return run(["ddp-plain", "ddp-lean", "fsdp-plain", "fsdp-lean"], tmp_path_factory.mktemp("lean_dist"))
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_under_ddp_and_fsdp2_lean_gradients_equal_the_plain_ones_to_the_bit(dist_results, strategy):
+def test_under_ddp_and_fsdp2_lean_gradients_equal_the_plain_ones_to_the_bit(token_wise_dist, strategy):
     """The demo GPT (its norms lean; its MLP is not gated), one block of two checkpointed, 2 processes."""
-    plain, lean = dist_results[f"{strategy}-plain"], dist_results[f"{strategy}-lean"]
+    plain, lean = token_wise_dist[f"{strategy}-plain"], token_wise_dist[f"{strategy}-lean"]
     for rank in range(2):
         assert "error" not in plain[rank] and "error" not in lean[rank], (plain[rank], lean[rank])
         assert lean[rank]["rows"] == plain[rank]["rows"] == {0: [16, 16], 1: [16]}

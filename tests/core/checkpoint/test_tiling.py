@@ -588,18 +588,11 @@ def test_fabric_checkpointing_takes_tile_mlp():
 # ------------------------------------------------------------------------------------------------ DDP, FSDP2
 
 
-@pytest.fixture(scope="module")
-def dist_results(tmp_path_factory):
-    from _tile_dist import run
-
-    return run(["ddp-plain", "ddp-tiled", "fsdp-plain", "fsdp-tiled"], tmp_path_factory.mktemp("tile_dist"))
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_under_ddp_and_fsdp2_tiled_gradients_equal_untiled(dist_results, strategy):
+def test_under_ddp_and_fsdp2_tiled_gradients_equal_untiled(token_wise_dist, strategy):
     from _tile_dist import TILE as DIST_TILE
 
-    plain, tiled = dist_results[f"{strategy}-plain"], dist_results[f"{strategy}-tiled"]
+    plain, tiled = token_wise_dist[f"{strategy}-plain"], token_wise_dist[f"{strategy}-tiled"]
     for rank in range(2):
         assert "error" not in plain[rank], plain[rank].get("traceback")
         assert "error" not in tiled[rank], tiled[rank].get("traceback")
