@@ -90,7 +90,13 @@ class StepPeaks(Callback):
 
     def on_after_backward(self, trainer, pl_module) -> None:
         self._live.__exit__(None, None, None)
-        self.peaks.append(self._live.peak(exclude=grad_storages(pl_module)))
+        self._live, live = None, self._live
+        self.peaks.append(live.peak(exclude=grad_storages(pl_module)))
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if getattr(self, "_live", None) is not None:  # a step that raised must not leave the counter on for good
+            self._live.__exit__(None, None, None)
+            self._live = None
 
 
 def least_reachable_bytes(message: str) -> int:
