@@ -178,7 +178,7 @@ def _leanable(sub: nn.Module) -> bool:
     if _projections(sub) is None:
         return isinstance(sub, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(sub).__name__
     current = sub.__dict__.get("forward")
-    own = current is None or (isinstance(current, (TiledForward, LeanForward)) and current.original is None)
+    own = current is None or (isinstance(current, TiledForward) and current.original is None)
     return own and _activation(sub) is not None
 
 
